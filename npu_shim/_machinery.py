@@ -1,0 +1,285 @@
+"""Guards, post-import hooks, atomic apply and revert.
+
+Loaded only once a watched framework starts importing (or for ``status()``),
+because it pulls in wrapt, packaging, importlib.metadata and logging.
+
+A patch goes through these steps when its target module finishes importing
+(wrapt post-import hook), each able to stop it with a recorded reason:
+
+1. switched off by the environment            -> ``disabled``
+2. no body yet                                -> ``skipped`` (not implemented)
+3. a required distribution missing / outside its PEP 440 range -> ``skipped``
+4. needs an NPU kernel and ``torch_npu`` is not importable     -> ``skipped``
+5. ``check(module)``: NotNeeded -> ``skipped``; TargetMismatch -> ``skipped``
+   (strict: raises); declared attribute missing -> TargetMismatch
+6. ``build`` + atomic write                   -> ``applied`` / ``failed`` (strict: raises)
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import logging
+import sys
+
+import wrapt
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from npu_shim import _config
+from npu_shim.patch import NotNeeded, Patch, PatchError, Slot, TargetMismatch, apply_atomically, revert
+from npu_shim.patches import BUILTIN_PATCHES
+
+logger = logging.getLogger("npu_shim")
+
+PENDING, APPLIED, SKIPPED, DISABLED, FAILED = "pending", "applied", "skipped", "disabled", "failed"
+NOT_IMPLEMENTED = "not implemented"
+
+
+class Record:
+    """What the shim knows about one patch in this process."""
+
+    def __init__(self, patch: Patch):
+        self.patch = patch
+        self.state = PENDING
+        self.reason = "waiting for import of %s" % patch.target
+        self.undo = None          # [(slot, original)] while applied
+        self.armed_generation = None
+
+    def set(self, state, reason):
+        self.state, self.reason = state, reason
+
+
+_startup_state = None
+_records: dict = {}
+
+
+def load(startup_state) -> None:
+    """Called once by ``_startup`` when the machinery is first needed."""
+    global _startup_state
+    _startup_state = startup_state
+    _configure_logging(_settings())
+    for name, module_name in BUILTIN_PATCHES:
+        patch = importlib.import_module(module_name).PATCH
+        if patch.name != name:
+            raise RuntimeError("%s declares %r, the index says %r" % (module_name, patch.name, name))
+        _records[name] = Record(patch)
+    for patch in startup_state.extra_patches:
+        _add(patch)
+    startup_state.extra_patches.clear()
+
+
+def _settings():
+    state = _startup_state
+    if state is not None and state.settings is not None:
+        return state.settings
+    return _config.Settings()
+
+
+def _configure_logging(settings) -> None:
+    if settings.log_level is None:
+        return
+    logger.setLevel(settings.log_level)
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
+        logger.addHandler(handler)
+
+
+def _add(patch: Patch) -> Record:
+    if patch.name in _records:
+        raise ValueError("a patch named %r is already registered" % patch.name)
+    record = _records[patch.name] = Record(patch)
+    return record
+
+
+def register(patch: Patch) -> None:
+    record = _add(patch)
+    if _startup_state.installed:
+        _arm_one(record, _settings())
+
+
+def arm() -> None:
+    """Register a post-import hook for every patch the environment allows."""
+    settings = _settings()
+    unknown = settings.unknown_names(_records)
+    if unknown:
+        message = "; ".join("%s names unknown patch %r" % pair for pair in unknown)
+        message += "; valid names: %s" % ", ".join(sorted(_records))
+        if settings.strict:
+            raise _config.ConfigError(message)
+        logger.warning(message)
+    for record in list(_records.values()):
+        _arm_one(record, settings)
+
+
+def _arm_one(record: Record, settings) -> None:
+    generation = _startup_state.generation
+    if record.armed_generation == generation:
+        return
+    record.armed_generation = generation
+    off = settings.disabled_reason(record.patch.name)
+    if off:
+        record.set(DISABLED, off)
+        return
+    if record.state == DISABLED:
+        record.set(PENDING, "waiting for import of %s" % record.patch.target)
+
+    def hook(module, record=record, generation=generation):
+        if _startup_state.generation == generation and _startup_state.installed:
+            on_target_imported(record, module)
+
+    wrapt.register_post_import_hook(hook, record.patch.target)
+
+
+def disarm() -> None:
+    with _startup_state.lock:
+        for record in _records.values():
+            if record.undo is not None:
+                revert(record.undo)
+                record.undo = None
+            record.armed_generation = None
+            record.set(DISABLED, "uninstalled by npu_shim.uninstall()")
+
+
+def installed_version(dist: str):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions_of(patch: Patch) -> dict:
+    return {dist: installed_version(dist) for dist in patch.requires}
+
+
+def guard_failure(patch: Patch, versions: dict):
+    """Why the installed versions rule the patch out, or None."""
+    for dist, spec in patch.requires.items():
+        version = versions[dist]
+        if version is None:
+            return "not installed: %s" % dist
+        try:
+            ok = SpecifierSet(spec).contains(Version(version), prereleases=True)
+        except (InvalidSpecifier, InvalidVersion) as exc:
+            return "cannot compare %s %s with %r: %s" % (dist, version, spec, exc)
+        if not ok:
+            return "%s %s is outside %s" % (dist, version, spec)
+    return None
+
+
+def npu_failure(patch: Patch):
+    if not patch.needs_npu:
+        return None
+    if importlib.util.find_spec("torch_npu") is None:
+        return "no NPU: torch_npu is not importable (NPU_SHIM_EMULATE=1 uses the emulation on development machines)"
+    return None
+
+
+def _preflight(record: Record, settings):
+    """(state, reason) if the patch cannot go on, else None. Order: env, body, versions, NPU."""
+    patch = record.patch
+    off = settings.disabled_reason(patch.name)
+    if off:
+        return DISABLED, off
+    if not patch.implemented:
+        return SKIPPED, NOT_IMPLEMENTED
+    why = guard_failure(patch, versions_of(patch)) or npu_failure(patch)
+    if why:
+        return SKIPPED, why
+    return None
+
+
+def _structural_check(patch: Patch, module) -> None:
+    for path in patch.replaces:
+        slot = Slot(module, path)   # raises TargetMismatch for a missing owner
+        if not slot.is_item and not slot.exists():
+            raise TargetMismatch("%s.%s not found" % (module.__name__, path))
+    if patch.check is not None:
+        patch.check(module)
+
+
+def on_target_imported(record: Record, module) -> None:
+    """The post-import hook body: decide, apply, record; strict mode raises."""
+    settings = _settings()
+    patch = record.patch
+    with _startup_state.lock:
+        if record.undo is not None:
+            return
+        stop = _preflight(record, settings)
+        if stop:
+            record.set(*stop)
+            logger.debug("%s %s: %s", patch.name, stop[0], stop[1])
+            return
+        try:
+            _structural_check(patch, module)
+        except NotNeeded as exc:
+            record.set(SKIPPED, str(exc))
+            logger.debug("%s skipped: %s", patch.name, exc)
+            return
+        except TargetMismatch as exc:
+            record.set(SKIPPED, "structural check: %s" % exc)
+            _complain(settings, patch, "target does not match: %s" % exc)
+            return
+        except Exception as exc:
+            record.set(FAILED, "check raised %s: %s" % (type(exc).__name__, exc))
+            _complain(settings, patch, record.reason, exc)
+            return
+        try:
+            record.undo = apply_atomically(module, patch, patch.build(module))
+        except Exception as exc:
+            record.set(FAILED, "%s: %s" % (type(exc).__name__, exc))
+            _complain(settings, patch, record.reason, exc)
+            return
+        record.set(APPLIED, "; ".join("%s %s" % kv for kv in versions_of(patch).items()) or "applied")
+        logger.info("applied %s to %s (%s)", patch.name, patch.target, record.reason)
+
+
+def _complain(settings, patch: Patch, message: str, cause: BaseException = None) -> None:
+    text = "patch %r on %s: %s" % (patch.name, patch.target, message)
+    if settings.strict:
+        raise PatchError(text + " (NPU_SHIM_STRICT=1)") from cause
+    logger.warning("%s; %s left unpatched", text, patch.target)
+
+
+def status(import_targets: bool = False) -> list:
+    """Evaluate every patch for this process; optionally import the targets first."""
+    settings = _settings()
+    if import_targets:
+        _import_targets(settings)
+    rows = []
+    for record in list(_records.values()):
+        patch = record.patch
+        state, reason = record.state, record.reason
+        if record.undo is None and state == PENDING:
+            # Not decided yet: show what the guards already say about it.
+            stop = _preflight(record, settings)
+            if stop:
+                state, reason = stop
+        rows.append(
+            {
+                "name": patch.name,
+                "target": patch.target,
+                "replaces": list(patch.replaces),
+                "state": state,
+                "reason": reason,
+                "requires": dict(patch.requires),
+                "versions": versions_of(patch),
+                "needs_npu": patch.needs_npu,
+                "summary": patch.summary,
+            }
+        )
+    return rows
+
+
+def _import_targets(settings) -> None:
+    for record in list(_records.values()):
+        patch = record.patch
+        if _preflight(record, settings) or patch.target in sys.modules:
+            continue
+        try:
+            importlib.import_module(patch.target)
+        except PatchError:
+            raise
+        except Exception as exc:
+            record.set(SKIPPED, "target failed to import: %s: %s" % (type(exc).__name__, exc))

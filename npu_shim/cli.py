@@ -1,0 +1,92 @@
+"""``npu-shim`` command line (also ``python -m npu_shim``).
+
+    npu-shim status [--json] [--import]   what each patch does in this environment
+    npu-shim run -- CMD [ARGS...]         run CMD with the shim installed at start-up
+"""
+import argparse
+import json
+import os
+import sys
+
+from npu_shim import _config, _startup
+
+EXIT_USAGE = 2
+EXIT_NOT_FOUND = 127
+
+
+def _status_table(rows):
+    headers = ("patch", "state", "reason", "versions")
+    table = [
+        (
+            row["name"],
+            row["state"],
+            row["reason"],
+            ", ".join("%s %s" % (d, v or "-") for d, v in row["versions"].items()) or "-",
+        )
+        for row in rows
+    ]
+    widths = [max(len(str(r[i])) for r in table + [headers]) for i in range(len(headers))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in table]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def cmd_status(args):
+    _startup._load_machinery()
+    rows = _startup._State.machinery.status(import_targets=args.import_targets)
+    if args.json:
+        print(json.dumps(rows, indent=2, sort_keys=True))
+    else:
+        print(_status_table(rows))
+    return 0
+
+
+def cmd_run(argv):
+    if argv[:1] == ["--"]:
+        argv = argv[1:]
+    if not argv:
+        print("npu-shim run: missing command; usage: npu-shim run -- CMD [ARGS...]", file=sys.stderr)
+        return EXIT_USAGE
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _startup.BOOTSTRAP_DIR not in entries:
+        entries.insert(0, _startup.BOOTSTRAP_DIR)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(entries))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    try:
+        os.execvpe(argv[0], argv, env)
+    except FileNotFoundError:
+        print("npu-shim run: command not found: %s" % argv[0], file=sys.stderr)
+        return EXIT_NOT_FOUND
+    except PermissionError as exc:
+        print("npu-shim run: cannot execute %s: %s" % (argv[0], exc), file=sys.stderr)
+        return 126
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="npu-shim", description="Ascend NPU attention backports for pinned stacks.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    status = sub.add_parser("status", help="show what each patch does in this environment")
+    status.add_argument("--json", action="store_true", help="print the status list as JSON")
+    status.add_argument(
+        "--import",
+        dest="import_targets",
+        action="store_true",
+        help="import each installed target module first, so structural checks run and patches apply",
+    )
+    status.set_defaults(func=cmd_status)
+    sub.add_parser("run", help="run a command with the shim installed at start-up (npu-shim run -- CMD ...)")
+    return parser
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"]:
+        return cmd_run(argv[1:])
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except _config.ConfigError as exc:
+        print("npu-shim: %s" % exc, file=sys.stderr)
+        return EXIT_USAGE

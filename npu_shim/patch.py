@@ -1,0 +1,139 @@
+"""How a patch is declared.
+
+A patch is data: a stable name, the module whose import triggers it, the
+attributes it replaces, the distributions and versions it needs (PEP 440), and
+whether it calls an NPU kernel. Two functions complete it: ``check(module)``
+looks at the imported target and raises :class:`NotNeeded` or
+:class:`TargetMismatch` when the patch should not go on; ``build(module)``
+returns the new values for exactly the declared attributes, without touching
+the module. The machinery sets them all or none and keeps the originals so
+that :func:`npu_shim.uninstall` can put back the very same objects.
+
+Attribute paths are dotted names inside the target module (``Class.method``),
+optionally ending in a string key of a dict (``TABLE['key']``), for entries a
+patch adds to a registry dict.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any, Callable, Mapping, Optional, Tuple
+
+
+class NotNeeded(Exception):
+    """The target does not need this patch (fixed or rewritten upstream)."""
+
+
+class TargetMismatch(Exception):
+    """The target does not look like the code this patch was written for."""
+
+
+class PatchError(RuntimeError):
+    """Raised in strict mode when a patch fails or its target mismatches."""
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    target: str
+    replaces: Tuple[str, ...]
+    requires: Mapping[str, str] = field(default_factory=dict)
+    needs_npu: bool = False
+    check: Optional[Callable[[ModuleType], None]] = None
+    build: Optional[Callable[[ModuleType], Mapping[str, Any]]] = None
+    summary: str = ""
+
+    def __post_init__(self):
+        if isinstance(self.replaces, str):
+            raise TypeError("Patch.replaces must be a tuple of attribute paths, not a string")
+        for path in self.replaces:
+            parse_path(path)
+
+    @property
+    def implemented(self) -> bool:
+        return self.build is not None
+
+
+_PATH = re.compile(r"^(?P<attrs>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\[(?P<q>['\"])(?P<key>[^'\"]+)(?P=q)\])?$")
+
+
+def parse_path(path: str) -> Tuple[Tuple[str, ...], Optional[str]]:
+    """Split ``"A.b['k']"`` into ``(("A", "b"), "k")``."""
+    match = _PATH.match(path)
+    if not match:
+        raise ValueError("bad attribute path %r: use dotted names, optionally ending in ['key']" % path)
+    return tuple(match.group("attrs").split(".")), match.group("key")
+
+
+_MISSING = object()
+
+
+class Slot:
+    """One place a patch writes to: an attribute of an object or a key of a dict."""
+
+    __slots__ = ("path", "owner", "key", "is_item")
+
+    def __init__(self, module: ModuleType, path: str):
+        attrs, key = parse_path(path)
+        owner = module
+        walked = [module.__name__]
+        for name in attrs[:-1] if key is None else attrs:
+            walked.append(name)
+            try:
+                owner = getattr(owner, name)
+            except AttributeError:
+                raise TargetMismatch("%s not found" % ".".join(walked)) from None
+        self.path = path
+        self.owner = owner
+        self.is_item = key is not None
+        self.key = key if self.is_item else attrs[-1]
+        if self.is_item and not isinstance(owner, dict):
+            raise TargetMismatch("%s.%s is a %s, not a dict" % (module.__name__, ".".join(attrs), type(owner).__name__))
+
+    def exists(self) -> bool:
+        if self.is_item:
+            return self.key in self.owner
+        return hasattr(self.owner, self.key)
+
+    def read_own(self):
+        """The value stored here (not inherited), or _MISSING."""
+        if self.is_item:
+            return self.owner.get(self.key, _MISSING)
+        return vars(self.owner).get(self.key, _MISSING) if hasattr(self.owner, "__dict__") else getattr(self.owner, self.key, _MISSING)
+
+    def write(self, value) -> None:
+        if value is _MISSING:
+            if self.is_item:
+                self.owner.pop(self.key, None)
+            elif self.key in vars(self.owner):
+                delattr(self.owner, self.key)
+        elif self.is_item:
+            self.owner[self.key] = value
+        else:
+            setattr(self.owner, self.key, value)
+
+
+def apply_atomically(module: ModuleType, patch: Patch, values: Mapping[str, Any]):
+    """Write every value or none; return ``[(slot, original), ...]`` for revert."""
+    if set(values) != set(patch.replaces):
+        raise TypeError(
+            "%s: build() returned %s but the patch declares %s"
+            % (patch.name, sorted(values), sorted(patch.replaces))
+        )
+    slots = [Slot(module, path) for path in patch.replaces]
+    done = []
+    try:
+        for slot in slots:
+            original = slot.read_own()
+            slot.write(values[slot.path])
+            done.append((slot, original))
+    except BaseException:
+        revert(done)
+        raise
+    return done
+
+
+def revert(done) -> None:
+    for slot, original in reversed(done):
+        slot.write(original)

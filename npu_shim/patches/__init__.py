@@ -1,0 +1,24 @@
+"""Index of the shim's patches.
+
+One module per patch; each declares a module-level ``PATCH``
+(:class:`npu_shim.patch.Patch`). This index is read at interpreter start, so it
+holds plain strings only: the patch modules themselves are imported once one of
+the watched frameworks starts importing.
+
+| name                       | module                    | fixes                                          |
+|----------------------------|---------------------------|------------------------------------------------|
+| transformers.attn_check    | transformers_attn_check   | transformers rejects attn_implementation="ascend_fa" |
+| vllm.moonvit_attn          | vllm_moonvit_attn         | MoonViT falls back to SDPA with an S x S mask  |
+| vllm.mm_encoder_attn       | vllm_mm_encoder_attn      | vllm-ascend syncs cu_seqlens to host per layer, ignores scale |
+| sglang.cp_fia              | sglang_cp_fia             | sglang CP attention on NPU correct for bs == 1 only |
+"""
+
+BUILTIN_PATCHES = (
+    ("transformers.attn_check", "npu_shim.patches.transformers_attn_check"),
+    ("vllm.moonvit_attn", "npu_shim.patches.vllm_moonvit_attn"),
+    ("vllm.mm_encoder_attn", "npu_shim.patches.vllm_mm_encoder_attn"),
+    ("sglang.cp_fia", "npu_shim.patches.sglang_cp_fia"),
+)
+
+# Top-level packages whose import loads the patch machinery.
+WATCHED_PACKAGES = frozenset({"transformers", "vllm", "vllm_ascend", "sglang"})

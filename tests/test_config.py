@@ -1,0 +1,50 @@
+import pytest
+
+from npu_shim._config import ConfigError, Settings, env_choice, env_flag
+
+
+@pytest.mark.parametrize("word", ["1", "true", "TRUE", "Yes", "on", " On "])
+def test_true_words(word):
+    assert env_flag("NPU_SHIM_STRICT", False, {"NPU_SHIM_STRICT": word}) is True
+
+
+@pytest.mark.parametrize("word", ["0", "false", "False", "NO", "off"])
+def test_false_words(word):
+    assert env_flag("NPU_SHIM_STRICT", True, {"NPU_SHIM_STRICT": word}) is False
+
+
+def test_unset_or_blank_means_default():
+    assert env_flag("NPU_SHIM", True, {}) is True
+    assert env_flag("NPU_SHIM", True, {"NPU_SHIM": "  "}) is True
+
+
+@pytest.mark.parametrize("word", ["2", "maybe", "enable", "y"])
+def test_malformed_boolean_names_the_variable_and_the_values(word):
+    with pytest.raises(ConfigError) as info:
+        env_flag("NPU_SHIM_EMULATE", False, {"NPU_SHIM_EMULATE": word})
+    message = str(info.value)
+    assert "NPU_SHIM_EMULATE" in message and repr(word) in message
+    for valid in ("1", "0", "true", "false", "yes", "no", "on", "off"):
+        assert valid in message
+
+
+def test_log_level_validated():
+    assert Settings({"NPU_SHIM_LOG_LEVEL": "info"}).log_level == "INFO"
+    with pytest.raises(ConfigError, match="NPU_SHIM_LOG_LEVEL.*DEBUG, INFO, WARNING"):
+        Settings({"NPU_SHIM_LOG_LEVEL": "chatty"})
+
+
+def test_choice_validated():
+    assert env_choice("NPU_SHIM_MOONVIT_ATTN", ("auto", "sdpa"), "auto", {}) == "auto"
+    with pytest.raises(ConfigError, match="NPU_SHIM_MOONVIT_ATTN='flash'.*auto, sdpa"):
+        env_choice("NPU_SHIM_MOONVIT_ATTN", ("auto", "sdpa"), "auto", {"NPU_SHIM_MOONVIT_ATTN": "flash"})
+
+
+def test_enable_disable_lists():
+    s = Settings({"NPU_SHIM_ENABLE": "a, b,,", "NPU_SHIM_DISABLE": "b"})
+    assert s.enable == ("a", "b") and s.disable == ("b",)
+    assert s.disabled_reason("a") is None
+    assert s.disabled_reason("b") == "listed in NPU_SHIM_DISABLE"
+    assert s.disabled_reason("c") == "not listed in NPU_SHIM_ENABLE"
+    assert Settings({"NPU_SHIM": "0"}).disabled_reason("a") == "NPU_SHIM=0"
+    assert s.unknown_names({"a"}) == [("NPU_SHIM_ENABLE", "b"), ("NPU_SHIM_DISABLE", "b")]

@@ -1,0 +1,270 @@
+"""Apply / skip / fail / strict / revert on a small module made by the test.
+
+Each case runs in a fresh interpreter: the toy target and its distribution
+metadata (``toy-target 1.2``, a real dist-info that importlib.metadata reads)
+live in a temporary directory; the patch is registered through the Python API.
+"""
+import json
+import textwrap
+
+import pytest
+
+
+TOY = '''
+def greet():
+    return "upstream"
+
+class Widget:
+    def size(self):
+        return 1
+
+TABLE = {"sdpa": "sdpa-fn"}
+
+class _Locked:
+    x = 1
+    def __setattr__(self, name, value):
+        raise AttributeError("locked")
+
+LOCKED = _Locked()
+'''
+
+SLOW = '''
+import time
+time.sleep(0.3)
+def greet():
+    return "upstream"
+'''
+
+
+@pytest.fixture
+def toy(tmp_path):
+    (tmp_path / "toy_target.py").write_text(TOY)
+    (tmp_path / "toy_slow.py").write_text(SLOW)
+    info = tmp_path / "toy_target-1.2.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-target\nVersion: 1.2\n")
+    return tmp_path
+
+
+def script(toy_dir, body, *, replaces=("greet", "Widget.size", "TABLE['ascend_fa']"),
+           requires='{"toy-target": ">=1.0,<2"}', build="build", check="None", needs_npu=False,
+           target="toy_target", register_first=True):
+    register = textwrap.dedent(f'''
+        npu_shim.register(Patch(name="toy.patch", target={target!r}, replaces={tuple(replaces)!r},
+                                requires={requires}, build={build}, check={check}, needs_npu={needs_npu}))
+    ''')
+    return textwrap.dedent(f'''
+        import json, sys
+        sys.path.insert(0, {str(toy_dir)!r})
+        import npu_shim
+        from npu_shim.patch import Patch, NotNeeded, TargetMismatch
+        BUILDS = []
+        def build(module):
+            BUILDS.append(module.__name__)
+            return {{"greet": lambda: "patched", "Widget.size": lambda self: 2, "TABLE['ascend_fa']": "fa",
+                     "LOCKED.x": 5}}
+        def build_subset(module):
+            values = build(module)
+            return {{k: values[k] for k in {tuple(replaces)!r}}}
+        def broken(module):
+            raise RuntimeError("kaboom")
+        def fixed_upstream(module):
+            raise NotNeeded("fixed upstream")
+        def row():
+            return next(r for r in npu_shim.status() if r["name"] == "toy.patch")
+    ''') + (register if register_first else "") + textwrap.dedent(body)
+
+
+def test_applies_when_target_imports_and_reports_versions(toy, run_python):
+    out = run_python(script(toy, '''
+        assert "wrapt" not in sys.modules, "machinery loaded before a watched import"
+        assert row()["state"] == "pending", row()
+        import toy_target
+        assert "wrapt" in sys.modules
+        assert toy_target.greet() == "patched"
+        assert toy_target.Widget().size() == 2
+        assert toy_target.TABLE == {"sdpa": "sdpa-fn", "ascend_fa": "fa"}
+        print(json.dumps(row()))
+    ''', build="build_subset"))
+    r = json.loads(out.stdout)
+    assert r["state"] == "applied" and r["versions"] == {"toy-target": "1.2"}
+    assert r["requires"] == {"toy-target": ">=1.0,<2"}
+
+
+def test_uninstall_restores_identical_objects_and_reinstall_reapplies(toy, run_python):
+    run_python(script(toy, '''
+        import toy_target
+        greet, size = toy_target.greet, toy_target.Widget.__dict__["size"]
+        npu_shim.register(Patch(name="toy.patch", target="toy_target",
+                                replaces=("greet", "Widget.size", "TABLE['ascend_fa']"),
+                                requires={"toy-target": ">=1"}, build=build_subset))
+        assert toy_target.greet() == "patched" and row()["state"] == "applied"
+        npu_shim.uninstall()
+        assert toy_target.greet is greet
+        assert toy_target.Widget.__dict__["size"] is size
+        assert "ascend_fa" not in toy_target.TABLE
+        assert row()["state"] == "disabled" and "uninstalled" in row()["reason"]
+        npu_shim.install()
+        assert toy_target.greet() == "patched" and row()["state"] == "applied"
+        assert BUILDS == ["toy_target", "toy_target"]
+    ''', register_first=False))
+
+
+@pytest.mark.parametrize(
+    "requires, reason",
+    [
+        ('{"toy-target": ">=2"}', "toy-target 1.2 is outside >=2"),
+        ('{"no-such-dist": ">=1"}', "not installed: no-such-dist"),
+    ],
+)
+def test_version_guard_skips_and_leaves_target_untouched(toy, run_python, requires, reason):
+    out = run_python(script(toy, '''
+        import toy_target
+        assert toy_target.greet() == "upstream" and BUILDS == []
+        print(json.dumps(row()))
+    ''', requires=requires, build="build_subset"))
+    r = json.loads(out.stdout)
+    assert (r["state"], r["reason"]) == ("skipped", reason)
+
+
+def test_structural_mismatch_skips_with_the_symbol_and_strict_raises(toy, run_python, make_env):
+    body = '''
+        import toy_target
+        assert toy_target.greet() == "upstream"
+        print(json.dumps(row()))
+    '''
+    code = script(toy, body, replaces=("greet", "Widget.missing"), build="build")
+    r = json.loads(run_python(code).stdout)
+    assert r["state"] == "skipped"
+    assert r["reason"] == "structural check: toy_target.Widget.missing not found"
+
+    strict = run_python(code, env=make_env(NPU_SHIM_STRICT="1"), check=False)
+    assert strict.returncode != 0
+    assert "PatchError" in strict.stderr and "toy.patch" in strict.stderr
+    assert "Widget.missing not found" in strict.stderr
+
+
+def test_not_needed_is_a_quiet_skip_even_in_strict_mode(toy, run_python, make_env):
+    out = run_python(script(toy, '''
+        import toy_target
+        print(json.dumps(row()))
+    ''', check="fixed_upstream", build="build_subset"), env=make_env(NPU_SHIM_STRICT="1"))
+    r = json.loads(out.stdout)
+    assert (r["state"], r["reason"]) == ("skipped", "fixed upstream")
+
+
+def test_failing_build_warns_once_and_leaves_module_importable(toy, run_python, make_env):
+    code = script(toy, '''
+        import toy_target
+        assert toy_target.greet() == "upstream" and "ascend_fa" not in toy_target.TABLE
+        print(json.dumps(row()))
+    ''', build="broken")
+    out = run_python(code)
+    r = json.loads(out.stdout)
+    assert r["state"] == "failed" and r["reason"] == "RuntimeError: kaboom"
+    warnings = [line for line in out.stderr.splitlines() if "toy.patch" in line]
+    assert len(warnings) == 1 and "kaboom" in warnings[0] and "left unpatched" in warnings[0]
+
+    strict = run_python(code, env=make_env(NPU_SHIM_STRICT="yes"), check=False)
+    assert strict.returncode != 0
+    assert "PatchError: patch 'toy.patch' on toy_target: RuntimeError: kaboom" in strict.stderr
+
+
+def test_apply_is_atomic(toy, run_python):
+    out = run_python(script(toy, '''
+        import toy_target
+        greet = toy_target.greet
+        assert toy_target.greet() == "upstream", "first write was not rolled back"
+        assert toy_target.LOCKED.x == 1
+        print(json.dumps(row()))
+    ''', replaces=("greet", "LOCKED.x"), build="build_subset"))
+    r = json.loads(out.stdout)
+    assert r["state"] == "failed" and "locked" in r["reason"]
+
+
+@pytest.mark.parametrize(
+    "env, reason",
+    [
+        ({"NPU_SHIM_DISABLE": "toy.patch"}, "listed in NPU_SHIM_DISABLE"),
+        ({"NPU_SHIM_ENABLE": "vllm.moonvit_attn"}, "not listed in NPU_SHIM_ENABLE"),
+    ],
+)
+def test_environment_switches_disable(toy, run_python, env, reason, make_env):
+    out = run_python(script(toy, '''
+        import toy_target
+        assert toy_target.greet() == "upstream" and BUILDS == []
+        print(json.dumps(row()))
+    ''', build="build_subset"), env=make_env(**env))
+    r = json.loads(out.stdout)
+    assert (r["state"], r["reason"]) == ("disabled", reason)
+
+
+def test_npu_shim_0_turns_everything_off(toy, run_python, make_env):
+    out = run_python(script(toy, '''
+        import toy_target
+        assert toy_target.greet() == "upstream" and BUILDS == []
+        print(json.dumps(npu_shim.status()))
+    ''', build="build_subset"), env=make_env(NPU_SHIM="0"))
+    rows = json.loads(out.stdout)
+    assert {r["state"] for r in rows} == {"disabled"} and {r["reason"] for r in rows} == {"NPU_SHIM=0"}
+    assert {"transformers.attn_check", "vllm.moonvit_attn", "vllm.mm_encoder_attn", "sglang.cp_fia", "toy.patch"} == {
+        r["name"] for r in rows
+    }
+
+
+def test_unknown_patch_name_warns_with_valid_names_and_strict_raises(toy, run_python, make_env):
+    code = script(toy, '''
+        import toy_target
+        print(row()["state"])
+    ''', build="build_subset")
+    out = run_python(code, env=make_env(NPU_SHIM_DISABLE="vllm.moonvit"))
+    assert out.stdout.strip() == "applied"
+    assert "NPU_SHIM_DISABLE names unknown patch 'vllm.moonvit'" in out.stderr
+    assert "valid names: sglang.cp_fia, toy.patch, transformers.attn_check, vllm.mm_encoder_attn, vllm.moonvit_attn" in out.stderr
+
+    strict = run_python(code, env=make_env(NPU_SHIM_DISABLE="vllm.moonvit", NPU_SHIM_STRICT="1"), check=False)
+    assert strict.returncode != 0 and "ConfigError" in strict.stderr and "vllm.moonvit" in strict.stderr
+
+
+def test_needs_npu_without_torch_npu_skips(toy, run_python):
+    out = run_python(script(toy, '''
+        import toy_target
+        assert toy_target.greet() == "upstream"
+        print(json.dumps(row()))
+    ''', build="build_subset", needs_npu=True))
+    r = json.loads(out.stdout)
+    assert r["state"] == "skipped" and r["reason"].startswith("no NPU: torch_npu is not importable")
+
+
+def test_target_imported_from_two_threads_is_patched_exactly_once(toy, run_python):
+    run_python(script(toy, '''
+        import threading
+        results = []
+        def worker():
+            import toy_slow
+            results.append(toy_slow.greet())
+        threads = [threading.Thread(target=worker) for _ in range(4)]
+        for t in threads: t.start()
+        for t in threads: t.join()
+        assert results == ["patched"] * 4, results
+        assert BUILDS == ["toy_slow"], BUILDS
+        assert row()["state"] == "applied"
+    ''', target="toy_slow", replaces=("greet",), requires="{}", build="build_subset"))
+
+
+def test_info_line_per_applied_patch_on_stderr_never_stdout(toy, run_python, make_env):
+    out = run_python(script(toy, '''
+        import toy_target
+    ''', build="build_subset"), env=make_env(NPU_SHIM_LOG_LEVEL="INFO"))
+    assert out.stdout == ""
+    applied = [line for line in out.stderr.splitlines() if "applied toy.patch" in line]
+    assert len(applied) == 1 and applied[0].startswith("npu_shim INFO")
+
+
+def test_bad_attribute_path_is_rejected_at_declaration():
+    from npu_shim.patch import Patch
+
+    with pytest.raises(ValueError, match="bad attribute path 'a..b'"):
+        Patch(name="x", target="m", replaces=("a..b",))
+    with pytest.raises(TypeError, match="tuple of attribute paths"):
+        Patch(name="x", target="m", replaces="greet")
