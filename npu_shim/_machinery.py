@@ -16,6 +16,10 @@ A patch goes through these steps when its target module finishes importing
 """
 from __future__ import annotations
 
+import time
+
+_IMPORT_STARTED = time.perf_counter()
+
 import importlib
 import importlib.metadata
 import importlib.util
@@ -31,6 +35,7 @@ from npu_shim.patch import NotNeeded, Patch, PatchError, Slot, TargetMismatch, a
 from npu_shim.patches import BUILTIN_PATCHES
 
 logger = logging.getLogger("npu_shim")
+_IMPORT_SECONDS = time.perf_counter() - _IMPORT_STARTED
 
 PENDING, APPLIED, SKIPPED, DISABLED, FAILED = "pending", "applied", "skipped", "disabled", "failed"
 NOT_IMPLEMENTED = "not implemented"
@@ -45,6 +50,7 @@ class Record:
         self.reason = "waiting for import of %s" % patch.target
         self.undo = None          # [(slot, original)] while applied
         self.armed_generation = None
+        self.seconds = 0.0        # time the shim spent deciding and applying this patch
 
     def set(self, state, reason):
         self.state, self.reason = state, reason
@@ -52,11 +58,13 @@ class Record:
 
 _startup_state = None
 _records: dict = {}
+load_seconds = 0.0  # importing the machinery and the patch declarations
 
 
 def load(startup_state) -> None:
     """Called once by ``_startup`` when the machinery is first needed."""
-    global _startup_state
+    global _startup_state, load_seconds
+    started = time.perf_counter()
     _startup_state = startup_state
     _configure_logging(_settings())
     for name, module_name in BUILTIN_PATCHES:
@@ -67,6 +75,7 @@ def load(startup_state) -> None:
     for patch in startup_state.extra_patches:
         _add(patch)
     startup_state.extra_patches.clear()
+    load_seconds = time.perf_counter() - started + _IMPORT_SECONDS
 
 
 def _settings():
@@ -201,6 +210,14 @@ def _structural_check(patch: Patch, module) -> None:
 
 def on_target_imported(record: Record, module) -> None:
     """The post-import hook body: decide, apply, record; strict mode raises."""
+    started = time.perf_counter()
+    try:
+        _decide_and_apply(record, module)
+    finally:
+        record.seconds += time.perf_counter() - started
+
+
+def _decide_and_apply(record: Record, module) -> None:
     settings = _settings()
     patch = record.patch
     with _startup_state.lock:
@@ -267,6 +284,7 @@ def status(import_targets: bool = False) -> list:
                 "versions": versions_of(patch),
                 "needs_npu": patch.needs_npu,
                 "summary": patch.summary,
+                "seconds": round(record.seconds, 6),
             }
         )
     return rows
