@@ -2,6 +2,7 @@
 
     npu-shim status [--json] [--import]   what each patch does in this environment
     npu-shim run -- CMD [ARGS...]         run CMD with the shim installed at start-up
+    npu-shim selftest [--json]            check every applicable patched path against float64
 """
 import argparse
 import json
@@ -64,6 +65,12 @@ def cmd_run(argv):
         return 126
 
 
+def cmd_selftest(args):
+    from npu_shim import selftest
+
+    return selftest.main(as_json=args.json)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="npu-shim", description="Ascend NPU attention backports for pinned stacks.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -76,6 +83,9 @@ def build_parser():
         help="import each installed target module first, so structural checks run and patches apply",
     )
     status.set_defaults(func=cmd_status)
+    selftest = sub.add_parser("selftest", help="run every applicable patched path against a float64 reference")
+    selftest.add_argument("--json", action="store_true", help="print the results as JSON")
+    selftest.set_defaults(func=cmd_selftest)
     sub.add_parser("run", help="run a command with the shim installed at start-up (npu-shim run -- CMD ...)")
     return parser
 
