@@ -1,0 +1,92 @@
+"""Pure-PyTorch emulation of the torch_npu attention ops, for machines without an NPU.
+
+``install()`` appends the directory holding the emulated ``torch_npu`` package
+to the *end* of ``sys.path``, and only when no real torch_npu can be found, so a
+real torch_npu always wins: it is either already importable (install() returns
+False and changes nothing) or, if installed later on an earlier path entry, it is
+found first. The core calls install() at start-up when ``NPU_SHIM_EMULATE=1``;
+by default nothing named torch_npu is ever created.
+
+This module must stay cheap: it runs at interpreter start-up, so it imports
+neither torch nor the ops (the emulated package imports them when first used).
+
+What the emulated package provides (details in each op module's docstring):
+``npu_fusion_attention``, ``npu_prompt_flash_attention``,
+``npu_fused_infer_attention_score``, ``npu_incre_flash_attention``,
+``_npu_flash_attention_unpad``, ``_npu_reshape_and_cache`` as ``torch_npu.X``
+and ``torch.ops.npu.X``; ``torch_npu.npu`` with ``is_available() == False``,
+the emulated SoC (``NPU_SHIM_EMULATE_SOC``) and no-op streams/events
+(``torch_npu.npu.streams``); ``torch_npu._C._npu_get_soc_version``. It does not
+create ``torch.npu`` (see the package docstring for why).
+"""
+import importlib.util
+import os
+import sys
+
+__all__ = ["SITE_DIR", "install", "is_emulated", "uninstall"]
+
+SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
+_EMULATED_INIT = os.path.join(SITE_DIR, "torch_npu", "__init__.py")
+
+
+def _is_ours(module):
+    return bool(getattr(module, "__npu_shim_emulated__", False))
+
+
+def _spec_is_ours(spec):
+    origin = getattr(spec, "origin", None)
+    return bool(origin) and os.path.realpath(origin) == os.path.realpath(_EMULATED_INIT)
+
+
+def _find_spec():
+    try:
+        return importlib.util.find_spec("torch_npu")
+    except (ImportError, ValueError):
+        return None
+
+
+def install():
+    """Make ``import torch_npu`` resolve to the emulation if no real one exists.
+
+    Returns True when torch_npu is (now) the emulation, False when a real
+    torch_npu is importable or already imported (nothing is changed then).
+    Idempotent.
+    """
+    module = sys.modules.get("torch_npu")
+    if module is not None:
+        return _is_ours(module)
+    if SITE_DIR in sys.path:
+        return _spec_is_ours(_find_spec())
+    spec = _find_spec()
+    if spec is not None:
+        return False
+    sys.path.append(SITE_DIR)
+    return True
+
+
+def is_emulated():
+    """True if ``import torch_npu`` gives (or has given) the emulation. Imports nothing."""
+    module = sys.modules.get("torch_npu")
+    if module is not None:
+        return _is_ours(module)
+    if SITE_DIR not in sys.path:
+        return False
+    return _spec_is_ours(_find_spec())
+
+
+def uninstall():
+    """Take the emulation off ``sys.path`` and drop the emulated modules.
+
+    The ``torch.ops.npu`` registrations stay for the life of the process
+    (torch.library cannot take a definition back). Returns True if anything
+    was removed.
+    """
+    removed = False
+    while SITE_DIR in sys.path:
+        sys.path.remove(SITE_DIR)
+        removed = True
+    if _is_ours(sys.modules.get("torch_npu")):
+        for name in [n for n in sys.modules if n == "torch_npu" or n.startswith("torch_npu.")]:
+            del sys.modules[name]
+        removed = True
+    return removed

@@ -1,0 +1,129 @@
+"""Wires the emulated ops into the two spellings upstream code uses.
+
+* ``torch_npu.<op>(...)``: a Python function that honours ``__torch_function__``
+  (``torch.overrides.handle_torch_function``). Why: a TorchFunctionMode — the
+  host-sync counter, the call recorder in npu_shim.testing — then sees the op as
+  one call and runs its body with the mode popped, so the emulation's own
+  internals are never mistaken for the caller's host syncs.
+* ``torch.ops.npu.<op>(...)``: the same implementation registered with
+  ``torch.library`` in the ``npu`` namespace (sglang calls
+  ``torch.ops.npu.npu_fused_infer_attention_score``). The dispatcher applies
+  torch-function handling for these itself.
+
+Schemas follow the documented torch_npu signatures (``SymInt[]`` written as
+``int[]``).
+"""
+import torch
+from torch.overrides import handle_torch_function, has_torch_function
+from torch.utils._pytree import tree_flatten
+
+from npu_shim.emulation._common import INT_MAX
+from npu_shim.emulation.fused_infer_attention import (
+    npu_fused_infer_attention_score, npu_incre_flash_attention)
+from npu_shim.emulation.fusion_attention import npu_fusion_attention
+from npu_shim.emulation.kv_cache import _npu_reshape_and_cache
+from npu_shim.emulation.prompt_flash_attention import (
+    PFA_PRE_TOKENS_DEFAULT, npu_prompt_flash_attention)
+from npu_shim.emulation.unpad import _npu_flash_attention_unpad
+
+_T = "Tensor? {}=None"
+
+
+def _opt_tensors(*names):
+    return ", ".join(_T.format(n) for n in names)
+
+
+SCHEMAS = {
+    "npu_fusion_attention": (
+        npu_fusion_attention,
+        "npu_fusion_attention(Tensor query, Tensor key, Tensor value, int head_num, "
+        "str input_layout, Tensor? pse=None, Tensor? padding_mask=None, "
+        "Tensor? atten_mask=None, float scale=1., float keep_prob=1., "
+        "int pre_tockens=%d, int next_tockens=%d, int inner_precise=0, int[]? prefix=None, "
+        "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
+        "bool gen_mask_parallel=True, bool sync=False, str softmax_layout=\"\") "
+        "-> (Tensor, Tensor, Tensor, Tensor, int, int, int)" % (INT_MAX, INT_MAX),
+    ),
+    "npu_prompt_flash_attention": (
+        npu_prompt_flash_attention,
+        "npu_prompt_flash_attention(Tensor query, Tensor key, Tensor value, *, "
+        + _opt_tensors("pse_shift", "padding_mask", "atten_mask")
+        + ", int[]? actual_seq_lengths=None, "
+        + _opt_tensors("deq_scale1", "quant_scale1", "deq_scale2", "quant_scale2", "quant_offset2")
+        + ", int num_heads=1, float scale_value=1.0, int pre_tokens=%d, int next_tokens=0, "
+        "str input_layout=\"BSH\", int num_key_value_heads=0, "
+        "int[]? actual_seq_lengths_kv=None, int sparse_mode=0) -> Tensor" % PFA_PRE_TOKENS_DEFAULT,
+    ),
+    "npu_fused_infer_attention_score": (
+        npu_fused_infer_attention_score,
+        "npu_fused_infer_attention_score(Tensor query, Tensor key, Tensor value, *, "
+        + _opt_tensors("pse_shift", "atten_mask")
+        + ", int[]? actual_seq_lengths=None, int[]? actual_seq_lengths_kv=None, "
+        + _opt_tensors("dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
+                       "quant_offset2", "antiquant_scale", "antiquant_offset", "block_table",
+                       "query_padding_size", "kv_padding_size", "key_antiquant_scale",
+                       "key_antiquant_offset", "value_antiquant_scale", "value_antiquant_offset",
+                       "key_shared_prefix", "value_shared_prefix")
+        + ", int[]? actual_shared_prefix_len=None, "
+        + _opt_tensors("query_rope", "key_rope", "key_rope_antiquant_scale")
+        + ", int num_heads=1, float scale=1.0, int pre_tokens=%d, int next_tokens=%d, "
+        "str input_layout=\"BSH\", int num_key_value_heads=0, int sparse_mode=0, "
+        "int inner_precise=0, int block_size=0, int antiquant_mode=0, "
+        "bool softmax_lse_flag=False, int key_antiquant_mode=0, int value_antiquant_mode=0) "
+        "-> (Tensor, Tensor)" % (INT_MAX, INT_MAX),
+    ),
+    "npu_incre_flash_attention": (
+        npu_incre_flash_attention,
+        "npu_incre_flash_attention(Tensor query, Tensor key, Tensor value, *, "
+        + _opt_tensors("padding_mask", "pse_shift", "atten_mask")
+        + ", int[]? actual_seq_lengths=None, "
+        + _opt_tensors("dequant_scale1", "quant_scale1", "dequant_scale2", "quant_scale2",
+                       "quant_offset2", "antiquant_scale", "antiquant_offset", "block_table",
+                       "kv_padding_size")
+        + ", int num_heads=1, float scale_value=1.0, str input_layout=\"BSH\", "
+        "int num_key_value_heads=0, int block_size=0, int inner_precise=1) -> Tensor",
+    ),
+    "_npu_flash_attention_unpad": (
+        _npu_flash_attention_unpad,
+        "_npu_flash_attention_unpad(Tensor query, Tensor key, Tensor value, Tensor seq_len, "
+        "float scale_value, int num_heads, int num_kv_heads, Tensor(a!) out) -> ()",
+    ),
+    "_npu_reshape_and_cache": (
+        _npu_reshape_and_cache,
+        "_npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
+        "Tensor(b!) value_cache, Tensor slot_indices) -> ()",
+    ),
+}
+
+_library = None
+
+
+def register_ops():
+    """Define the ops under ``torch.ops.npu`` once per process."""
+    global _library
+    if _library is not None:
+        return
+    lib = torch.library.Library("npu", "FRAGMENT")
+    for name, (impl, schema) in SCHEMAS.items():
+        lib.define(schema)
+        lib.impl(name, impl, "CompositeExplicitAutograd")
+    _library = lib
+
+
+def _torch_function_aware(name, impl):
+    def op(*args, **kwargs):
+        flat, _ = tree_flatten((args, kwargs))
+        tensors = tuple(x for x in flat if isinstance(x, torch.Tensor))
+        if tensors and has_torch_function(tensors):
+            return handle_torch_function(op, tensors, *args, **kwargs)
+        return impl(*args, **kwargs)
+
+    op.__name__ = op.__qualname__ = name
+    op.__module__ = "torch_npu"
+    op.__doc__ = impl.__doc__ or __import__(impl.__module__, fromlist=["_"]).__doc__
+    op.__wrapped__ = impl
+    op.npu_shim_emulated = True
+    return op
+
+
+PUBLIC = {name: _torch_function_aware(name, impl) for name, (impl, _) in SCHEMAS.items()}

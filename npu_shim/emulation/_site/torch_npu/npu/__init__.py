@@ -1,0 +1,49 @@
+"""Device API of the emulated torch_npu: the SoC is emulated, a device is not.
+
+``is_available()`` is False and ``device_count()`` 0, so frameworks keep tensors
+on CPU/CUDA; ``get_soc_version()`` / ``get_device_name()`` report the emulated
+SoC (``NPU_SHIM_EMULATE_SOC``, default Ascend910B1) so kernels can choose their
+path by device capability. Streams and events are synchronous no-ops (see
+``streams``).
+"""
+import contextlib
+
+from npu_shim.emulation import soc as _soc
+from torch_npu.npu import streams
+from torch_npu.npu.streams import Event, Stream
+
+__all__ = ["Event", "Stream", "streams", "is_available", "device_count", "get_soc_version",
+           "get_device_name", "current_stream", "default_stream", "synchronize", "stream"]
+
+
+def is_available():
+    return False
+
+
+def device_count():
+    return 0
+
+
+def get_soc_version():
+    return _soc.soc_version()
+
+
+def get_device_name(device=None):
+    return _soc.soc_name()
+
+
+def current_stream(device=None):
+    return Stream()
+
+
+def default_stream(device=None):
+    return Stream()
+
+
+def synchronize(device=None):
+    """Nothing is ever pending: emulated ops complete before they return."""
+
+
+@contextlib.contextmanager
+def stream(s=None):
+    yield s
