@@ -1,0 +1,15 @@
+"""Test and benchmark utilities: the float64 reference, the host-sync counter and
+the torch_npu call recorder.
+
+* :func:`attention_f64` -- reference attention from the definition (reference.py).
+* :func:`count_host_syncs` -- counts device->host syncs of the code under test
+  (syncs.py); CPU tensors can stand in for device tensors.
+* :func:`record_npu_calls` -- records ``torch_npu.X`` / ``torch.ops.npu.X`` calls
+  (calls.py).
+"""
+from npu_shim.testing.calls import NpuCall, record_npu_calls
+from npu_shim.testing.reference import attention_f64, dense_segments
+from npu_shim.testing.syncs import HostSyncCounter, SyncEvent, count_host_syncs
+
+__all__ = ["HostSyncCounter", "NpuCall", "SyncEvent", "attention_f64", "count_host_syncs",
+           "dense_segments", "record_npu_calls"]

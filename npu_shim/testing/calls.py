@@ -1,0 +1,66 @@
+"""Record the torch_npu ops a piece of code calls (to check the NPU dispatch path).
+
+Works with the emulation (its ops honour ``__torch_function__``) for both
+spellings, ``torch_npu.X(...)`` and ``torch.ops.npu.X(...)``. The recorded
+arguments are the objects passed, so a test can assert e.g. "one
+npu_fusion_attention call per layer, input_layout='TND', no atten_mask, lengths
+as Python ints".
+"""
+import contextlib
+from typing import Any, NamedTuple
+
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["NpuCall", "record_npu_calls"]
+
+
+class NpuCall(NamedTuple):
+    name: str        # op name, e.g. "npu_fusion_attention"
+    spelling: str    # "torch_npu" or "torch.ops.npu"
+    args: tuple
+    kwargs: dict
+    result: Any
+
+    def arg(self, name, position=None, default=None):
+        """An argument by keyword, falling back to its position."""
+        if name in self.kwargs:
+            return self.kwargs[name]
+        if position is not None and position < len(self.args):
+            return self.args[position]
+        return default
+
+
+def _npu_op_name(func):
+    if getattr(func, "__module__", None) == "torch_npu" and callable(func):
+        return getattr(func, "__name__", None), "torch_npu"
+    namespace = getattr(func, "namespace", None)
+    if namespace is None:
+        qualified = getattr(func, "_qualified_op_name", "")
+        namespace, _, name = qualified.partition("::")
+    else:
+        name = func._opname if hasattr(func, "_opname") else func.__name__.split(".")[0]
+    if namespace == "npu":
+        return name, "torch.ops.npu"
+    return None, None
+
+
+class _CallMode(TorchFunctionMode):
+    def __init__(self, calls):
+        super().__init__()
+        self.calls = calls
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        name, spelling = _npu_op_name(func)
+        if name:
+            self.calls.append(NpuCall(name, spelling, tuple(args), dict(kwargs), result))
+        return result
+
+
+@contextlib.contextmanager
+def record_npu_calls():
+    """Yield a list that fills with :class:`NpuCall` entries, in call order."""
+    calls = []
+    with _CallMode(calls):
+        yield calls

@@ -1,0 +1,116 @@
+"""Float64 reference attention, written from the definition of softmax attention.
+
+Every numerical claim of the project is checked against this module, never
+against the code under test; it therefore shares nothing with the emulation
+(no helpers, no chunked online softmax, no mask specs). Per segment and per
+head it forms the full score rows in float64:
+
+    s_ij = scale * <q_i, k_j>          for the keys j query i may see
+    p_ij = exp(s_ij - max_j s_ij) / sum_j exp(s_ij - max_j s_ij)
+    out_i = sum_j p_ij v_j
+    lse_i = log(sum_j exp(s_ij))
+
+A query that may see no key gets out_i = 0 and lse_i = -inf.
+
+Segments: queries ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` attend to keys
+``cu_seqlens_kv[s]:cu_seqlens_kv[s+1]`` only. GQA: query head h reads key/value
+head ``h // (N // Nkv)``. ``causal=True`` aligns the queries to the *end* of
+their segment's keys: query i (0-based) of a segment with Sq queries and Skv
+keys sees keys 0 .. i + Skv - Sq.
+"""
+import math
+
+import torch
+
+__all__ = ["attention_f64", "dense_segments"]
+
+_ROW_BUDGET_BYTES = 64 << 20
+
+
+def _host_list(values, name):
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().tolist()
+    values = [int(x) for x in values]
+    if not values or values[0] != 0 or any(b < a for a, b in zip(values, values[1:])):
+        raise ValueError("%s must start at 0 and never decrease, got %r" % (name, values))
+    return values
+
+
+def attention_f64(q, k, v, cu_seqlens_q, cu_seqlens_kv=None, *, scale=None, causal=False,
+                  allowed=None, return_lse=False):
+    """Reference attention over packed segments, in float64 on the CPU.
+
+    Args:
+        q: (Tq, N, D); k: (Tkv, Nkv, D); v: (Tkv, Nkv, Dv), any float dtype/device.
+        cu_seqlens_q: segment boundaries of q with the leading 0 (ints or tensor).
+        cu_seqlens_kv: the same for k/v; default: ``cu_seqlens_q``.
+        scale: default ``D ** -0.5``.
+        causal: end-aligned causal mask (see module docstring).
+        allowed: optional ``f(segment, sq, skv) -> bool tensor`` of shape
+            (sq, skv) or (N, sq, skv); True = may attend. Combined with ``causal``
+            by AND. Lets a test spell out any documented mask pattern.
+        return_lse: also return the (Tq, N) float64 log-sum-exp.
+
+    Returns: (Tq, N, Dv) float64 [, (Tq, N) float64].
+    """
+    cq = _host_list(cu_seqlens_q, "cu_seqlens_q")
+    ckv = cq if cu_seqlens_kv is None else _host_list(cu_seqlens_kv, "cu_seqlens_kv")
+    if len(cq) != len(ckv):
+        raise ValueError("q has %d segments, kv %d" % (len(cq) - 1, len(ckv) - 1))
+    q = q.detach().to("cpu", torch.float64)
+    k = k.detach().to("cpu", torch.float64)
+    v = v.detach().to("cpu", torch.float64)
+    tq, n, d = q.shape
+    nkv = k.shape[1]
+    if n % nkv or v.shape[1] != nkv or k.shape[0] != v.shape[0] or k.shape[2] != d:
+        raise ValueError("inconsistent shapes q%s k%s v%s" % (tuple(q.shape), tuple(k.shape),
+                                                              tuple(v.shape)))
+    if cq[-1] > tq or ckv[-1] > k.shape[0]:
+        raise ValueError("segment boundaries exceed the tensors")
+    scale = d ** -0.5 if scale is None else float(scale)
+    group = n // nkv
+    out = torch.zeros((tq, n, v.shape[2]), dtype=torch.float64)
+    lse = torch.full((tq, n), -math.inf, dtype=torch.float64)
+    for seg in range(len(cq) - 1):
+        q0, q1, k0, k1 = cq[seg], cq[seg + 1], ckv[seg], ckv[seg + 1]
+        sq, skv = q1 - q0, k1 - k0
+        if sq == 0 or skv == 0:
+            continue
+        visible = torch.ones((sq, skv), dtype=torch.bool)
+        if causal:
+            rows = torch.arange(sq).unsqueeze(1)
+            cols = torch.arange(skv).unsqueeze(0)
+            visible &= cols <= rows + (skv - sq)
+        extra = allowed(seg, sq, skv) if allowed is not None else None
+        rows_per_chunk = max(1, _ROW_BUDGET_BYTES // (8 * skv))
+        for h in range(n):
+            kh = k[k0:k1, h // group]
+            vh = v[k0:k1, h // group]
+            vis_h = visible if extra is None else visible & (extra[h] if extra.dim() == 3 else extra)
+            for r0 in range(0, sq, rows_per_chunk):
+                r1 = min(sq, r0 + rows_per_chunk)
+                scores = scale * (q[q0 + r0:q0 + r1, h] @ kh.T)
+                keep = vis_h[r0:r1]
+                scores = scores.masked_fill(~keep, -math.inf)
+                row_max = scores.max(dim=1, keepdim=True).values
+                seen = torch.isfinite(row_max).squeeze(1)
+                shifted = torch.where(keep, scores - row_max.where(torch.isfinite(row_max),
+                                                                   torch.zeros_like(row_max)),
+                                      torch.full_like(scores, -math.inf))
+                weights = torch.exp(shifted)
+                total = weights.sum(dim=1, keepdim=True)
+                probs = weights / total.where(total > 0, torch.ones_like(total))
+                out[q0 + r0:q0 + r1, h] = torch.where(seen.unsqueeze(1), probs @ vh,
+                                                      torch.zeros(1, dtype=torch.float64))
+                lse[q0 + r0:q0 + r1, h] = torch.where(
+                    seen, (row_max + torch.log(total.where(total > 0, torch.ones_like(total)))).squeeze(1),
+                    torch.full((r1 - r0,), -math.inf, dtype=torch.float64))
+    return (out, lse) if return_lse else out
+
+
+def dense_segments(lengths):
+    """Cumulative boundaries (with the leading 0) of segments with these lengths."""
+    cum = [0]
+    for n in lengths:
+        cum.append(cum[-1] + int(n))
+    return cum
