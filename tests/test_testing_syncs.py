@@ -1,0 +1,130 @@
+"""The host-sync counter sees every kind of device->host read, only for device
+tensors (real or stand-in), and never inside the emulated torch_npu ops."""
+import operator
+
+import numpy as np
+import pytest
+import torch
+
+from npu_shim import emulation
+from npu_shim.testing import count_host_syncs
+
+emulation.install()
+import torch_npu  # noqa: E402
+
+
+def _dev(*values):
+    """A CPU tensor (0-d for one value) to be marked as a device stand-in."""
+    return torch.tensor(values[0] if len(values) == 1 else values)
+
+
+@pytest.mark.parametrize("kind, read", [
+    ("item", lambda t: t.item()),
+    ("tolist", lambda t: t.tolist()),
+    ("numpy", lambda t: t.numpy()),
+    ("numpy", lambda t: np.asarray(t)),
+    ("cpu", lambda t: t.cpu()),
+    ("to", lambda t: t.to("cpu")),
+    ("to", lambda t: t.to(torch.device("cpu"), torch.float32)),
+    ("bool", lambda t: bool(t)),
+    ("int", lambda t: int(t)),
+    ("float", lambda t: float(t)),
+    ("index", lambda t: operator.index(t)),
+    ("index", lambda t: [10, 20, 30][t]),
+    ("index", lambda t: torch.arange(5)[t]),
+    ("index", lambda t: torch.arange(5).narrow(0, t, 1)),
+    ("copy_", lambda t: torch.empty((), dtype=t.dtype).copy_(t)),
+    ("shape", lambda t: torch.nonzero(t)),
+])
+def test_each_read_of_a_device_tensor_counts_once(kind, read):
+    t = _dev(2)
+    with count_host_syncs(device_tensors=[t]) as syncs:
+        read(t)
+    assert [e.kind for e in syncs.events] == [kind]
+    assert "test_testing_syncs.py" in syncs.events[0].location
+
+
+def test_slice_bounds_count_each_tensor_bound():
+    cu = _dev(0, 3, 7)
+    x = torch.randn(7, 2)
+    with count_host_syncs(device_tensors=[cu]) as syncs:
+        for i in range(1, len(cu)):
+            x[cu[i - 1]:cu[i]]
+            x[cu[i - 1]:cu[i]] = 0.0
+    assert syncs.count == 8
+    assert syncs.kinds() == {"index": 8}
+
+
+def test_boolean_mask_indexing_is_a_shape_sync():
+    m = _dev(True, False, True)
+    with count_host_syncs(device_tensors=[m]) as syncs:
+        torch.arange(3)[m]
+    assert syncs.kinds() == {"shape": 1}
+
+
+def test_host_tensors_are_free_and_device_ness_propagates():
+    cu = _dev(0, 3, 7)
+    host = torch.tensor([1, 2])
+    with count_host_syncs(device_tensors=[cu]) as syncs:
+        host.tolist()
+        host.item() if host.numel() == 1 else host[0].item()
+        lengths = torch.diff(cu)          # computed from a device tensor: device
+        copied = lengths.to("cpu")        # one transfer
+        copied.tolist()                   # free: already on the host
+        (lengths * 2).max().item()        # another transfer
+    assert [e.kind for e in syncs.events] == ["to", "item"]
+    assert copied is not lengths
+
+
+def test_upstream_pattern_diff_to_cpu_every_layer():
+    cu = _dev(0, 5, 9, 20)
+    with count_host_syncs(device_tensors=[cu]) as syncs:
+        for _layer in range(27):
+            torch.diff(cu).to("cpu")
+            cu.to("cpu")
+    assert syncs.count == 54  # the stand-in stays a device tensor after .to("cpu")
+
+
+def test_cpu_is_device_counts_every_extraction_but_not_host_copies():
+    with count_host_syncs(cpu_is_device=True) as syncs:
+        t = torch.arange(4)
+        t.sum().item()
+        h = t.cpu()
+        h.tolist()
+        (h + 1).tolist()
+    assert [e.kind for e in syncs.events] == ["item", "cpu"]
+
+
+def test_nothing_counted_outside_the_block_and_for_unmarked_cpu():
+    t = torch.tensor(3)
+    with count_host_syncs() as syncs:
+        t.item()
+        int(t)
+    t.item()
+    assert syncs.count == 0
+
+
+@pytest.mark.parametrize("spelling", ["torch_npu", "torch.ops.npu"])
+def test_emulated_op_internals_are_invisible(spelling):
+    q = torch.randn(10, 2, 16)
+    cu = [4, 10]
+    op = torch_npu.npu_fusion_attention if spelling == "torch_npu" else torch.ops.npu.npu_fusion_attention
+    mask = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
+    with count_host_syncs(device_tensors=[q, mask], cpu_is_device=True) as syncs:
+        out = op(q, q, q, 2, "TND", scale=0.25, atten_mask=mask, sparse_mode=3,
+                 actual_seq_qlen=cu, actual_seq_kvlen=cu)[0]
+    assert syncs.count == 0
+    with count_host_syncs(device_tensors=[q]) as syncs:
+        out = torch_npu.npu_fusion_attention(q, q, q, 2, "TND", scale=0.25,
+                                             actual_seq_qlen=cu, actual_seq_kvlen=cu)[0]
+        out.sum().item()  # the op's output is a device tensor
+    assert syncs.kinds() == {"item": 1}
+
+
+def test_summary_and_repr():
+    t = _dev(1)
+    with count_host_syncs(device_tensors=[t]) as syncs:
+        t.item()
+        t.item()
+    assert syncs.summary() == "2 host syncs: item x2"
+    assert "item" in repr(syncs)
