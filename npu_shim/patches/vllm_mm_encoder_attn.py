@@ -122,6 +122,7 @@ def build(module):
             "npu-shim (vllm.mm_encoder_attn) replacement of %s.%s; see %s."
             % (original.__module__, original.__qualname__, __name__))
     __init__.__signature__ = init_signature
+    forward_oot.__signature__ = inspect.signature(original_forward)
     return {CLASS_NAME + ".__init__": __init__, CLASS_NAME + ".forward_oot": forward_oot}
 
 
