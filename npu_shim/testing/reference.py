@@ -90,21 +90,16 @@ def attention_f64(q, k, v, cu_seqlens_q, cu_seqlens_kv=None, *, scale=None, caus
             for r0 in range(0, sq, rows_per_chunk):
                 r1 = min(sq, r0 + rows_per_chunk)
                 scores = scale * (q[q0 + r0:q0 + r1, h] @ kh.T)
-                keep = vis_h[r0:r1]
-                scores = scores.masked_fill(~keep, -math.inf)
-                row_max = scores.max(dim=1, keepdim=True).values
-                seen = torch.isfinite(row_max).squeeze(1)
-                shifted = torch.where(keep, scores - row_max.where(torch.isfinite(row_max),
-                                                                   torch.zeros_like(row_max)),
-                                      torch.full_like(scores, -math.inf))
-                weights = torch.exp(shifted)
+                scores.masked_fill_(~vis_h[r0:r1], -math.inf)
+                row_max = scores.amax(dim=1, keepdim=True)
+                seen = torch.isfinite(row_max)
+                row_max = torch.where(seen, row_max, torch.zeros_like(row_max))
+                weights = scores.sub_(row_max).exp_()          # exp(-inf) = 0 where hidden
                 total = weights.sum(dim=1, keepdim=True)
-                probs = weights / total.where(total > 0, torch.ones_like(total))
-                out[q0 + r0:q0 + r1, h] = torch.where(seen.unsqueeze(1), probs @ vh,
-                                                      torch.zeros(1, dtype=torch.float64))
+                total = torch.where(seen, total, torch.ones_like(total))
+                out[q0 + r0:q0 + r1, h] = (weights @ vh) / total * seen
                 lse[q0 + r0:q0 + r1, h] = torch.where(
-                    seen, (row_max + torch.log(total.where(total > 0, torch.ones_like(total)))).squeeze(1),
-                    torch.full((r1 - r0,), -math.inf, dtype=torch.float64))
+                    seen, row_max + torch.log(total), torch.full_like(total, -math.inf)).squeeze(1)
     return (out, lse) if return_lse else out
 
 
