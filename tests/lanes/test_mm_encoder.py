@@ -405,6 +405,19 @@ def test_status_and_replaced_methods(stack):
         assert inspect.signature(ours) == inspect.signature(original)
 
 
+def test_selftest_module(stack):
+    """npu_shim.selftest.vllm_mm_encoder_attn.run(): the contract's keys, within tolerance,
+    one host sync for the whole encoder forward."""
+    from npu_shim.selftest import vllm_mm_encoder_attn as selftest
+
+    result = selftest.run(device="cpu")
+    assert set(result) == {"max_abs_err", "tolerance", "host_syncs", "seconds", "detail"}
+    assert result["max_abs_err"] <= result["tolerance"]
+    assert result["host_syncs"] == 1
+    assert 0 < result["seconds"] < 20
+    assert "AscendMMEncoderAttention" in result["detail"]
+
+
 SUBPROCESS_BODY = r'''
 import json, torch, npu_shim
 from npu_shim import emulation

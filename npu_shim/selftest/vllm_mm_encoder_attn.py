@@ -1,0 +1,79 @@
+"""Selftest of ``vllm.mm_encoder_attn``: a patched vision-tower attention stack.
+
+Builds a few real ``AscendMMEncoderAttention`` layers (vllm-ascend's own class,
+already patched by the shim) shaped like Qwen2.5-VL's ViT (16 heads of 80, so
+the head dim is padded to 128), runs one encoder forward over three images of
+different sizes packed into one sequence, and reports the largest deviation
+from the float64 reference, the host syncs of that forward (one: the single
+copy of ``cu_seqlens``, whatever the depth) and the time it took.
+"""
+import time
+
+PATCH_NAME = "vllm.mm_encoder_attn"
+TARGET = "vllm_ascend.ops.mm_encoder_attention"
+LAYERS = 4
+HEADS, HEAD_DIM = 16, 80
+IMAGE_TOKENS = (64, 16, 100)
+SCALE = 0.1  # a model-given scale: upstream 0.13-0.17 would ignore it
+TOLERANCE = {"float32": 1e-4, "float16": 5e-3}
+
+
+def _patched_class():
+    import sys
+
+    from npu_shim import status
+
+    row = next(r for r in status() if r["name"] == PATCH_NAME)
+    module = sys.modules.get(TARGET)
+    if row["state"] != "applied" or module is None:
+        raise RuntimeError("%s is not applied here (state %s: %s); the selftest runs only the "
+                           "patched path" % (PATCH_NAME, row["state"], row["reason"]))
+    cls = module.AscendMMEncoderAttention
+    if not cls.forward_oot.__code__.co_filename.endswith("vllm_mm_encoder_attn.py"):
+        raise RuntimeError("%s reports applied but %s.forward_oot is not the shim's"
+                           % (PATCH_NAME, cls.__qualname__))
+    return cls
+
+
+def run(device=None):
+    import torch
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+
+    from npu_shim.testing import attention_f64, count_host_syncs, dense_segments
+
+    device = device or "cpu"
+    cls = _patched_class()
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=device))):
+        layers = [cls(num_heads=HEADS, head_size=HEAD_DIM, scale=SCALE,
+                      prefix="visual.blocks.%d.attn" % i) for i in range(LAYERS)]
+
+    total = sum(IMAGE_TOKENS)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, total, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
+               for _ in range(3))
+    cum = dense_segments(IMAGE_TOKENS)
+    cu_seqlens = torch.tensor(cum, dtype=torch.int32).to(device)
+
+    started = time.perf_counter()
+    # On a CPU-only machine cu_seqlens stands in for a device tensor.
+    with count_host_syncs(device_tensors=[cu_seqlens]) as syncs:
+        outs = [layer.forward_oot(q, k, v, cu_seqlens) for layer in layers]
+    if device != "cpu":
+        torch.npu.synchronize()
+    seconds = time.perf_counter() - started
+
+    flat = [x.reshape(total, HEADS, HEAD_DIM) for x in (q, k, v)]
+    ref = attention_f64(*flat, cum, scale=SCALE).reshape(1, total, HEADS, HEAD_DIM)
+    err = max((out.double().cpu() - ref).abs().max().item() for out in outs)
+    return {
+        "max_abs_err": err,
+        "tolerance": TOLERANCE[str(dtype).replace("torch.", "")],
+        "host_syncs": syncs.count,
+        "seconds": seconds,
+        "detail": "%d AscendMMEncoderAttention layers, %d heads x %d (padded to %d), scale %g, "
+                  "images of %s tokens packed, %s on %s, kernel path %r"
+                  % (LAYERS, HEADS, HEAD_DIM, layers[0].npu_shim_varlen.qk_pad_dim, SCALE,
+                     "/".join(map(str, IMAGE_TOKENS)), str(dtype).replace("torch.", ""), device,
+                     layers[0].npu_shim_varlen.backend),
+    }
