@@ -494,20 +494,28 @@ def test_enabled_in_a_fresh_interpreter(stack, run_python, make_env, tmp_path):
 # vllm-ascend 0.15.0rc1 takes the seed's prefix-digit cache branch whenever
 # vllm_version_is("0.15.0") is False: with the vLLM it was developed against
 # after 0.15.0 (the seed: "requires vllm PR 33674"), or with VLLM_VERSION set
-# (vllm-ascend's documented override, read on every call). The lane pins vLLM
-# 0.15.0, so these tests set VLLM_VERSION=0.16.0 to reach that upstream code.
+# (vllm-ascend's documented override). The lane pins vLLM 0.15.0, so these tests
+# set VLLM_VERSION=0.16.0 to reach that upstream code. vllm_version_is is
+# functools.cache'd, so its cache is cleared on the way in and out: the same as
+# a process started with VLLM_VERSION=0.16.0.
 CACHE_BRANCH_VLLM = "0.16.0"
 
 
 @pytest.fixture
 def cache_branch(stack, monkeypatch):
+    from vllm_ascend.utils import vllm_version_is
+
     if not stack.vllm_ascend_version.startswith("0.15"):
         pytest.fail("cache_branch is for the vllm-0.15 lane only")
     assert "seq_lens_cpu_cache" in vars(stack.upstream_module)
     monkeypatch.setenv("VLLM_VERSION", CACHE_BRANCH_VLLM)
+    vllm_version_is.cache_clear()
+    assert not vllm_version_is("0.15.0")
     stack.upstream_module.seq_lens_cpu_cache = None
     yield stack
     stack.upstream_module.seq_lens_cpu_cache = None
+    monkeypatch.delenv("VLLM_VERSION")
+    vllm_version_is.cache_clear()
 
 
 @pytest.mark.lanes("vllm-0.15")
