@@ -33,9 +33,12 @@ How: ``__init__`` runs the base ``MMEncoderAttention.__init__`` with the same
   4-D inputs, (B, S, N*D) for 3-D inputs, in the query's dtype.
 Upstream fix: vllm-ascend 0.18.0 (with vLLM 0.18) — vLLM calls the class's
   ``maybe_compute_seq_lens`` once per encoder forward on host NumPy data and
-  passes ``sequence_lengths`` to every layer; the structural check skips the
-  patch wherever that hook exists. (The ``head_size ** -0.5`` scale stays
-  upstream through 0.22.1rc1; 0.23.0rc1 uses ``self.scale``.)
+  passes ``sequence_lengths`` to every layer (the Qwen2.5-VL / Qwen3-VL /
+  Qwen3-Omni towers do; other towers still copy per layer there); the
+  structural check skips the patch wherever that hook exists. 0.23.0rc1
+  rewrote ``forward_oot`` (fused-infer attention, ``self.scale``) and the check
+  refuses that shape. (The ``head_size ** -0.5`` scale stays upstream through
+  0.22.1rc1.)
 Remove when: the pinned vllm-ascend is 0.18 or later.
 """
 import inspect
@@ -77,7 +80,8 @@ def check(module):
     if FIXED_UPSTREAM_HOOK in vars(cls):
         raise NotNeeded(
             "fixed upstream: vLLM precomputes host sequence_lengths once per encoder forward "
-            "(%s.%s exists, vllm-ascend 0.18+)" % (CLASS_NAME, FIXED_UPSTREAM_HOOK))
+            "through %s.%s (vllm-ascend 0.18.0-0.22.1rc1; used by the models that pass "
+            "sequence_lengths)" % (CLASS_NAME, FIXED_UPSTREAM_HOOK))
     if not any(base.__name__ == BASE_NAME for base in cls.__mro__[1:]):
         raise TargetMismatch("%s no longer derives from vLLM's %s" % (CLASS_NAME, BASE_NAME))
     forward = _own_function(cls, "forward_oot")

@@ -50,7 +50,7 @@ def import_target_without_ops_init():
     replaced. vLLM stays on its CPU platform: ``VLLM_PLUGINS=""`` loads no
     plugin, so vllm-ascend's platform plugin never activates.
     """
-    os.environ["VLLM_PLUGINS"] = ""
+    os.environ.setdefault("VLLM_PLUGINS", "")  # the lanes use "npu_shim"; never "ascend"
     import vllm_ascend
 
     if "vllm_ascend.ops" not in sys.modules:

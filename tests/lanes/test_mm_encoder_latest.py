@@ -31,7 +31,7 @@ PATCH_NAME = "vllm.mm_encoder_attn"
 
 def import_target_without_ops_init():
     """See the module docstring: real submodule, ``vllm_ascend/ops/__init__.py`` not run."""
-    os.environ["VLLM_PLUGINS"] = ""
+    os.environ.setdefault("VLLM_PLUGINS", "")  # the lanes use "npu_shim"; never "ascend"
     import vllm_ascend
 
     if "vllm_ascend.ops" not in sys.modules:
