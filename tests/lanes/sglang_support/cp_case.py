@@ -43,6 +43,7 @@ Expected values come only from ``npu_shim.testing.attention_f64`` (float64, from
 the definition of causal attention over each sequence's cached prefix and new
 tokens), mapped to a rank's tokens by :func:`zigzag_layout`.
 """
+import dataclasses
 import json
 import math
 import random
@@ -244,6 +245,9 @@ def make_forward_batch(batch: Batch, metadata):
     spec = batch.spec
     total = sum(spec.extend_lens)
     new_slots = batch.new_token_slots()
+    extra = {}
+    if "req_to_token_pool" in {f.name for f in dataclasses.fields(ForwardBatch)}:
+        extra["req_to_token_pool"] = batch.req_to_token_pool   # where <= 0.5.12 reads it
     return ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
         batch_size=spec.bs,
@@ -259,6 +263,7 @@ def make_forward_batch(batch: Batch, metadata):
         extend_seq_lens_cpu=list(spec.extend_lens),
         extend_prefix_lens_cpu=list(spec.prefixes),
         attn_cp_metadata=metadata,
+        **extra,
     )
 
 

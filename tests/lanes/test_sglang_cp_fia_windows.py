@@ -1,0 +1,80 @@
+"""Where ``sglang.cp_fia`` applies: the skip reason on each released sglang a lane pins.
+
+The check reads the installed code, not the version (see the patch module's
+docstring); these tests import the real target through npu-shim's import hook
+and read the outcome from ``npu_shim.status()``:
+
+* 0.5.12: the method has the single-sequence shape and so does the metadata
+  (scalar CP lengths) -- correct for the one sequence its CP admits, skipped;
+* 0.5.13: fixed upstream (PR 26705), skipped;
+* 0.5.23: the method is a closure run by the CP strategy object, skipped.
+
+The broken window (new metadata, old method), where the patch applies, is
+tested in test_sglang_cp_fia.py.
+"""
+import dataclasses
+import importlib
+
+import pytest
+
+pytestmark = pytest.mark.lanes("sglang-0.5.12", "sglang-0.5.13", "latest", "latest-sglang")
+
+TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
+
+
+def expected_reason(version):
+    from npu_shim.patches import sglang_cp_fia as patch
+
+    reasons = {"0.5.12": patch.SINGLE_SEQUENCE_ONLY, "0.5.13": patch.FIXED_UPSTREAM,
+               "0.5.23": patch.STRATEGY_REWRITE}
+    assert version in reasons, "lane pins sglang %s, which this test does not know" % version
+    return reasons[version]
+
+
+@pytest.fixture(scope="module")
+def module():
+    import npu_shim
+    from npu_shim import emulation
+
+    emulation.install()
+    npu_shim.install()
+    return importlib.import_module(TARGET)
+
+
+def test_patch_is_skipped_with_the_reason_for_this_release(module):
+    import npu_shim
+    from npu_shim.patch import NotNeeded
+    from npu_shim.patches import sglang_cp_fia as patch
+
+    row = next(r for r in npu_shim.status() if r["name"] == patch.NAME)
+    version = row["versions"]["sglang"]
+    reason = expected_reason(version)
+    assert (row["state"], row["reason"]) == ("skipped", reason), row
+    with pytest.raises(NotNeeded) as raised:
+        patch.check(module)
+    assert str(raised.value) == reason
+    method = module.AscendAttnBackend.__dict__["do_cp_attn_fia"]
+    assert not hasattr(method, "__npu_shim_patch__")
+    assert method.__module__ == TARGET
+
+
+def test_the_check_reads_what_this_release_has(module):
+    """The facts behind each reason, read from the installed code."""
+    import npu_shim
+    from npu_shim.patches import sglang_cp_fia as patch
+
+    version = next(r for r in npu_shim.status() if r["name"] == patch.NAME)["versions"]["sglang"]
+    names = patch.code_names(module.AscendAttnBackend.do_cp_attn_fia)
+    if version == "0.5.23":
+        assert names & patch.STRATEGY_NAMES
+        assert not names & (patch.SINGLE_SEQUENCE_NAMES - {"chunk"})
+        return
+    from sglang.srt.layers.utils import cp_utils
+
+    fields = {f.name for f in dataclasses.fields(cp_utils.ContextParallelMetadata)}
+    if version == "0.5.12":
+        assert patch.SINGLE_SEQUENCE_NAMES <= names and not names & patch.FIXED_NAMES
+        assert patch.SCALAR_FIELDS <= fields and not fields & patch.PER_SEQUENCE_FIELDS
+    else:
+        assert patch.FIXED_NAMES <= names and "chunk" not in names
+        assert patch.PER_SEQUENCE_FIELDS <= fields and not fields & patch.SCALAR_FIELDS
