@@ -241,3 +241,24 @@ def test_patch_applies_to_a_broken_window_build(old_wheel, make_env):
     assert len(result["cases"]) == 3
     for case in result["cases"]:
         assert case["max_abs_err"] <= case["tolerance"], case
+
+
+def test_selftest_runs_the_patched_path_in_a_broken_window_build(old_wheel, make_env):
+    """``npu-shim selftest``'s runner, where the patch applies."""
+    env = make_env(NPU_SHIM_EMULATE="1", PYTHONPATH=PLACEHOLDERS)
+    proc = subprocess.run([sys.executable, os.path.join(SUPPORT, "broken_window.py"), old_wheel, "selftest"],
+                          env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("BROKEN_WINDOW_SELFTEST ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    row = next(r for r in json.loads(lines[-1].split(" ", 1)[1]) if r["patch"] == "sglang.cp_fia")
+    assert (row["state"], row["ok"], row["kernels"]) == ("applied", True, "emulation"), row
+    assert row["host_syncs"] == 0
+    assert 0 <= row["max_abs_err"] <= row["tolerance"] == 2e-5
+    assert "do_cp_attn_fia" in row["reason"]
+
+
+def test_selftest_refuses_an_unpatched_build(module):
+    from npu_shim.selftest import sglang_cp_fia as selftest
+
+    with pytest.raises(RuntimeError, match="not applied here .*fixed upstream"):
+        selftest.run()

@@ -1,0 +1,171 @@
+"""Selftest of ``sglang.cp_fia``: one context-parallel prefill through the patched method.
+
+Runs sglang's ``AscendAttnBackend.do_cp_attn_fia`` (already replaced by the
+shim) for both ranks of cp_size 2 on a batch of three sequences of uneven
+length, one with a cached prefix, GQA (8 query heads over 2 KV heads), in a
+paged KV cache with a shuffled block table, and reports the largest deviation
+of either rank's output from the float64 causal reference, the host syncs of a
+rank's call (none: every length is a host list) and the time of both calls.
+
+Real sglang parts: ``ContextParallelMetadata``, ``RadixAttention``,
+``ForwardBatch``, ``ForwardMetadata`` and the backend's compressed FIA mask
+(``AscendAttnMaskBuilder.generate_mask_flag``). The backend instance is made
+with ``object.__new__`` and given the three attributes the method reads
+(``page_size``, ``forward_metadata.block_tables``, ``fia_mask``):
+``AscendAttnBackend.__init__`` needs a whole ``ModelRunner``. The metadata is
+filled from the zigzag definition rather than by
+``prepare_context_parallel_metadata``, which needs sglang's global server
+arguments, which this process does not have.
+"""
+import random
+import time
+
+PATCH_NAME = "sglang.cp_fia"
+TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
+CP_SIZE = 2
+EXTEND_LENS = (33, 70, 21)
+PREFIX_LENS = (0, 9, 4)
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
+PAGE_SIZE = 128
+TOLERANCE = {"float32": 2e-5, "float16": 4e-3}
+
+
+def _patched_module():
+    import sys
+
+    from npu_shim import status
+
+    row = next(r for r in status() if r["name"] == PATCH_NAME)
+    module = sys.modules.get(TARGET)
+    if row["state"] != "applied" or module is None:
+        raise RuntimeError("%s is not applied here (state %s: %s); the selftest runs only the "
+                           "patched path" % (PATCH_NAME, row["state"], row["reason"]))
+    method = module.AscendAttnBackend.__dict__["do_cp_attn_fia"]
+    if getattr(method, "__npu_shim_patch__", None) != PATCH_NAME:
+        raise RuntimeError("%s reports applied but AscendAttnBackend.do_cp_attn_fia is not the "
+                           "shim's" % PATCH_NAME)
+    return module
+
+
+def _block_sizes(length):
+    segments = 2 * CP_SIZE
+    return [length // segments + (1 if i < length % segments else 0) for i in range(segments)]
+
+
+def _metadata(cls, rank):
+    """Rank ``rank``'s per-sequence CP metadata, from the zigzag definition."""
+    prev_block, next_block = rank, 2 * CP_SIZE - 1 - rank
+    q_prev, q_next, kv_prev, kv_next = [], [], [], []
+    for length, prefix in zip(EXTEND_LENS, PREFIX_LENS):
+        sizes = _block_sizes(length)
+        q_prev.append(sizes[prev_block])
+        q_next.append(sizes[next_block])
+        kv_prev.append(prefix + sum(sizes[:prev_block + 1]))
+        kv_next.append(prefix + sum(sizes[:next_block + 1]))
+    return cls(total_q_prev_tokens=sum(q_prev), total_q_next_tokens=sum(q_next),
+               actual_seq_q_prev_list=q_prev, actual_seq_q_next_list=q_next,
+               kv_len_prev_list=kv_prev, kv_len_next_list=kv_next, bs=len(EXTEND_LENS))
+
+
+def _layout(rank):
+    """(sequence, new-token index) of each of ``rank``'s local tokens."""
+    layout = []
+    for block in (rank, 2 * CP_SIZE - 1 - rank):
+        for s, length in enumerate(EXTEND_LENS):
+            sizes = _block_sizes(length)
+            layout.extend((s, sum(sizes[:block]) + i) for i in range(sizes[block]))
+    return layout
+
+
+def _metadata_class():
+    import importlib
+
+    from npu_shim.patches.sglang_cp_fia import METADATA_MODULES
+
+    for name in METADATA_MODULES:
+        try:
+            cls = getattr(importlib.import_module(name), "ContextParallelMetadata", None)
+        except ImportError:
+            continue
+        if cls is not None:
+            return cls
+    raise RuntimeError("no ContextParallelMetadata in %s" % ", ".join(METADATA_MODULES))
+
+
+def run(device=None):
+    import torch
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    from npu_shim.testing import attention_f64, count_host_syncs
+
+    device = device or "cpu"
+    module = _patched_module()
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = [p + n for p, n in zip(PREFIX_LENS, EXTEND_LENS)]
+    q = [torch.randn(n, HEADS, HEAD_DIM, generator=gen) for n in EXTEND_LENS]
+    k = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
+    v = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
+
+    # Paged cache with shuffled pages; unowned slots hold garbage.
+    pages = [-(-n // PAGE_SIZE) for n in seq_lens]
+    free = list(range(1, sum(pages) + 3))
+    random.Random(0).shuffle(free)
+    slots_total = (len(free) + 1) * PAGE_SIZE
+    k_cache = 1e3 * torch.randn(slots_total, KV_HEADS, HEAD_DIM, generator=gen)
+    v_cache = 1e3 * torch.randn(slots_total, KV_HEADS, HEAD_DIM, generator=gen)
+    block_table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
+    for s, n in enumerate(seq_lens):
+        owned = [free.pop() for _ in range(pages[s])]
+        block_table[s, :len(owned)] = torch.tensor(owned, dtype=torch.int32)
+        positions = torch.arange(n)
+        slots = torch.tensor(owned)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        k_cache[slots], v_cache[slots] = k[s], v[s]
+
+    layer = RadixAttention(num_heads=HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM ** -0.5,
+                           num_kv_heads=KV_HEADS, layer_id=0)
+    backend = object.__new__(module.AscendAttnBackend)
+    backend.page_size = PAGE_SIZE
+    backend.forward_metadata = module.ForwardMetadata(block_tables=block_table.to(device))
+    backend.fia_mask = module.AscendAttnMaskBuilder.generate_mask_flag(2048).to(device)
+    k_dev, v_dev = k_cache.to(device, dtype), v_cache.to(device, dtype)
+    metadata_cls = _metadata_class()
+    reference = [attention_f64(qs.to(dtype), ks.to(dtype), vs.to(dtype), [0, qs.shape[0]],
+                               [0, ks.shape[0]], scale=layer.scaling, causal=True)
+                 for qs, ks, vs in zip(q, k, v)]
+
+    err, syncs, seconds = 0.0, 0, 0.0
+    for rank in range(CP_SIZE):
+        layout = _layout(rank)
+        local_q = torch.stack([q[s][i] for s, i in layout]).reshape(len(layout), -1).to(device, dtype)
+        forward_batch = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=len(EXTEND_LENS),
+            input_ids=torch.zeros(sum(EXTEND_LENS), dtype=torch.int64),
+            req_pool_indices=torch.arange(len(EXTEND_LENS)),
+            seq_lens=torch.tensor(seq_lens), out_cache_loc=torch.zeros(0, dtype=torch.int64),
+            seq_lens_sum=sum(seq_lens), attn_cp_metadata=_metadata(metadata_cls, rank))
+        device_tensors = [local_q, k_dev, v_dev, backend.forward_metadata.block_tables, backend.fia_mask]
+        started = time.perf_counter()
+        with count_host_syncs(device_tensors=device_tensors) as counter:
+            out = module.AscendAttnBackend.do_cp_attn_fia(backend, local_q, k_dev, v_dev, layer,
+                                                          forward_batch)
+        if device != "cpu":
+            torch.npu.synchronize()
+        seconds += time.perf_counter() - started
+        syncs = max(syncs, counter.count)
+        expected = torch.stack([reference[s][i] for s, i in layout]).reshape(len(layout), -1)
+        err = max(err, (out.detach().to("cpu", torch.float64) - expected).abs().max().item())
+
+    return {
+        "max_abs_err": err,
+        "tolerance": TOLERANCE[str(dtype).replace("torch.", "")],
+        "host_syncs": syncs,
+        "seconds": seconds,
+        "detail": "AscendAttnBackend.do_cp_attn_fia, cp_size %d (both ranks), %d sequences of %s new "
+                  "tokens (cached prefixes %s), %d heads over %d KV heads x %d, page %d, shuffled "
+                  "block table, %s on %s" % (
+                      CP_SIZE, len(EXTEND_LENS), "/".join(map(str, EXTEND_LENS)),
+                      "/".join(map(str, PREFIX_LENS)), HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE,
+                      str(dtype).replace("torch.", ""), device),
+    }
