@@ -1,0 +1,81 @@
+"""``vllm.moonvit_attn`` where vLLM no longer needs it (lanes vllm-0.15 and latest).
+
+vLLM 0.14.0 rebuilt MoonViT on ``MMEncoderAttention``: ``moonvit.py`` has no
+``VL_VISION_ATTENTION_FUNCTIONS`` and no S x S mask (on Ascend the encoder
+attention is vllm-ascend's, see ``vllm.mm_encoder_attn``). The patch must be
+skipped there with its reason, and the module must import exactly as without
+the shim — even with the emulated torch_npu present, so the NPU requirement is
+not what stops it.
+"""
+import json
+import os
+import textwrap
+
+import pytest
+
+from npu_shim.selftest import vllm_moonvit_attn as mv
+
+pytestmark = pytest.mark.lanes("vllm-0.15", "latest", "latest-vllm")
+
+FINGERPRINT = textwrap.dedent("""
+    import inspect, json
+    from npu_shim.selftest import vllm_moonvit_attn as mv
+
+    def fingerprint(module):
+        '''Every global of the module; for its own functions and classes, where their code lives.'''
+        out = {}
+        for name, value in sorted(vars(module).items()):
+            if name.startswith("__"):
+                continue
+            entry = type(value).__name__
+            if inspect.isfunction(value):
+                entry = value.__code__.co_filename
+            elif inspect.isclass(value) and value.__module__ == module.__name__:
+                entry = {k: v.__code__.co_filename for k, v in sorted(vars(value).items())
+                         if inspect.isfunction(v)}
+            out[name] = entry
+        return out
+""")
+
+
+@pytest.fixture(scope="module")
+def moonvit():
+    import npu_shim
+    from npu_shim import emulation
+
+    emulation.install()
+    npu_shim.install()
+    return mv.moonvit_module()
+
+
+def test_skipped_with_reason(moonvit):
+    import importlib.util
+
+    import npu_shim
+
+    assert importlib.util.find_spec("torch_npu") is not None   # not stopped by a missing NPU
+    row = next(r for r in npu_shim.status() if r["name"] == "vllm.moonvit_attn")
+    assert row["state"] == "skipped", row
+    assert row["reason"] == "vllm %s is outside >=0.8.5,<0.14" % row["versions"]["vllm"]
+    if os.environ.get("NPU_SHIM_LANE") == "vllm-0.15":
+        assert row["versions"]["vllm"] == "0.15.0"
+
+
+def test_this_moonvit_has_no_dispatch_table(moonvit):
+    """What the skip relies on: the rewritten module (read from the real wheel)."""
+    assert not hasattr(moonvit, "VL_VISION_ATTENTION_FUNCTIONS")
+    assert "MMEncoderAttention" in vars(moonvit)
+    for method in vars(moonvit.MoonVitEncoderLayer).values():
+        if callable(method) and hasattr(method, "__code__"):
+            assert method.__code__.co_filename == moonvit.__file__
+
+
+def test_module_imports_unchanged(moonvit, run_python, make_env):
+    """Same globals, same code, with the shim (and emulated torch_npu) as with NPU_SHIM=0."""
+    namespace = {}
+    exec(FINGERPRINT, namespace)
+    here = namespace["fingerprint"](moonvit)
+    code = FINGERPRINT + "print(json.dumps(fingerprint(mv.moonvit_module())))\n"
+    proc = run_python(code, env=make_env(NPU_SHIM="0", VLLM_PLUGINS=""), timeout=300)
+    upstream = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert here == upstream
