@@ -196,7 +196,7 @@ def main(argv=None):
         upstream_tower = build_tower(upstream_module.AscendMMEncoderAttention)
         patched_tower = build_tower(patched_module.AscendMMEncoderAttention)
         check_outputs(patched_tower, upstream_tower, q, k, v, cum)
-        path = patched_tower[0].npu_shim_varlen.backend
+        path = patched_tower[0].npu_shim_kernel.varlen.backend
         towers = {"upstream": upstream_tower, "patched": patched_tower}
         measure(towers, q, k, v, make_cu, 3)  # warm-up
         timings = measure(towers, q, k, v, make_cu, args.repeats)

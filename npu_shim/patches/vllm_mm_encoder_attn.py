@@ -55,8 +55,8 @@ FORWARD_OPTIONAL = ((), ("sequence_lengths",))    # 0.16.0rc1 / 0.17.0rc1 accept
 INIT_PARAMS = ("self", "num_heads", "head_size", "scale", "num_kv_heads", "prefix")
 INIT_OPTIONAL = ((), ("multimodal_config",))      # 0.13.0 / 0.14.0rc1
 
-# The per-layer kernel object the patched __init__ attaches to each layer.
-KERNEL_ATTR = "npu_shim_varlen"
+# The attribute under which the patched __init__ attaches each layer's kernel handle.
+KERNEL_ATTR = "npu_shim_kernel"
 
 
 def _own_function(cls, name):
@@ -130,17 +130,49 @@ def build(module):
     return {CLASS_NAME + ".__init__": __init__, CLASS_NAME + ".forward_oot": forward_oot}
 
 
-def _attach_kernel(layer):
-    """Decide scale, padding and NPU path once per layer."""
+class KernelHandle:
+    """A layer's :class:`~npu_shim.kernels.VarlenAttention`, safe to copy with the layer.
+
+    The kernel holds the torch_npu module, which cannot be pickled, so a layer
+    holding it directly would break ``copy.deepcopy`` and pickling of the model
+    (upstream layers support both). The kernel is configuration only, never
+    changed after construction: deep copies share it, and unpickling rebuilds it
+    from its arguments, choosing the NPU path for the machine that loads it.
+    """
+
+    __slots__ = ("varlen",)
+
+    def __init__(self, varlen):
+        self.varlen = varlen
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __reduce__(self):
+        v = self.varlen
+        return (_rebuild_handle, (v.num_heads, v.head_dim, v.num_kv_heads, v.scale, v.v_head_dim,
+                                  None))
+
+    def __repr__(self):
+        return "KernelHandle(%r)" % (self.varlen,)
+
+
+def _rebuild_handle(num_heads, head_dim, num_kv_heads, scale, v_head_dim, backend):
     from npu_shim.kernels import VarlenAttention
 
+    return KernelHandle(VarlenAttention(num_heads, head_dim, num_kv_heads=num_kv_heads, scale=scale,
+                                        v_head_dim=v_head_dim, backend=backend))
+
+
+def _attach_kernel(layer):
+    """Decide scale, padding and NPU path once per layer."""
     scale = layer.scale if layer.scale is not None else layer.head_size ** -0.5
-    kernel = VarlenAttention(layer.num_heads, layer.head_size,
-                             num_kv_heads=layer.num_kv_heads, scale=scale)
-    setattr(layer, KERNEL_ATTR, kernel)
+    handle = _rebuild_handle(layer.num_heads, layer.head_size, layer.num_kv_heads, scale,
+                             layer.head_size, None)
+    setattr(layer, KERNEL_ATTR, handle)
     # Upstream 0.15.0rc1+ expose these two; keep them, holding what is really used.
-    layer.scale_value = kernel.scale
-    layer.enable_pad = kernel.qk_pad_dim != layer.head_size
+    layer.scale_value = handle.varlen.scale
+    layer.enable_pad = handle.varlen.qk_pad_dim != layer.head_size
 
 
 def _forward(layer, query, key, value, cu_seqlens):
@@ -153,7 +185,7 @@ def _forward(layer, query, key, value, cu_seqlens):
     if cu_seqlens is None:
         # bsz sequences of q_len tokens each, as upstream assumes: host ints, no tensor, no sync.
         cu_seqlens = tuple(range(0, (bsz + 1) * q_len, q_len))
-    out = getattr(layer, KERNEL_ATTR)(q, k, v, cu_seqlens)
+    out = getattr(layer, KERNEL_ATTR).varlen(q, k, v, cu_seqlens)
     if query.dim() == 4:
         return out.reshape(bsz, q_len, heads, head_size).contiguous()
     return out.reshape(bsz, q_len, heads * head_size).contiguous()

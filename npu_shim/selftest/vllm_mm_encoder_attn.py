@@ -73,7 +73,7 @@ def run(device=None):
         "seconds": seconds,
         "detail": "%d AscendMMEncoderAttention layers, %d heads x %d (padded to %d), scale %g, "
                   "images of %s tokens packed, %s on %s, kernel path %r"
-                  % (LAYERS, HEADS, HEAD_DIM, layers[0].npu_shim_varlen.qk_pad_dim, SCALE,
+                  % (LAYERS, HEADS, HEAD_DIM, layers[0].npu_shim_kernel.varlen.qk_pad_dim, SCALE,
                      "/".join(map(str, IMAGE_TOKENS)), str(dtype).replace("torch.", ""), device,
-                     layers[0].npu_shim_varlen.backend),
+                     layers[0].npu_shim_kernel.varlen.backend),
     }

@@ -267,7 +267,7 @@ def test_scale_and_padding_decided_once_at_construction(stack):
     from npu_shim.testing import record_npu_calls
 
     layer = build(stack, stack.patched, heads=4, head_dim=72)
-    kernel = layer.npu_shim_varlen
+    kernel = layer.npu_shim_kernel.varlen
     assert (kernel.scale, kernel.qk_pad_dim, kernel.backend) == (72 ** -0.5, 128, "tnd")
     assert layer.enable_pad is True
     assert build(stack, stack.patched, heads=4, head_dim=64).enable_pad is False
@@ -296,7 +296,7 @@ def test_310p_uses_unpad_and_matches_upstream_bit_for_bit(stack, monkeypatch):
     monkeypatch.setenv("NPU_SHIM_EMULATE_SOC", "Ascend310P3")
     patched = build(stack, stack.patched, heads=4, head_dim=80)
     upstream = build(stack, stack.upstream, heads=4, head_dim=80)
-    assert patched.npu_shim_varlen.backend == "unpad"
+    assert patched.npu_shim_kernel.varlen.backend == "unpad"
     bsz, seq, cu, ref_cu = lengths_case("device")
     q, k, v = make_qkv("4d", bsz, seq, 4, 4, 80, seed=9)
     with record_npu_calls() as calls:
@@ -304,6 +304,27 @@ def test_310p_uses_unpad_and_matches_upstream_bit_for_bit(stack, monkeypatch):
     assert [c.name for c in calls] == ["_npu_flash_attention_unpad"]
     assert torch.equal(out, upstream.forward_oot(q, k, v, cu))
     assert max_err(out, reference(q, k, v, ref_cu, heads=4, kv_heads=4, head_dim=80)) < 2e-5
+
+
+def test_patched_layer_deepcopies_and_pickles(stack):
+    """Upstream layers can be deep-copied and pickled; the patched ones too (the kernel
+    handle is shared by copies and rebuilt on unpickling)."""
+    import copy
+    import pickle
+
+    import torch
+
+    layer = build(stack, stack.patched, heads=4, head_dim=72, scale=0.05)
+    bsz, seq, cu, ref_cu = lengths_case("host")
+    q, k, v = make_qkv("4d", bsz, seq, 4, 4, 72, seed=8)
+    expected = layer.forward_oot(q, k, v, cu)
+    for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
+        assert type(clone) is stack.patched and clone is not layer
+        assert clone.npu_shim_kernel.varlen.scale == 0.05
+        assert torch.equal(clone.forward_oot(q, k, v, cu), expected)
+    upstream = copy.deepcopy(build(stack, stack.upstream, heads=4, head_dim=72, scale=0.05))
+    assert torch.equal(upstream.forward_oot(q, k, v, cu),
+                       build(stack, stack.upstream, heads=4, head_dim=72).forward_oot(q, k, v, cu))
 
 
 # ------------------------------------------------------------ 2. host syncs
