@@ -279,23 +279,20 @@ def fusion_calls_report(calls, num_layers, head_dim):
 # --------------------------------------------------------------------------- selftest
 
 
-def run(device=None):
-    import torch
+def check_tower(model, geometry, *, dtype, device):
+    """One forward of ``model`` (all layers on ascend_fa) against the float64 reference.
 
+    Returns (max_abs_err, tolerance, attention host syncs, seconds). Raises if a
+    layer did not make exactly one fused mask-free NPU call.
+    """
     from npu_shim.testing import attention_f64, count_host_syncs, record_npu_calls
 
-    device = device or "cpu"
-    module = applied_module()
-    dtype = torch.float32 if device == "cpu" else torch.float16
-    geometry = SELFTEST
     heads = geometry["num_attention_heads"]
     head_dim = geometry["hidden_size"] // heads
-    model = build_tower(module, geometry, dtype=dtype, device=device, choice="auto")
     if any(block.attn_implementation != "ascend_fa" for block in model.encoder.blocks):
-        raise RuntimeError("NPU_SHIM_MOONVIT_ATTN=auto did not select ascend_fa: %s"
+        raise RuntimeError("the tower's layers do not use ascend_fa: %s"
                            % [b.attn_implementation for b in model.encoder.blocks])
     pixels, grid_hw = make_inputs(dtype=dtype, device=device)
-
     started = time.perf_counter()
     with count_host_syncs(device_tensors=[pixels, grid_hw]) as syncs, \
             cu_seqlens_on_device(model, syncs), record_npu_calls() as calls, \
@@ -311,13 +308,32 @@ def run(device=None):
         max_err = max(max_err, (got - reference).abs().max().item())
         max_ref = max(max_ref, reference.abs().max().item())
     tolerance = TOLERANCE[str(dtype).replace("torch.", "")] * max(1.0, max_ref)
+    return max_err, tolerance, len(attention_syncs(syncs)), seconds
+
+
+def describe(geometry, dtype):
+    heads = geometry["num_attention_heads"]
+    return "vllm MoonVitPretrainedModel, %d layers, %d heads x %d, images %s, %s" % (
+        geometry["num_hidden_layers"], heads, geometry["hidden_size"] // heads,
+        "+".join("%dx%d" % g for g in GRIDS), str(dtype).replace("torch.", ""))
+
+
+def selftest_dtype(device):
+    import torch
+
+    return torch.float32 if device == "cpu" else torch.float16
+
+
+def run(device=None):
+    device = device or "cpu"
+    module = applied_module()
+    dtype = selftest_dtype(device)
+    model = build_tower(module, SELFTEST, dtype=dtype, device=device, choice="auto")
+    max_err, tolerance, syncs, seconds = check_tower(model, SELFTEST, dtype=dtype, device=device)
     return {
         "max_abs_err": max_err,
         "tolerance": tolerance,
-        "host_syncs": len(attention_syncs(syncs)),
+        "host_syncs": syncs,
         "seconds": seconds,
-        "detail": "vllm MoonVitPretrainedModel, %d layers, %d heads x %d, images %s, %s, one fused "
-                  "call/layer, no mask" % (geometry["num_hidden_layers"], heads, head_dim,
-                                           "+".join("%dx%d" % g for g in GRIDS),
-                                           str(dtype).replace("torch.", "")),
+        "detail": describe(SELFTEST, dtype) + ", NPU_SHIM_MOONVIT_ATTN=auto, one fused call/layer, no mask",
     }

@@ -182,3 +182,12 @@ def test_lane_versions(stack):
         assert row["versions"]["vllm"] == "0.15.0"
     else:
         assert row["versions"]["transformers"].startswith("5.")
+
+
+def test_selftest_module(stack):
+    from npu_shim.selftest import transformers_attn_check as selftest
+
+    result = selftest.run()
+    assert result["max_abs_err"] <= result["tolerance"]
+    assert result["host_syncs"] == 1
+    assert "config asking for ascend_fa" in result["detail"]
