@@ -12,7 +12,9 @@ Why: vllm-ascend's ``AscendMMEncoderAttention.forward_oot`` (the attention of
   ``prefix`` into a layer index and refreshes a module-global
   ``seq_lens_cpu_cache`` when that index is 0. That raises ``ValueError`` for a
   prefix without digits, never refreshes for a prefix like ``visual2.blocks.0``
-  (index 20), and lets two encoders in one process read each other's lengths.
+  (index 20), lets two encoders in one process read each other's lengths, and
+  gives Qwen2.5-VL's full-attention layers (7/15/23/31) the window lengths of
+  layer 0.
   With vLLM 0.15.0 it copies per layer like 0.13. 0.16.0rc1 and 0.17.0rc1
   accept a ``sequence_lengths`` argument but ignore it (vLLM 0.16/0.17 do not
   pass it for Ascend) and still copy per layer.
@@ -25,9 +27,10 @@ How: ``__init__`` runs the base ``MMEncoderAttention.__init__`` with the same
   ``forward_oot`` takes the host boundaries from
   :func:`npu_shim.kernels.host_cu_seqlens`, cached per ``cu_seqlens`` tensor
   (identity and version counter, weakly): every layer of one forward receives
-  the same tensor, so a forward costs at most one sync whatever the depth, and
-  none when ``cu_seqlens`` is on the host or None (uniform lengths are built as
-  host ints). Nothing is keyed on the prefix and nothing is process-global, so
+  the same tensor, so a forward costs at most one sync whatever the depth (one
+  per distinct tensor: Qwen2.5-VL's full and windowed layers get two, so 2
+  instead of 32), and none when ``cu_seqlens`` is on the host or None (uniform
+  lengths are built as host ints). Nothing is keyed on the prefix and nothing is process-global, so
   two encoders alternate safely. K/V are not repeated for GQA (the kernel takes
   ``num_kv_heads``). Output shape and dtype are upstream's: (B, S, N, D) for
   4-D inputs, (B, S, N*D) for 3-D inputs, in the query's dtype.

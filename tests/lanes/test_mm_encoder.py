@@ -396,6 +396,66 @@ def test_two_encoders_interleaved_stay_correct(stack):
     assert syncs.count == 2, syncs.summary()  # one per encoder forward
 
 
+QWEN25_VL_DEPTH, QWEN25_VL_FULL_ATTENTION = 32, (7, 15, 23, 31)
+
+
+def qwen25_vl_like_forward(layers, q, k, v, cu_full, cu_window):
+    """Qwen2.5-VL's vision tower: windowed attention in every layer but 7/15/23/31,
+    which attend over whole images; vLLM hands each layer the matching cu_seqlens."""
+    return [layer.forward_oot(q, k, v, cu_full if i in QWEN25_VL_FULL_ATTENTION else cu_window)
+            for i, layer in enumerate(layers)]
+
+
+def _qwen25_vl_case():
+    import torch
+    from npu_shim.testing import dense_segments
+
+    q, k, v = make_qkv("4d", 1, 24, 4, 4, 80, seed=51)
+    cu_full = torch.tensor(dense_segments([16, 8]), dtype=torch.int32)            # two images
+    cu_window = torch.tensor(dense_segments([4, 4, 4, 4, 4, 4]), dtype=torch.int32)  # windows
+    ref_full = reference(q, k, v, cu_full, heads=4, kv_heads=4, head_dim=80)
+    ref_window = reference(q, k, v, cu_window, heads=4, kv_heads=4, head_dim=80)
+    refs = [ref_full if i in QWEN25_VL_FULL_ATTENTION else ref_window for i in range(QWEN25_VL_DEPTH)]
+    return q, k, v, cu_full, cu_window, refs
+
+
+def test_qwen25_vl_full_and_window_layers(stack):
+    """Two cu_seqlens tensors per forward (full and windowed attention): one sync per
+    distinct tensor, so 2 per forward instead of 32, and every layer uses its own."""
+    from npu_shim.testing import count_host_syncs
+
+    q, k, v, cu_full, cu_window, refs = _qwen25_vl_case()
+    layers = [build(stack, stack.patched, heads=4, head_dim=80, prefix="visual.blocks.%d.attn" % i)
+              for i in range(QWEN25_VL_DEPTH)]
+    upstream = [build(stack, stack.upstream, heads=4, head_dim=80, prefix="visual.blocks.%d.attn" % i)
+                for i in range(QWEN25_VL_DEPTH)]
+    with count_host_syncs(device_tensors=[cu_full, cu_window]) as ours:
+        outs = qwen25_vl_like_forward(layers, q, k, v, cu_full, cu_window)
+    with count_host_syncs(device_tensors=[cu_full, cu_window]) as up:
+        qwen25_vl_like_forward(upstream, q, k, v, cu_full, cu_window)
+    assert ours.count == 2, ours.summary()
+    assert up.count == QWEN25_VL_DEPTH, up.summary()
+    assert max(max_err(o, r) for o, r in zip(outs, refs)) < 2e-5
+
+
+def test_inference_mode_tensors(stack):
+    """vLLM runs encoders under torch.inference_mode(): cu_seqlens is an inference tensor
+    (no version counter). A fresh tensor per forward, as vLLM builds it, is seen."""
+    import torch
+    from npu_shim.testing import count_host_syncs, dense_segments
+
+    layers = _stack_of(stack, stack.patched, "visual.blocks.{}.attn")
+    q, k, v = make_qkv("4d", 1, 18, 4, 4, 80, seed=61)
+    for lengths in ([5, 1, 9, 3], [9, 9], [1, 17]):
+        with torch.inference_mode():
+            cu = torch.tensor(dense_segments(lengths), dtype=torch.int32)
+            with count_host_syncs(device_tensors=[cu]) as syncs:
+                outs = _forward(layers, q, k, v, cu)
+        ref = reference(q, k, v, cu, heads=4, kv_heads=4, head_dim=80)
+        assert syncs.count == 1, syncs.summary()
+        assert max(max_err(o, ref) for o in outs) < 2e-5
+
+
 # ---------------------------------------------------------------- 3. prefixes
 
 
@@ -584,6 +644,26 @@ def test_015_two_encoders_alternating_upstream_wrong_patched_right(cache_branch)
     ours_a, ours_b, our_syncs = alternate(stack.patched)
     assert max(ours_a + ours_b) < 2e-5
     assert our_syncs == 2
+
+
+@pytest.mark.lanes("vllm-0.15")
+def test_015_qwen25_vl_full_attention_layers_get_window_lengths_upstream(cache_branch):
+    """The seed's cache refreshes at layer 0, a windowed layer in Qwen2.5-VL: the
+    full-attention layers 7/15/23/31 then attend within windows upstream."""
+    stack = cache_branch
+    q, k, v, cu_full, cu_window, refs = _qwen25_vl_case()
+    for cls in (stack.upstream, stack.patched):
+        layers = [build(stack, cls, heads=4, head_dim=80, prefix="visual.blocks.%d.attn" % i)
+                  for i in range(QWEN25_VL_DEPTH)]
+        errors = [max_err(o, r) for o, r in zip(qwen25_vl_like_forward(layers, q, k, v, cu_full,
+                                                                       cu_window), refs)]
+        wrong = {i for i, e in enumerate(errors) if e > 1e-2}
+        right = {i for i, e in enumerate(errors) if e < 2e-5}
+        if cls is stack.upstream:
+            assert wrong == set(QWEN25_VL_FULL_ATTENTION), errors
+        else:
+            assert right == set(range(QWEN25_VL_DEPTH)), errors
+        assert wrong | right == set(range(QWEN25_VL_DEPTH))
 
 
 @pytest.mark.lanes("vllm-0.15")
