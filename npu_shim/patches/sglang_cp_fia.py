@@ -10,7 +10,8 @@ Why: with ``--enable-prefill-context-parallel`` and ``ASCEND_USE_FIA=1`` (non-ML
   (seed 002).
 How: replace the method. A rank's local tokens are laid out
   ``[s0.prev, s1.prev, ..., s0.next, s1.next, ...]`` (zigzag: block r and block
-  2*cp_size-1-r of every sequence), so Q is split at ``total_q_prev_tokens``,
+  2*cp_size-1-r of every sequence), so Q is split after the prev blocks
+  (``sum(actual_seq_q_prev_list)``, upstream's ``total_q_prev_tokens``),
   and each half is one paged fused-infer attention call
   (:func:`npu_shim.kernels.paged_prefill_attention`: TND, sparse_mode=3
   bottom-right causal, cumulative per-sequence query lengths and per-sequence
@@ -76,7 +77,8 @@ SHARED_NAMES = frozenset({"npu_fused_infer_attention_score", "page_size", "forwa
                           "tp_k_head_num", "tp_v_head_num", "qk_head_dim", "v_head_dim", "scaling"})
 
 # Metadata fields the replacement reads, and the scalar ones PR 23269 removed.
-PER_SEQUENCE_FIELDS = FIXED_NAMES
+PER_SEQUENCE_FIELDS = frozenset({"actual_seq_q_prev_list", "actual_seq_q_next_list",
+                                 "kv_len_prev_list", "kv_len_next_list"})
 SCALAR_FIELDS = frozenset({"actual_seq_q_prev", "actual_seq_q_next", "kv_len_prev", "kv_len_next"})
 METADATA_MODULES = ("sglang.srt.layers.utils.cp_utils", "sglang.srt.layers.cp.zigzag")
 
@@ -167,9 +169,10 @@ def make_do_cp_attn_fia():
         q = q.reshape(-1, num_heads, layer.qk_head_dim)
         k_paged = k_cache.view(-1, self.page_size, num_kv_heads * layer.qk_head_dim)
         v_paged = v_cache.view(-1, self.page_size, layer.tp_v_head_num * layer.v_head_dim)
-        split = int(cp_meta.total_q_prev_tokens)
+        q_prev_lens = cp_meta.actual_seq_q_prev_list
+        split = sum(q_prev_lens)          # == total_q_prev_tokens; host ints, no sync
         halves = (
-            (q[:split], cp_meta.actual_seq_q_prev_list, cp_meta.kv_len_prev_list),
+            (q[:split], q_prev_lens, cp_meta.kv_len_prev_list),
             (q[split:], cp_meta.actual_seq_q_next_list, cp_meta.kv_len_next_list),
         )
         outputs = [
@@ -182,8 +185,8 @@ def make_do_cp_attn_fia():
                 num_heads=num_heads,
                 num_kv_heads=num_kv_heads,
                 scale=layer.scaling,
-                q_seq_lens=[int(n) for n in q_lens],
-                kv_seq_lens=[int(n) for n in kv_lens],
+                q_seq_lens=q_lens,      # host lists; the kernel refuses device tensors
+                kv_seq_lens=kv_lens,
                 atten_mask=self.fia_mask,
             )
             for q_half, q_lens, kv_lens in halves

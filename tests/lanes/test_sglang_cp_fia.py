@@ -221,16 +221,21 @@ def old_wheel(request, tmp_path_factory):
     return broken_window.find_or_fetch_old_wheel(str(where))
 
 
-def test_patch_applies_to_a_broken_window_build(old_wheel, make_env):
-    """0.5.13's module with 0.5.12's do_cp_attn_fia (see sglang_support/broken_window.py)."""
-    wheel = old_wheel
-    env = make_env(NPU_SHIM_EMULATE="1", PYTHONPATH=PLACEHOLDERS)
-    proc = subprocess.run([sys.executable, os.path.join(SUPPORT, "broken_window.py"), wheel],
+@pytest.fixture(scope="module")
+def broken_window_run(old_wheel):
+    """broken_window.py's findings, from one fresh interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("NPU_SHIM")}
+    env.update(NPU_SHIM_EMULATE="1", PYTHONPATH=PLACEHOLDERS)
+    proc = subprocess.run([sys.executable, os.path.join(SUPPORT, "broken_window.py"), old_wheel],
                           env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("BROKEN_WINDOW_RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    result = json.loads(lines[-1].split(" ", 1)[1])
+    return json.loads(lines[-1].split(" ", 1)[1])
 
+
+def test_patch_applies_to_a_broken_window_build(broken_window_run):
+    """0.5.13's module with 0.5.12's do_cp_attn_fia (see sglang_support/broken_window.py)."""
+    result = broken_window_run
     assert (result["state"], result["reason"]) == ("applied", "sglang 0.5.13"), result
     assert result["patched_is_shim"]
     assert result["original_is_spliced"] and result["original_shape"] == "single-sequence"
@@ -243,14 +248,9 @@ def test_patch_applies_to_a_broken_window_build(old_wheel, make_env):
         assert case["max_abs_err"] <= case["tolerance"], case
 
 
-def test_selftest_runs_the_patched_path_in_a_broken_window_build(old_wheel, make_env):
+def test_selftest_runs_the_patched_path_in_a_broken_window_build(broken_window_run):
     """``npu-shim selftest``'s runner, where the patch applies."""
-    env = make_env(NPU_SHIM_EMULATE="1", PYTHONPATH=PLACEHOLDERS)
-    proc = subprocess.run([sys.executable, os.path.join(SUPPORT, "broken_window.py"), old_wheel, "selftest"],
-                          env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("BROKEN_WINDOW_SELFTEST ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    row = next(r for r in json.loads(lines[-1].split(" ", 1)[1]) if r["patch"] == "sglang.cp_fia")
+    row = next(r for r in broken_window_run["selftest"] if r["patch"] == "sglang.cp_fia")
     assert (row["state"], row["ok"], row["kernels"]) == ("applied", True, "emulation"), row
     assert row["host_syncs"] == 0
     assert 0 <= row["max_abs_err"] <= row["tolerance"] == 2e-5

@@ -20,8 +20,7 @@ raised AttributeError on the first call (seed 002). No release has that shape
 Run as a script (``python broken_window.py WHEEL``) it does that in a fresh
 interpreter and prints one JSON object: the shim's status row, the error the
 unpatched method raises, and the patched method's errors against the float64
-reference for a few batches. ``python broken_window.py WHEEL selftest`` runs
-``npu-shim selftest``'s runner there instead.
+reference for a few batches, and the rows of ``npu-shim selftest``'s runner.
 """
 import ast
 import base64
@@ -134,7 +133,7 @@ def install_broken_window(wheel_path):
 def main(wheel_path):
     import torch
 
-    old_method, origin = install_broken_window(wheel_path)
+    _, origin = install_broken_window(wheel_path)
     import npu_shim
 
     npu_shim.install()
@@ -167,6 +166,11 @@ def main(wheel_path):
                       "tolerance": cp_case.tolerance(spec.dtype)})
     result["cases"] = cases
 
+    # ``npu-shim selftest``'s runner, while the patch is applied.
+    from npu_shim.selftest import run_all
+
+    result["selftest"] = [{k: v for k, v in row.items() if k != "traceback"} for row in run_all()]
+
     # The bug itself: with the shim uninstalled, the spliced (old) method meets
     # the per-sequence metadata.
     npu_shim.uninstall()
@@ -184,22 +188,5 @@ def main(wheel_path):
     print("BROKEN_WINDOW_RESULT " + json.dumps(result))
 
 
-def selftest(wheel_path):
-    """``npu-shim selftest``'s runner in the broken-window build: one JSON row per patch."""
-    install_broken_window(wheel_path)
-    import npu_shim
-
-    npu_shim.install()
-    importlib.import_module(TARGET)
-    from npu_shim.selftest import run_all
-
-    rows = run_all()
-    print("BROKEN_WINDOW_SELFTEST " + json.dumps([{k: v for k, v in row.items() if k != "traceback"}
-                                                  for row in rows]))
-
-
 if __name__ == "__main__":
-    if sys.argv[2:] == ["selftest"]:
-        selftest(sys.argv[1])
-    else:
-        main(sys.argv[1])
+    main(sys.argv[1])
