@@ -47,8 +47,9 @@ def import_target_without_ops_init():
     empty package module is registered as ``vllm_ascend.ops`` with the real
     ``__path__`` (``module_from_spec`` of the real spec, not executed); the real
     submodule file is then imported from it. Nothing else of vllm-ascend is
-    replaced. vLLM stays on its CPU platform: ``VLLM_PLUGINS=""`` loads no
-    plugin, so vllm-ascend's platform plugin never activates.
+    replaced. vLLM stays off the NPU platform: ``VLLM_PLUGINS`` (the lanes set
+    ``npu_shim``; empty if unset) does not name ``ascend``, so vllm-ascend's
+    platform plugin never activates.
     """
     os.environ.setdefault("VLLM_PLUGINS", "")  # the lanes use "npu_shim"; never "ascend"
     import vllm_ascend

@@ -12,8 +12,8 @@ The target is imported the way the 0.13/0.15 lanes do it (see
 ``import_target_without_ops_init``): ``vllm_ascend/ops/__init__.py`` imports
 compiled Ascend ops, so an empty package module with the real ``__path__``
 stands for ``vllm_ascend.ops`` and the real submodule file is imported from it.
-torch_npu is npu-shim's emulation; ``VLLM_PLUGINS=""`` keeps vLLM off the
-vllm-ascend platform plugin.
+torch_npu is npu-shim's emulation; ``VLLM_PLUGINS`` (the lanes set ``npu_shim``;
+empty if unset) keeps vLLM off the vllm-ascend platform plugin.
 """
 import importlib
 import importlib.metadata
