@@ -1,0 +1,247 @@
+"""Run one lane's tests and print its table: patch x state x reason x tests passed.
+
+Called by ``noxfile.py`` inside the lane's virtual environment::
+
+    python lanes/report.py run --lane vllm-0.13 --out .nox/reports/vllm-0.13 -- [pytest args]
+    python lanes/report.py summary .nox/reports        # all lanes run so far, one table
+
+``run`` runs pytest (writing a junit xml), then asks the shim what each patch does in this
+environment (``python -m npu_shim status --json --import``), prints the lane table and
+writes ``summary.json`` next to the junit file. Its exit status is non-zero when pytest
+failed or ran no test (pytest's exit code 5 counts as a failure: a lane that selects
+nothing is a broken lane, not a green one). If the status command is missing or fails,
+the table says so instead of rows (none are made up); that alone does not fail the lane,
+the tests decide.
+
+Why "tests passed" per patch is counted from test *files*: a test module that exercises a
+patch names it (e.g. ``PATCH_NAME = "vllm.moonvit_attn"``), so the tests of every module
+whose source mentions the patch's name are attributed to that patch. The lane's totals
+are printed beside it, so nothing is hidden by the attribution.
+
+Only the standard library is used: this runs in every lane's venv.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTEST_NO_TESTS = 5
+
+
+def run_pytest(junit_path, pytest_args, env):
+    # -P: the checkout is not put on sys.path, so the tests import the installed npu_shim.
+    command = [sys.executable, "-P", "-m", "pytest", "--junitxml", junit_path] + list(pytest_args)
+    print("+ " + " ".join(command), flush=True)
+    return subprocess.call(command, cwd=REPO, env=env)
+
+
+def patch_status(env):
+    """Rows from ``npu-shim status --json --import``; (None, message) when unavailable."""
+    command = [sys.executable, "-P", "-m", "npu_shim", "status", "--json", "--import"]
+    try:
+        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    except subprocess.TimeoutExpired:
+        return None, "`%s` did not finish in 600 s" % " ".join(command[1:])
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
+        return None, "`%s` exited %d: %s" % (" ".join(command[1:]), proc.returncode, " | ".join(tail))
+    try:
+        rows = json.loads(proc.stdout)
+    except ValueError:
+        return None, "`%s` printed no JSON list: %r" % (" ".join(command[1:]), proc.stdout[:200])
+    if not isinstance(rows, list):
+        return None, "`%s` printed %s, not a list" % (" ".join(command[1:]), type(rows).__name__)
+    return rows, None
+
+
+def read_junit(junit_path):
+    """Per test case: (source file, outcome); outcome is passed/failed/error/skipped."""
+    if not os.path.exists(junit_path):
+        return []
+    cases = []
+    for case in ET.parse(junit_path).getroot().iter("testcase"):
+        outcome = "passed"
+        for child in case:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = "failed" if child.tag == "failure" else child.tag
+                break
+        cases.append((_source_of(case.get("classname", "")), outcome))
+    return cases
+
+
+def _source_of(classname):
+    """junit classname 'tests.lanes.test_x.TestY' -> 'tests/lanes/test_x.py' (if it exists)."""
+    parts = classname.split(".")
+    for end in range(len(parts), 0, -1):
+        candidate = os.path.join(*parts[:end]) + ".py"
+        if os.path.exists(os.path.join(REPO, candidate)):
+            return candidate
+    return classname
+
+
+def totals(cases):
+    counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    for _, outcome in cases:
+        counts[outcome] += 1
+    return counts
+
+
+def tests_per_patch(rows, cases):
+    """For each patch name: passed/total over tests in files whose source names the patch."""
+    sources = {}
+    for source, _ in cases:
+        if source not in sources:
+            try:
+                with open(os.path.join(REPO, source), encoding="utf-8") as handle:
+                    sources[source] = handle.read()
+            except OSError:
+                sources[source] = ""
+    result = {}
+    for row in rows:
+        mine = [outcome for source, outcome in cases if row["name"] in sources[source]]
+        result[row["name"]] = {"passed": mine.count("passed"), "total": len(mine)}
+    return result
+
+
+def _fmt_versions(versions):
+    return ", ".join("%s %s" % (dist, version or "-") for dist, version in sorted(versions.items())) or "-"
+
+
+def format_table(headers, table):
+    widths = [max(len(str(r[i])) for r in table + [headers]) for i in range(len(headers))]
+    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in table]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def lane_table(summary):
+    headers = ("patch", "state", "reason", "versions", "tests passed")
+    table = []
+    for row in summary["patches"] or []:
+        tests = summary["tests_per_patch"].get(row["name"], {"passed": 0, "total": 0})
+        table.append(
+            (
+                row["name"],
+                row["state"],
+                row["reason"] or "-",
+                _fmt_versions(row.get("versions") or {}),
+                "%d/%d" % (tests["passed"], tests["total"]) if tests["total"] else "-",
+            )
+        )
+    return format_table(headers, table) if table else "(no patch rows)"
+
+
+def closing_line(counts):
+    return "%d passed, %d failed, %d skipped" % (
+        counts["passed"],
+        counts["failed"] + counts["error"],
+        counts["skipped"],
+    )
+
+
+def cmd_run(args):
+    os.makedirs(args.out, exist_ok=True)
+    junit_path = os.path.abspath(os.path.join(args.out, "junit.xml"))
+    if os.path.exists(junit_path):
+        os.remove(junit_path)
+    env = dict(os.environ, NPU_SHIM_LANE=args.lane)
+    pytest_rc = run_pytest(junit_path, args.pytest_args, env)
+    cases = read_junit(junit_path)
+    counts = totals(cases)
+
+    # The status needs the targets imported: with no real torch_npu here, the emulation
+    # stands in for it (NPU_SHIM_EMULATE=1), as in the lane's tests.
+    rows, status_problem = patch_status(dict(env, NPU_SHIM_EMULATE="1"))
+    summary = {
+        "lane": args.lane,
+        "pytest_exit_code": pytest_rc,
+        "tests": counts,
+        "patches": rows,
+        "status_problem": status_problem,
+        "tests_per_patch": tests_per_patch(rows or [], cases),
+        "junit": os.path.relpath(junit_path, REPO),
+    }
+    with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as handle:
+        json.dump(summary, handle, indent=2, sort_keys=True)
+
+    print()
+    print("=== lane %s ===" % args.lane)
+    if status_problem:
+        print("patch status unavailable: %s" % status_problem)
+    else:
+        print(lane_table(summary))
+    print("lane %s: %s (pytest exit code %d, junit %s)" % (args.lane, closing_line(counts), pytest_rc, summary["junit"]))
+
+    problems = []
+    if pytest_rc == PYTEST_NO_TESTS or not cases:
+        problems.append("no test ran in lane %s" % args.lane)
+    elif pytest_rc != 0:
+        problems.append("pytest failed in lane %s (exit code %d)" % (args.lane, pytest_rc))
+    for problem in problems:
+        print("LANE FAILED: " + problem, file=sys.stderr)
+    return 1 if problems else 0
+
+
+def cmd_summary(args):
+    summaries = []
+    if os.path.isdir(args.reports):
+        for lane in sorted(os.listdir(args.reports)):
+            path = os.path.join(args.reports, lane, "summary.json")
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as handle:
+                    summaries.append(json.load(handle))
+    if not summaries:
+        print("no lane summaries under %s" % args.reports)
+        return 1
+    table = []
+    overall = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
+    for summary in summaries:
+        for key in overall:
+            overall[key] += summary["tests"][key]
+        lane_counts = closing_line(summary["tests"])
+        if summary["status_problem"]:
+            table.append((summary["lane"], "-", "status unavailable", summary["status_problem"][:60], lane_counts))
+            continue
+        for row in summary["patches"]:
+            tests = summary["tests_per_patch"].get(row["name"], {"passed": 0, "total": 0})
+            table.append(
+                (
+                    summary["lane"],
+                    row["name"],
+                    row["state"],
+                    row["reason"] or "-",
+                    "%d/%d" % (tests["passed"], tests["total"]) if tests["total"] else "-",
+                )
+            )
+        table.append((summary["lane"], "(lane)", "", "", lane_counts))
+    print(format_table(("lane", "patch", "state", "reason", "tests passed"), table))
+    failed = [s["lane"] for s in summaries if s["pytest_exit_code"] != 0 or not sum(s["tests"].values())]
+    if failed:
+        print("lanes with failures or no tests: " + ", ".join(failed))
+    print("lanes: " + closing_line(overall))
+    return 1 if failed else 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="run the lane's tests and print its table")
+    run.add_argument("--lane", required=True)
+    run.add_argument("--out", required=True, help="directory for junit.xml and summary.json")
+    run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: arguments for pytest")
+    run.set_defaults(func=cmd_run)
+    summary = sub.add_parser("summary", help="one table over every lane summary under REPORTS")
+    summary.add_argument("reports")
+    summary.set_defaults(func=cmd_summary)
+    args = parser.parse_args(argv)
+    if getattr(args, "pytest_args", None) and args.pytest_args[0] == "--":
+        args.pytest_args = args.pytest_args[1:]
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
