@@ -117,6 +117,8 @@ def main():
     print("machine: %s, %d torch threads, torch %s, emulated torch_npu (SoC %s)"
           % (platform.machine(), torch.get_num_threads(), torch.__version__,
              __import__("torch_npu").npu.get_device_name()))
+    print("load average at start: %.1f (other processes share these cores; timings scale with it)"
+          % os.getloadavg()[0])
     print("packing: %d tokens in %d segments (%d..%d per segment), N=%d, D=%d, %s"
           % (t, len(lengths), min(lengths), max(lengths), n, d, args.dtype))
     print()
@@ -154,7 +156,8 @@ def main():
           % (len(calls), calls[0].name, calls[0].kwargs.get("input_layout"),
              calls[0].kwargs.get("atten_mask")))
     print("  host syncs in this (first) layer:      %d (%s)" % (syncs.count, syncs.summary()))
-    print("  seconds per layer on this CPU:         %8.1f  (op %.1f)" % (layer_seconds, op_seconds))
+    print("  seconds per layer on this CPU:         %8.1f  (op %.1f; load average now %.1f)"
+          % (layer_seconds, op_seconds, os.getloadavg()[0]))
     del out, q, k, v
 
     small = [max(1, x // args.count_scale) for x in lengths]

@@ -76,7 +76,7 @@ def paged_prefill_attention(q, k_cache, v_cache, *, block_table, block_size, num
     if atten_mask is None:
         atten_mask = compressed_causal_mask(q.device)
     out, _ = _torch_npu.ops_namespace().npu_fused_infer_attention_score(
-        q, k_paged, v_paged,
+        q.contiguous(), k_paged, v_paged,  # the op does not take non-contiguous tensors
         block_table=block_table,
         block_size=block_size,
         num_heads=num_heads,

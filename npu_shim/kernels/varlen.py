@@ -162,7 +162,8 @@ def _groups(count, limit):
 
 
 def _pad_last(x, width):
-    return x if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
+    """Zero-pad the head dim to ``width``; always hand the op a contiguous tensor."""
+    return x.contiguous() if x.shape[-1] == width else F.pad(x, (0, width - x.shape[-1]))
 
 
 def _positive_int(name, value):

@@ -59,8 +59,10 @@ _NARROW = {torch.narrow, _T.narrow}
 _REPEAT_INTERLEAVE = {torch.repeat_interleave, _T.repeat_interleave}
 _TO_DEVICE = {_T.cuda, getattr(_T, "npu", None)} - {None}
 
+# Frames skipped when naming the caller: torch itself, this package, contextlib.
 _SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                   for m in (torch, contextlib, sys.modules[__name__]))
+                   for m in (torch, sys.modules[__name__]))
+_SKIP_FILES = {os.path.abspath(contextlib.__file__)}
 
 
 class SyncEvent(NamedTuple):
@@ -138,7 +140,7 @@ def _caller_location():
     frame = sys._getframe(2)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_SKIP_DIRS):
+        if not path.startswith(_SKIP_DIRS) and path not in _SKIP_FILES:
             short = os.path.join(os.path.basename(os.path.dirname(path)), os.path.basename(path))
             return "%s:%d in %s" % (short, frame.f_lineno, frame.f_code.co_name)
         frame = frame.f_back
