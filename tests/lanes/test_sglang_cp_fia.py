@@ -21,7 +21,11 @@ Tests:
 4. 0.5.13 itself: the patch stays off with reason "fixed upstream";
 5. a build in the broken window (0.5.13 module + 0.5.12 method, see
    sglang_support/broken_window.py), in a fresh interpreter: the patch applies
-   through the import hook, fixes the AttributeError and is correct.
+   through the import hook, fixes the AttributeError and is correct, and
+   ``npu-shim selftest``'s runner passes there; on 0.5.13 itself the selftest
+   module refuses to run (nothing patched).
+
+The two-process (gloo) test is in test_sglang_cp_fia_gloo.py.
 """
 import importlib
 import importlib.util
