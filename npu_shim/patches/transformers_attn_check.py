@@ -29,8 +29,10 @@ Window: the method exists from transformers 4.55.0 through 5.23.0 with the
   config change, so the patch skips them rather than patching two more shapes.
   The patch is needed only while a shim-provided attention name can be
   requested at all, i.e. while ``vllm.moonvit_attn`` can apply: vllm
-  >=0.8.5,<0.14 (0.14 moved MoonViT to ``MMEncoderAttention``). The guard says
-  so; with a newer or no vLLM the patch is skipped.
+  >=0.8.5,<0.14 (0.14 moved MoonViT to ``MMEncoderAttention``) and torch_npu
+  is importable (real, or the emulation). The guard says so (``requires`` on
+  vllm, ``needs_npu`` although this wrapper calls no NPU op itself); with a
+  newer or no vLLM, or no NPU, the patch is skipped with that reason.
 Upstream fix: none (transformers has no hook for names served by another library).
 Remove when: no supported vLLM dispatches MoonViT attention by name.
 """
@@ -107,7 +109,8 @@ PATCH = Patch(
     name="transformers.attn_check",
     target="transformers.modeling_utils",
     replaces=("PreTrainedModel.%s" % METHOD,),
-    requires={"transformers": ">=4.55", "vllm": ">=0.8.5,<0.14"},
+    requires={"transformers": ">=4.55,<6", "vllm": ">=0.8.5,<0.14"},
+    needs_npu=True,   # needed only where vllm.moonvit_attn (an NPU patch) can serve the name
     check=check,
     build=build,
     summary="accept attn_implementation='ascend_fa' for vLLM's MoonViT while vllm.moonvit_attn serves it",

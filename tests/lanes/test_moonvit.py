@@ -377,6 +377,26 @@ def test_disabled_is_exactly_upstream(moonvit, run_python, make_env, tmp_path, s
     assert torch.equal(torch.load(tmp_path / "out.pt"), mv.forward(model, pixels, grid_hw))
 
 
+def test_without_torch_npu_both_patches_skip_and_upstream_runs(run_python, make_env):
+    """No NPU (and no emulation): nothing can serve ascend_fa, so neither patch applies."""
+    code = textwrap.dedent("""
+        import json, importlib.util
+        import npu_shim
+        from npu_shim.selftest import vllm_moonvit_attn as mv
+        module = mv.moonvit_module()
+        model = mv.build_tower(module, mv.TINY)
+        rows = {r["name"]: [r["state"], r["reason"]] for r in npu_shim.status()}
+        print(json.dumps({"torch_npu": importlib.util.find_spec("torch_npu") is not None,
+                          "rows": rows, "blocks": [b.attn_implementation for b in model.encoder.blocks]}))
+    """)
+    result = json.loads(run_python(code, env=make_env(VLLM_PLUGINS=""), timeout=300).stdout.strip().splitlines()[-1])
+    assert result["torch_npu"] is False
+    for name in ("transformers.attn_check", "vllm.moonvit_attn"):
+        state, reason = result["rows"][name]
+        assert state == "skipped" and reason.startswith("no NPU: torch_npu is not importable"), (name, reason)
+    assert result["blocks"] == ["sdpa", "sdpa"]
+
+
 # --------------------------------------------------------------------------- npu-shim status
 
 
