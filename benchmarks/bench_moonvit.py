@@ -314,8 +314,9 @@ def main():
     for label, attention, rest, calls in rows:
         print("   %-20s attention path %6d  (%.2f per layer)   rest of the tower %d   torch_npu calls %d"
               % (label, attention, attention / args.layers, rest, calls))
-    print("   (rest of the tower: upstream's own reads of grid_hw -- patch embedding, rope table, patch "
-          "merger -- the same in all three)")
+    print("   (rest of the tower, the same in all three: upstream's own grid_hw.tolist() in patch embedding,"
+          " rope table and patch merger;\n    on vllm 0.10.2+ also (grid_hw[:, 0] * grid_hw[:, 1])"
+          ".to(hidden_states.device), a copy only on this CPU stand-in, none on an NPU)")
 
     # ---------------------------------------------------------------- 3. seconds
     print()
