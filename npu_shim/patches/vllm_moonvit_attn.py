@@ -100,8 +100,8 @@ def ascend_fa_attention(q, k, v, q_cu_seqlens=None, k_cu_seqlens=None):
             raise ValueError("ascend_fa serves self-attention: q_cu_seqlens and k_cu_seqlens must be equal")
     kernel = _current_kernel.get()
     num_heads, head_dim = q.shape[1], q.shape[2]
-    if kernel is None or kernel.num_heads != num_heads:
-        # Called outside a patched layer (or by a layer of another geometry).
+    if kernel is None or (kernel.num_heads, kernel.head_dim) != (num_heads, head_dim):
+        # Called outside a patched layer: decide the kernel for this call only.
         kernel = VarlenAttention(num_heads, head_dim)
     out = kernel(q, k, v, cu_seqlens)
     return out.reshape(q.shape[0], -1)
@@ -124,8 +124,12 @@ def check(module) -> None:
         raise TargetMismatch("VL_VISION_ATTENTION_FUNCTIONS already has %r (registered by someone else)" % ATTENTION_NAME)
     layer = module.MoonVitEncoderLayer
     _attn_implementation_default(layer.__dict__["__init__"])
-    if "attention_qkvpacked" not in layer.__dict__:
+    method = layer.__dict__.get("attention_qkvpacked")
+    if method is None:
         raise TargetMismatch("MoonVitEncoderLayer.attention_qkvpacked not found")
+    if "VL_VISION_ATTENTION_FUNCTIONS" not in getattr(getattr(method, "__code__", None), "co_names", ()):
+        raise TargetMismatch("MoonVitEncoderLayer.attention_qkvpacked does not dispatch through "
+                             "VL_VISION_ATTENTION_FUNCTIONS")
 
 
 def build(module):
@@ -147,8 +151,8 @@ def build(module):
             from npu_shim.kernels import VarlenAttention
 
             kernel = VarlenAttention(self.num_heads, self.hidden_size_per_attention_head)
-        # A plain attribute, not a submodule: it holds no parameters or buffers.
-        object.__setattr__(self, LAYER_KERNEL_ATTR, kernel)
+        # A plain attribute (VarlenAttention is no nn.Module): no parameters, no state_dict keys.
+        setattr(self, LAYER_KERNEL_ATTR, kernel)
 
     @functools.wraps(original_attention)
     def attention_qkvpacked(self, *args, **kwargs):
