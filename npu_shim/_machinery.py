@@ -173,7 +173,8 @@ def guard_failure(patch: Patch, versions: dict):
         except (InvalidSpecifier, InvalidVersion) as exc:
             return "cannot compare %s %s with %r: %s" % (dist, version, spec, exc)
         if not ok:
-            return "%s %s is outside %s" % (dist, version, spec)
+            note = patch.outside_window.get(dist)
+            return "%s %s is outside %s%s" % (dist, version, spec, " (%s)" % note if note else "")
     return None
 
 

@@ -39,6 +39,9 @@ class Patch:
     target: str
     replaces: Tuple[str, ...]
     requires: Mapping[str, str] = field(default_factory=dict)
+    # Per distribution: what a version outside ``requires`` means, e.g.
+    # {"vllm": "0.14+ dispatches MoonViT through MMEncoderAttention"}.
+    outside_window: Mapping[str, str] = field(default_factory=dict)
     needs_npu: bool = False
     check: Optional[Callable[[ModuleType], None]] = None
     build: Optional[Callable[[ModuleType], Mapping[str, Any]]] = None
@@ -49,6 +52,9 @@ class Patch:
             raise TypeError("Patch.replaces must be a tuple of attribute paths, not a string")
         for path in self.replaces:
             parse_path(path)
+        stray = set(self.outside_window) - set(self.requires)
+        if stray:
+            raise ValueError("outside_window names %s, which requires does not" % sorted(stray))
 
     @property
     def implemented(self) -> bool:

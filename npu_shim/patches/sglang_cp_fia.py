@@ -206,6 +206,7 @@ PATCH = Patch(
     target=TARGET,
     replaces=("AscendAttnBackend.%s" % METHOD,),
     requires={"sglang": ">=0.5.11"},
+    outside_window={"sglang": "no do_cp_attn_fia before 0.5.11"},
     needs_npu=True,
     check=check,
     build=build,

@@ -110,6 +110,10 @@ PATCH = Patch(
     target="transformers.modeling_utils",
     replaces=("PreTrainedModel.%s" % METHOD,),
     requires={"transformers": ">=4.55,<6", "vllm": ">=0.8.5,<0.14"},
+    outside_window={
+        "transformers": "the name check lives in other methods before 4.55; 6.x not verified",
+        "vllm": "ascend_fa can be requested only where vllm.moonvit_attn applies",
+    },
     needs_npu=True,   # needed only where vllm.moonvit_attn (an NPU patch) can serve the name
     check=check,
     build=build,

@@ -178,6 +178,7 @@ PATCH = Patch(
         "MoonVitEncoderLayer.attention_qkvpacked",
     ),
     requires={"vllm": ">=0.8.5,<0.14"},
+    outside_window={"vllm": "0.14+ runs MoonViT attention through MMEncoderAttention"},
     needs_npu=True,
     check=check,
     build=build,

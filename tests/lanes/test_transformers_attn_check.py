@@ -154,7 +154,8 @@ def test_skipped_where_no_shim_attention_name_can_be_requested(stack):
     modeling_utils, module, row = stack
     assert not hasattr(module, "VL_VISION_ATTENTION_FUNCTIONS")
     assert row["state"] == "skipped", row
-    assert row["reason"] == "vllm %s is outside >=0.8.5,<0.14" % row["versions"]["vllm"]
+    assert row["reason"] == ("vllm %s is outside >=0.8.5,<0.14 (ascend_fa can be requested only where "
+                             "vllm.moonvit_attn applies)" % row["versions"]["vllm"])
     method = modeling_utils.PreTrainedModel.get_correct_attn_implementation
     assert method.__code__.co_filename == modeling_utils.__file__
 
