@@ -3,7 +3,7 @@
 Called by ``noxfile.py`` inside the lane's virtual environment::
 
     python lanes/report.py run --lane vllm-0.13 --out .nox/reports/vllm-0.13 -- [pytest args]
-    python lanes/report.py summary .nox/reports        # all lanes run so far, one table
+    python lanes/report.py summary .nox/reports [LANE ...]   # one table over the lanes
 
 ``run`` runs pytest (writing a junit xml), then asks the shim what each patch does in this
 environment (``python -m npu_shim status --json --import``), prints the lane table and
@@ -106,6 +106,18 @@ def tests_per_patch(rows, cases):
     return result
 
 
+def venv_size_mib():
+    """Disk used by this lane's virtual environment (sys.prefix), in MiB."""
+    total = 0
+    for root, _, files in os.walk(sys.prefix):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return round(total / 2**20)
+
+
 def _fmt_versions(versions):
     return ", ".join("%s %s" % (dist, version or "-") for dist, version in sorted(versions.items())) or "-"
 
@@ -164,6 +176,8 @@ def cmd_run(args):
         "status_problem": status_problem,
         "tests_per_patch": tests_per_patch(rows or [], cases),
         "junit": os.path.relpath(junit_path, REPO),
+        "install_seconds": args.install_seconds,
+        "venv_mib": venv_size_mib(),
     }
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as handle:
         json.dump(summary, handle, indent=2, sort_keys=True)
@@ -174,7 +188,17 @@ def cmd_run(args):
         print("patch status unavailable: %s" % status_problem)
     else:
         print(lane_table(summary))
-    print("lane %s: %s (pytest exit code %d, junit %s)" % (args.lane, closing_line(counts), pytest_rc, summary["junit"]))
+    print(
+        "lane %s: %s (pytest exit code %d, junit %s; install %s s, venv %d MiB)"
+        % (
+            args.lane,
+            closing_line(counts),
+            pytest_rc,
+            summary["junit"],
+            "?" if args.install_seconds is None else "%.0f" % args.install_seconds,
+            summary["venv_mib"],
+        )
+    )
 
     problems = []
     if pytest_rc == PYTEST_NO_TESTS or not cases:
@@ -187,13 +211,15 @@ def cmd_run(args):
 
 
 def cmd_summary(args):
-    summaries = []
-    if os.path.isdir(args.reports):
-        for lane in sorted(os.listdir(args.reports)):
-            path = os.path.join(args.reports, lane, "summary.json")
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as handle:
-                    summaries.append(json.load(handle))
+    lanes = args.lanes or (sorted(os.listdir(args.reports)) if os.path.isdir(args.reports) else [])
+    summaries, missing = [], []
+    for lane in lanes:
+        path = os.path.join(args.reports, lane, "summary.json")
+        if os.path.exists(path):
+            with open(path, encoding="utf-8") as handle:
+                summaries.append(json.load(handle))
+        else:
+            missing.append(lane)
     if not summaries:
         print("no lane summaries under %s" % args.reports)
         return 1
@@ -217,9 +243,19 @@ def cmd_summary(args):
                     "%d/%d" % (tests["passed"], tests["total"]) if tests["total"] else "-",
                 )
             )
-        table.append((summary["lane"], "(lane)", "", "", lane_counts))
+        install = summary.get("install_seconds")
+        table.append(
+            (
+                summary["lane"],
+                "(lane)",
+                "",
+                "install %s s, venv %s MiB" % ("?" if install is None else "%.0f" % install, summary.get("venv_mib", "?")),
+                lane_counts,
+            )
+        )
     print(format_table(("lane", "patch", "state", "reason", "tests passed"), table))
     failed = [s["lane"] for s in summaries if s["pytest_exit_code"] != 0 or not sum(s["tests"].values())]
+    failed += ["%s (no report)" % lane for lane in missing]
     if failed:
         print("lanes with failures or no tests: " + ", ".join(failed))
     print("lanes: " + closing_line(overall))
@@ -232,10 +268,12 @@ def main(argv=None):
     run = sub.add_parser("run", help="run the lane's tests and print its table")
     run.add_argument("--lane", required=True)
     run.add_argument("--out", required=True, help="directory for junit.xml and summary.json")
+    run.add_argument("--install-seconds", type=float, default=None, help="how long the lane's install took")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: arguments for pytest")
     run.set_defaults(func=cmd_run)
     summary = sub.add_parser("summary", help="one table over every lane summary under REPORTS")
     summary.add_argument("reports")
+    summary.add_argument("lanes", nargs="*", help="lanes to include (default: every report found)")
     summary.set_defaults(func=cmd_summary)
     args = parser.parse_args(argv)
     if getattr(args, "pytest_args", None) and args.pytest_args[0] == "--":

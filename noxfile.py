@@ -1,0 +1,89 @@
+"""Pinned-version regression lanes (nox).
+
+    nox                          every lane, then one table over all of them
+    nox -s "lane(kimi-vl-2025)"  one lane
+    nox -s lanes                 same as plain ``nox``
+    nox -l                       list the sessions
+
+Each lane is a fresh virtual environment (Python 3.11) holding the exact upstream wheels
+pinned in ``lanes/<lane>.txt``, installed with ``pip install --no-deps`` (the pin files
+name every package, so pip resolves nothing and never pulls a CUDA torch), then the shim
+itself (``pip install --no-deps .``). ``lanes/report.py`` runs pytest with
+``NPU_SHIM_LANE=<lane>`` (tests/conftest.py selects that lane's tests), writes
+``.nox/reports/<lane>/junit.xml``, prints the lane table (patch x state x reason x tests
+passed) and fails the session if pytest failed or ran no test.
+
+Per-lane environment (the reasons are in each pin file's header):
+- ``VLLM_PLUGINS=npu_shim`` in lanes with vLLM: vLLM loads only the plugins named there, so
+  vllm-ascend's "ascend" platform plugin (which imports torch_npu.npu.*) stays off and
+  vLLM keeps its non-NPU platform, while the shim's own vllm.general_plugins entry runs.
+- ``PYTHONPATH=tests/placeholders`` in sglang lanes: the import placeholder for
+  ``sgl_kernel_npu`` (NPU-only, not on the package index, never called by the tested path),
+  which sglang's Ascend attention backend imports at module top.
+- ``NPU_SHIM_EMULATE`` is not set for pytest: tests that need torch_npu install the
+  emulation themselves (and some check the default). report.py sets it to 1 only for
+  ``npu-shim status --import``, which imports the targets, some of which import torch_npu.
+"""
+import os
+import time
+
+import nox
+
+nox.options.sessions = ["lanes"]
+nox.options.reuse_existing_virtualenvs = False
+nox.options.error_on_missing_interpreters = True
+
+PYTHON = "3.11"
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPORTS = os.path.join(HERE, ".nox", "reports")
+PLACEHOLDERS = os.path.join(HERE, "tests", "placeholders")
+
+VLLM_ENV = {"VLLM_PLUGINS": "npu_shim"}
+SGLANG_ENV = {"PYTHONPATH": PLACEHOLDERS}
+
+# lane name -> extra environment for its tests; the pins are in lanes/<lane>.txt.
+LANES = {
+    "base": {},
+    "kimi-vl-2025": VLLM_ENV,
+    "vllm-0.13": VLLM_ENV,
+    "vllm-0.15": VLLM_ENV,
+    "sglang-0.5.12": SGLANG_ENV,
+    "sglang-0.5.13": SGLANG_ENV,
+    # "latest" is split: one venv cannot honour the pins of both vllm 0.33.0 and sglang
+    # 0.5.23 (torch, openai, compressed-tensors; see the two pin files).
+    "latest-vllm": VLLM_ENV,
+    "latest-sglang": SGLANG_ENV,
+}
+
+
+@nox.session(python=PYTHON)
+@nox.parametrize("lane", [nox.param(name, id=name) for name in LANES])
+def lane(session, lane):
+    """One pinned stack: fresh venv, exact wheels, the lane's tests, the lane table."""
+    started = time.monotonic()
+    session.install("--no-deps", "-r", os.path.join("lanes", lane + ".txt"))
+    session.install("--no-deps", ".")
+    install_seconds = time.monotonic() - started
+    session.log("lane %s: installed in %.0f s", lane, install_seconds)
+    session.run(
+        "python",
+        os.path.join("lanes", "report.py"),
+        "run",
+        "--lane",
+        lane,
+        "--out",
+        os.path.join(REPORTS, lane),
+        "--install-seconds",
+        "%.1f" % install_seconds,
+        "--",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        env=LANES[lane],
+    )
+
+
+@nox.session(python=False, requires=["lane({})".format(name) for name in LANES])
+def lanes(session):
+    """Every lane (run first, as requirements), then one table over all their reports."""
+    session.run("python3", os.path.join("lanes", "report.py"), "summary", REPORTS, *LANES, external=True)
