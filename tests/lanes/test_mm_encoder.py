@@ -307,6 +307,20 @@ def test_310p_uses_unpad_and_matches_upstream_bit_for_bit(stack, monkeypatch):
     assert max_err(out, reference(q, k, v, ref_cu, heads=4, kv_heads=4, head_dim=80)) < 2e-5
 
 
+def test_constructor_arguments_as_upstream(stack):
+    """Positional or keyword, the patched __init__ takes exactly upstream's arguments."""
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(stack.config):
+        layer = stack.patched(4, 72, 0.05, 2, "visual.blocks.0.attn")
+        assert (layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads,
+                layer.layer_name) == (4, 72, 0.05, 2, "visual.blocks.0.attn")
+        assert layer.npu_shim_kernel.varlen.num_kv_heads == 2
+        for cls in (stack.patched, stack.upstream):
+            with pytest.raises(TypeError):
+                cls(4, 72, no_such_argument=1)
+
+
 def test_patched_layer_deepcopies_and_pickles(stack):
     """Upstream layers can be deep-copied and pickled; the patched ones too (the kernel
     handle is shared by copies and rebuilt on unpickling)."""
