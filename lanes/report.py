@@ -6,7 +6,7 @@ Called by ``noxfile.py`` inside the lane's virtual environment::
     python lanes/report.py summary .nox/reports [LANE ...]   # one table over the lanes
 
 ``run`` runs pytest (writing a junit xml), then asks the shim what each patch does in this
-environment (``python -m npu_shim status --json --import``), prints the lane table and
+environment (``npu-shim status --json --import``, see STATUS_SNIPPET), prints the lane table and
 writes ``summary.json`` next to the junit file. Its exit status is non-zero when pytest
 failed or ran no test (pytest's exit code 5 counts as a failure: a lane that selects
 nothing is a broken lane, not a green one). If the status command is missing or fails,
@@ -38,23 +38,55 @@ def run_pytest(junit_path, pytest_args, env):
     return subprocess.call(command, cwd=REPO, env=env)
 
 
+# ``npu-shim status --json --import``, run with one isolation the lane tests use too:
+# vllm_ascend/ops/__init__.py imports compiled Ascend ops (and torch.npu), which cannot load
+# without an NPU, so when vllm-ascend is installed the package ``vllm_ascend.ops`` is
+# registered with its real __path__ but without running that __init__; the real
+# ``vllm_ascend.ops.mm_encoder_attention`` file is then imported by the shim as usual.
+STATUS_SNIPPET = """
+import importlib.util, sys
+if importlib.util.find_spec("vllm_ascend") is not None:
+    import vllm_ascend
+    spec = importlib.util.find_spec("vllm_ascend.ops")
+    package = importlib.util.module_from_spec(spec)
+    sys.modules["vllm_ascend.ops"] = package
+    vllm_ascend.ops = package
+from npu_shim.cli import main
+sys.exit(main(["status", "--json", "--import"]))
+"""
+STATUS_NOTE = "status: npu-shim status --json --import (vllm_ascend.ops loaded without its __init__)"
+
+
 def patch_status(env):
     """Rows from ``npu-shim status --json --import``; (None, message) when unavailable."""
-    command = [sys.executable, "-P", "-m", "npu_shim", "status", "--json", "--import"]
+    command = [sys.executable, "-P", "-c", STATUS_SNIPPET]
     try:
         proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
-        return None, "`%s` did not finish in 600 s" % " ".join(command[1:])
+        return None, "`npu-shim status --json --import` did not finish in 600 s"
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-5:]
-        return None, "`%s` exited %d: %s" % (" ".join(command[1:]), proc.returncode, " | ".join(tail))
-    try:
-        rows = json.loads(proc.stdout)
-    except ValueError:
-        return None, "`%s` printed no JSON list: %r" % (" ".join(command[1:]), proc.stdout[:200])
+        return None, "`npu-shim status --json --import` exited %d: %s" % (proc.returncode, " | ".join(tail))
+    rows = _json_list_in(proc.stdout)
+    if rows is None:
+        return None, "`npu-shim status --json --import` printed no JSON list: %r" % proc.stdout[:200]
     if not isinstance(rows, list):
-        return None, "`%s` printed %s, not a list" % (" ".join(command[1:]), type(rows).__name__)
+        return None, "`npu-shim status --json --import` printed %s, not a list" % type(rows).__name__
     return rows, None
+
+
+def _json_list_in(text):
+    """The JSON list in ``text``; upstream frameworks imported by ``--import`` may log to
+    stdout first (vLLM's default handler does), so parsing starts at the first line that
+    opens a list."""
+    lines = text.splitlines()
+    for index, line in enumerate(lines):
+        if line.startswith("["):
+            try:
+                return json.loads("\n".join(lines[index:]))
+            except ValueError:
+                continue
+    return None
 
 
 def read_junit(junit_path):
@@ -131,7 +163,7 @@ def format_table(headers, table):
 
 
 def lane_table(summary):
-    headers = ("patch", "state", "reason", "versions", "tests passed")
+    headers = ("patch", "state", "reason", "versions", "tests passed (files naming it)")
     table = []
     for row in summary["patches"] or []:
         tests = summary["tests_per_patch"].get(row["name"], {"passed": 0, "total": 0})
@@ -167,7 +199,8 @@ def cmd_run(args):
 
     # The status needs the targets imported: with no real torch_npu here, the emulation
     # stands in for it (NPU_SHIM_EMULATE=1), as in the lane's tests.
-    rows, status_problem = patch_status(dict(env, NPU_SHIM_EMULATE="1"))
+    # VLLM_CONFIGURE_LOGGING=0: vLLM's default log handler writes to stdout.
+    rows, status_problem = patch_status(dict(env, NPU_SHIM_EMULATE="1", VLLM_CONFIGURE_LOGGING="0"))
     summary = {
         "lane": args.lane,
         "pytest_exit_code": pytest_rc,
@@ -188,6 +221,7 @@ def cmd_run(args):
         print("patch status unavailable: %s" % status_problem)
     else:
         print(lane_table(summary))
+        print(STATUS_NOTE)
     print(
         "lane %s: %s (pytest exit code %d, junit %s; install %s s, venv %d MiB)"
         % (
@@ -253,7 +287,7 @@ def cmd_summary(args):
                 lane_counts,
             )
         )
-    print(format_table(("lane", "patch", "state", "reason", "tests passed"), table))
+    print(format_table(("lane", "patch", "state", "reason", "tests passed (files naming it)"), table))
     failed = [s["lane"] for s in summaries if s["pytest_exit_code"] != 0 or not sum(s["tests"].values())]
     failed += ["%s (no report)" % lane for lane in missing]
     if failed:
