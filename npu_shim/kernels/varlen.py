@@ -116,17 +116,23 @@ class VarlenAttention:
         return out
 
     def _check(self, q, k, v):
+        # Runs in every layer of every forward: compare whole shapes, format only on error.
+        t = q.shape[0]
         n, nkv = self.num_heads, self.num_kv_heads
-        if q.dim() != 3 or tuple(q.shape[1:]) != (n, self.head_dim):
+        if q.shape != (t, n, self.head_dim):
             raise ValueError("q must be (T, %d, %d), got %s" % (n, self.head_dim, tuple(q.shape)))
-        if k.dim() != 3 or tuple(k.shape[1:]) != (nkv, self.head_dim) or k.shape[0] != q.shape[0]:
+        if k.shape != (t, nkv, self.head_dim):
             raise ValueError("k must be (T=%d, %d, %d), got %s"
-                             % (q.shape[0], nkv, self.head_dim, tuple(k.shape)))
-        if v.dim() != 3 or tuple(v.shape[1:]) != (nkv, self.v_head_dim) or v.shape[0] != q.shape[0]:
+                             % (t, nkv, self.head_dim, tuple(k.shape)))
+        if v.shape != (t, nkv, self.v_head_dim):
             raise ValueError("v must be (T=%d, %d, %d), got %s"
-                             % (q.shape[0], nkv, self.v_head_dim, tuple(v.shape)))
+                             % (t, nkv, self.v_head_dim, tuple(v.shape)))
 
     def _tnd(self, q, k, v, cum):
+        if len(cum) - 1 <= TND_MAX_SEGMENTS:  # the usual case: one call, no slicing
+            return self._torch_npu.npu_fusion_attention(
+                q, k, v, head_num=self.num_heads, input_layout="TND", scale=self.scale,
+                actual_seq_qlen=list(cum[1:]), actual_seq_kvlen=list(cum[1:]))[0]
         outs = []
         for first, last in _groups(len(cum) - 1, TND_MAX_SEGMENTS):
             t0, t1 = cum[first], cum[last]
@@ -141,6 +147,13 @@ class VarlenAttention:
         lengths = [b - a for a, b in zip(cum, cum[1:]) if b > a]  # empty segments: nothing to do
         out = torch.empty((q.shape[0], self.num_heads, self.v_pad_dim), dtype=q.dtype,
                           device=q.device)
+        if len(lengths) <= UNPAD_MAX_SEGMENTS:  # the usual case: one call, no slicing
+            self._torch_npu._npu_flash_attention_unpad(
+                query=q, key=k, value=v,
+                seq_len=torch.tensor(lengths, dtype=torch.int32),  # built on the host: no sync
+                scale_value=self.scale, num_heads=self.num_heads,
+                num_kv_heads=self.num_kv_heads, out=out)
+            return out
         start = 0
         for first, last in _groups(len(lengths), UNPAD_MAX_SEGMENTS):
             part = lengths[first:last]
