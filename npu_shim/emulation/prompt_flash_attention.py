@@ -28,7 +28,6 @@ Not implemented (NotImplementedError naming the argument): ``pse_shift``,
 ``padding_mask`` (documented as reserved), the int8 quantisation arguments,
 value head dim != key head dim (not documented for this op).
 """
-import torch
 
 from npu_shim.emulation import _common as C
 from npu_shim.emulation._engine import Band, Explicit, attend_segment

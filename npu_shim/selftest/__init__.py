@@ -15,6 +15,7 @@ NPU_SHIM_EMULATE=1; the table says which ran.
 import importlib
 import importlib.util
 import json
+import sys
 import time
 import traceback
 
@@ -22,6 +23,21 @@ from npu_shim import _startup
 from npu_shim.patches import BUILTIN_PATCHES
 
 EXIT_OK, EXIT_MISMATCH, EXIT_NO_KERNELS = 0, 1, 2
+
+
+def applied_target(patch_name):
+    """The target module of ``patch_name``, once the shim has applied the patch to it.
+
+    Selftests check the patched path only; anything else is an error that says why.
+    """
+    from npu_shim import status
+
+    row = next(r for r in status() if r["name"] == patch_name)
+    module = sys.modules.get(row["target"])
+    if row["state"] != "applied" or module is None:
+        raise RuntimeError("%s is not applied here (state %s: %s); the selftest runs only the "
+                           "patched path" % (patch_name, row["state"], row["reason"]))
+    return module
 
 
 def kernel_provider():

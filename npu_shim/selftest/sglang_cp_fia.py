@@ -21,7 +21,6 @@ import random
 import time
 
 PATCH_NAME = "sglang.cp_fia"
-TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 CP_SIZE = 2
 EXTEND_LENS = (33, 70, 21)
 PREFIX_LENS = (0, 9, 4)
@@ -31,15 +30,9 @@ TOLERANCE = {"float32": 2e-5, "float16": 4e-3}
 
 
 def _patched_module():
-    import sys
+    from npu_shim.selftest import applied_target
 
-    from npu_shim import status
-
-    row = next(r for r in status() if r["name"] == PATCH_NAME)
-    module = sys.modules.get(TARGET)
-    if row["state"] != "applied" or module is None:
-        raise RuntimeError("%s is not applied here (state %s: %s); the selftest runs only the "
-                           "patched path" % (PATCH_NAME, row["state"], row["reason"]))
+    module = applied_target(PATCH_NAME)
     method = module.AscendAttnBackend.__dict__["do_cp_attn_fia"]
     if getattr(method, "__npu_shim_patch__", None) != PATCH_NAME:
         raise RuntimeError("%s reports applied but AscendAttnBackend.do_cp_attn_fia is not the "

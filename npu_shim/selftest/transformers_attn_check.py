@@ -13,7 +13,6 @@ Where ``vllm.moonvit_attn`` is not applied (switched off), nothing dispatches
 ``ascend_fa``, so the patch must keep rejecting it for MoonViT too: that is what
 is checked then (error 0, nothing to compare numerically).
 """
-import sys
 
 PATCH_NAME = "transformers.attn_check"
 
@@ -49,14 +48,12 @@ def run(device=None):
     import time
 
     from npu_shim import status
+    from npu_shim.selftest import applied_target
     from npu_shim.selftest import vllm_moonvit_attn as mv
 
     device = device or "cpu"
+    modeling_utils = applied_target(PATCH_NAME)
     rows = {r["name"]: r for r in status()}
-    if rows[PATCH_NAME]["state"] != "applied":
-        raise RuntimeError("%s is not applied here (state %s: %s)"
-                           % (PATCH_NAME, rows[PATCH_NAME]["state"], rows[PATCH_NAME]["reason"]))
-    modeling_utils = sys.modules["transformers.modeling_utils"]
     started = time.perf_counter()
     _check_other_models_unchanged(modeling_utils)
     module = mv.moonvit_module()

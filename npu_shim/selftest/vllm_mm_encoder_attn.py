@@ -10,7 +10,6 @@ copy of ``cu_seqlens``, whatever the depth) and the time it took.
 import time
 
 PATCH_NAME = "vllm.mm_encoder_attn"
-TARGET = "vllm_ascend.ops.mm_encoder_attention"
 LAYERS = 4
 HEADS, HEAD_DIM = 16, 80
 IMAGE_TOKENS = (64, 16, 100)
@@ -19,16 +18,9 @@ TOLERANCE = {"float32": 1e-4, "float16": 5e-3}
 
 
 def _patched_class():
-    import sys
+    from npu_shim.selftest import applied_target
 
-    from npu_shim import status
-
-    row = next(r for r in status() if r["name"] == PATCH_NAME)
-    module = sys.modules.get(TARGET)
-    if row["state"] != "applied" or module is None:
-        raise RuntimeError("%s is not applied here (state %s: %s); the selftest runs only the "
-                           "patched path" % (PATCH_NAME, row["state"], row["reason"]))
-    cls = module.AscendMMEncoderAttention
+    cls = applied_target(PATCH_NAME).AscendMMEncoderAttention
     if not cls.forward_oot.__code__.co_filename.endswith("vllm_mm_encoder_attn.py"):
         raise RuntimeError("%s reports applied but %s.forward_oot is not the shim's"
                            % (PATCH_NAME, cls.__qualname__))

@@ -57,13 +57,10 @@ def moonvit_module():
 
 def applied_module():
     """The moonvit module, after checking the shim's patch is applied to it."""
-    from npu_shim import status
+    from npu_shim.selftest import applied_target
 
-    module = moonvit_module()
-    row = next(r for r in status() if r["name"] == PATCH_NAME)
-    if row["state"] != "applied":
-        raise RuntimeError("%s is not applied here (state %s: %s); the selftest runs only the "
-                           "patched path" % (PATCH_NAME, row["state"], row["reason"]))
+    moonvit_module()
+    module = applied_target(PATCH_NAME)
     if "ascend_fa" not in module.VL_VISION_ATTENTION_FUNCTIONS:
         raise RuntimeError("%s reports applied but VL_VISION_ATTENTION_FUNCTIONS has no ascend_fa" % PATCH_NAME)
     return module
