@@ -45,19 +45,7 @@ PLACEHOLDERS = os.path.join(REPO, "tests", "placeholders")
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 
 
-def load_support(name):
-    """Import a helper from tests/lanes/sglang_support by path (tests use importlib mode)."""
-    qualified = "npu_shim_tests_sglang_" + name
-    if qualified not in sys.modules:
-        spec = importlib.util.spec_from_file_location(qualified, os.path.join(SUPPORT, name + ".py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[qualified] = module
-        spec.loader.exec_module(module)
-    return sys.modules[qualified]
-
-
-cp_case = load_support("cp_case")
-broken_window = load_support("broken_window")
+from sglang_support import broken_window, cp_case  # noqa: E402  (tests/lanes/conftest.py)
 
 
 def _specs():

@@ -31,18 +31,6 @@ SPEC_JSON = json.dumps({"extend_lens": [33, 70, 21], "page_size": 16, "num_heads
                         "prefix_lens": [0, 9, 4], "cp_size": 2, "dtype": "float32", "seed": 5})
 
 
-def _load(name):
-    import importlib.util
-
-    qualified = "npu_shim_tests_sglang_" + name
-    if qualified not in sys.modules:
-        spec = importlib.util.spec_from_file_location(qualified, os.path.join(SUPPORT, name + ".py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[qualified] = module
-        spec.loader.exec_module(module)
-    return sys.modules[qualified]
-
-
 def free_port():
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -53,7 +41,9 @@ def free_port():
 def old_wheel(request, tmp_path_factory):
     cache = getattr(request.config, "cache", None)
     where = cache.mkdir("sglang-0.5.12-wheel") if cache is not None else tmp_path_factory.mktemp("wheel")
-    return _load("broken_window").find_or_fetch_old_wheel(str(where))
+    from sglang_support import broken_window
+
+    return broken_window.find_or_fetch_old_wheel(str(where))
 
 
 def test_two_rank_processes_over_gloo_match_the_reference(old_wheel, make_env, tmp_path):

@@ -15,30 +15,13 @@ the method reads only the scalar fields set here, and sglang's own
 ``cp_split_and_rebuild_data`` reads ``split_list`` / ``zigzag_index``.
 """
 import importlib
-import importlib.util
-import os
-import sys
 
 import pytest
+from sglang_support import cp_case  # tests/lanes/conftest.py puts it on sys.path
 
 pytestmark = pytest.mark.lanes("sglang-0.5.12")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SUPPORT = os.path.join(HERE, "sglang_support")
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
-
-
-def _load(name):
-    qualified = "npu_shim_tests_sglang_" + name
-    if qualified not in sys.modules:
-        spec = importlib.util.spec_from_file_location(qualified, os.path.join(SUPPORT, name + ".py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[qualified] = module
-        spec.loader.exec_module(module)
-    return sys.modules[qualified]
-
-
-cp_case = _load("cp_case")
 
 
 @pytest.fixture(scope="module")
