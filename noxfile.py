@@ -25,6 +25,7 @@ Per-lane environment (the reasons are in each pin file's header):
   ``npu-shim status --import``, which imports the targets, some of which import torch_npu.
 """
 import os
+import sys
 import time
 
 import nox
@@ -86,4 +87,4 @@ def lane(session, lane):
 @nox.session(python=False, requires=["lane({})".format(name) for name in LANES])
 def lanes(session):
     """Every lane (run first, as requirements), then one table over all their reports."""
-    session.run("python3", os.path.join("lanes", "report.py"), "summary", REPORTS, *LANES, external=True)
+    session.run(sys.executable, os.path.join("lanes", "report.py"), "summary", REPORTS, *LANES, external=True)
