@@ -5,6 +5,7 @@
     npu-shim selftest [--json]            check every applicable patched path against float64
 """
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -35,7 +36,9 @@ def _status_table(rows):
 
 def cmd_status(args):
     _startup._load_machinery()
-    rows = _startup._State.machinery.status(import_targets=args.import_targets)
+    # Frameworks log to stdout while they import (vLLM does): keep stdout for our output.
+    with contextlib.redirect_stdout(sys.stderr):
+        rows = _startup._State.machinery.status(import_targets=args.import_targets)
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
     else:

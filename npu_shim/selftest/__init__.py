@@ -12,6 +12,7 @@ On an NPU box the real torch_npu kernels run on device ``npu``. Elsewhere the
 ops exist only as the pure-PyTorch emulation, which must be asked for with
 NPU_SHIM_EMULATE=1; the table says which ran.
 """
+import contextlib
 import importlib
 import importlib.util
 import json
@@ -128,7 +129,9 @@ def main(as_json=False):
               "Ascend NPU, run it with NPU_SHIM_EMULATE=1 to check the patched paths on the pure-PyTorch "
               "emulation of the torch_npu ops.")
         return EXIT_NO_KERNELS
-    results = run_all()
+    # Frameworks log to stdout while they import and build models: keep stdout for the results.
+    with contextlib.redirect_stdout(sys.stderr):
+        results = run_all()
     if as_json:
         print(json.dumps(results, indent=2, sort_keys=True))
     else:
