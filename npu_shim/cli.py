@@ -14,6 +14,7 @@ from npu_shim import _config, _startup
 
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 127
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer cut off by `head`
 
 
 def _status_table(rows):
@@ -103,3 +104,7 @@ def main(argv=None):
     except _config.ConfigError as exc:
         print("npu-shim: %s" % exc, file=sys.stderr)
         return EXIT_USAGE
+    except BrokenPipeError:
+        # The reader went away (e.g. `npu-shim status | head`): not an error of ours.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE

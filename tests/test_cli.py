@@ -49,3 +49,12 @@ def test_malformed_boolean_is_a_usage_error(make_env, var):
     assert proc.returncode == 2
     assert "%s='kinda' is not a boolean" % var in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_output_cut_short_by_the_reader_is_not_a_traceback(make_env):
+    cli = subprocess.Popen([os.path.join(BIN, "npu-shim"), "status", "--json"], env=make_env(),
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    cli.stdout.close()          # the reader is gone before the CLI (~100 ms to start) writes
+    stderr = cli.stderr.read().decode()
+    assert cli.wait(timeout=60) == 141, stderr
+    assert "Traceback" not in stderr and "BrokenPipeError" not in stderr, stderr
