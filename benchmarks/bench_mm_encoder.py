@@ -34,7 +34,6 @@ import importlib
 import importlib.util
 import os
 import statistics
-import sys
 import time
 
 LAYERS = 27
@@ -57,12 +56,9 @@ def load_modules():
 
     emulation.install()
     npu_shim.install()
-    import vllm_ascend
+    from npu_shim.testing.isolation import import_vllm_ascend_ops_module
 
-    if "vllm_ascend.ops" not in sys.modules:
-        spec = importlib.util.find_spec("vllm_ascend.ops")
-        sys.modules["vllm_ascend.ops"] = vllm_ascend.ops = importlib.util.module_from_spec(spec)
-    patched = importlib.import_module(TARGET)
+    patched = import_vllm_ascend_ops_module()
     row = next(r for r in npu_shim.status() if r["name"] == "vllm.mm_encoder_attn")
     if row["state"] != "applied":
         raise SystemExit("vllm.mm_encoder_attn is %s here: %s" % (row["state"], row["reason"]))

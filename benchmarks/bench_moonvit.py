@@ -30,12 +30,13 @@ Reproduce (lane venv with vllm + transformers, from the repository root):
 """
 import argparse
 import contextlib
-import ctypes
 import os
 import platform
 import random
 import sys
 import time
+
+from _memory import PeakRss  # benchmarks/_memory.py (scripts run from this directory)
 
 GIB, MIB = 1 << 30, 1 << 20
 SEED_TOKENS = 303_548
@@ -69,35 +70,12 @@ def tokens_of(grids):
 # --------------------------------------------------------------------------- measuring
 
 
-def _status_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError("no %s in /proc/self/status" % field)
-
-
 def mem_available():
     with open("/proc/meminfo") as f:
         for line in f:
             if line.startswith("MemAvailable:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-class PeakRss:
-    """Peak resident memory above the level at entry (VmHWM after clear_refs 5)."""
-
-    def __enter__(self):
-        with contextlib.suppress(OSError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        self.start = _status_kib("VmRSS") * 1024
-        return self
-
-    def __exit__(self, *exc):
-        self.extra = _status_kib("VmHWM") * 1024 - self.start
 
 
 @contextlib.contextmanager

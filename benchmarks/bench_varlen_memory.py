@@ -22,7 +22,6 @@ segments drawn uniformly from 1,200-4,900 patches and scaled to sum to 303,548.
 Reproduce: PYTHONPATH=. python benchmarks/bench_varlen_memory.py
 """
 import argparse
-import ctypes
 import os
 import platform
 import sys
@@ -35,6 +34,8 @@ from npu_shim import emulation
 from npu_shim.kernels import VarlenAttention
 from npu_shim.testing import count_host_syncs, record_npu_calls
 
+from _memory import PeakRss  # benchmarks/_memory.py (scripts run from this directory)
+
 GIB, MIB = 1 << 30, 1 << 20
 
 
@@ -44,31 +45,6 @@ def segment_lengths(total, count, seed=0):
     lengths = (raw * total / raw.sum()).floor().long().tolist()
     lengths[-1] += total - sum(lengths)
     return lengths
-
-
-def _status_kib(field):
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError("no %s in /proc/self/status" % field)
-
-
-class PeakRss:
-    """Peak resident memory above the level at start (Linux: VmHWM after clear_refs 5)."""
-
-    def __enter__(self):
-        try:
-            ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap back so RSS is honest
-        except OSError:
-            pass
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        self.start = _status_kib("VmRSS") * 1024
-        return self
-
-    def __exit__(self, *exc):
-        self.extra = _status_kib("VmHWM") * 1024 - self.start
 
 
 class MeasureOp(TorchFunctionMode):

@@ -46,11 +46,8 @@ def run_pytest(junit_path, pytest_args, env):
 STATUS_SNIPPET = """
 import importlib.util, sys
 if importlib.util.find_spec("vllm_ascend") is not None:
-    import vllm_ascend
-    spec = importlib.util.find_spec("vllm_ascend.ops")
-    package = importlib.util.module_from_spec(spec)
-    sys.modules["vllm_ascend.ops"] = package
-    vllm_ascend.ops = package
+    from npu_shim.testing.isolation import import_vllm_ascend_ops_module
+    import_vllm_ascend_ops_module()
 from npu_shim.cli import main
 sys.exit(main(["status", "--json", "--import"]))
 """

@@ -22,7 +22,6 @@ import importlib
 import importlib.util
 import inspect
 import os
-import sys
 import textwrap
 import types
 
@@ -52,14 +51,9 @@ def import_target_without_ops_init():
     platform plugin never activates.
     """
     os.environ.setdefault("VLLM_PLUGINS", "")  # the lanes use "npu_shim"; never "ascend"
-    import vllm_ascend
+    from npu_shim.testing.isolation import import_vllm_ascend_ops_module
 
-    if "vllm_ascend.ops" not in sys.modules:
-        spec = importlib.util.find_spec("vllm_ascend.ops")
-        package = importlib.util.module_from_spec(spec)  # real __path__, __init__ not run
-        sys.modules["vllm_ascend.ops"] = package
-        vllm_ascend.ops = package
-    return importlib.import_module(TARGET)
+    return import_vllm_ascend_ops_module()
 
 
 @pytest.fixture(scope="module")

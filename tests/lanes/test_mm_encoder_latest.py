@@ -19,7 +19,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
-import sys
 
 import pytest
 
@@ -32,14 +31,9 @@ PATCH_NAME = "vllm.mm_encoder_attn"
 def import_target_without_ops_init():
     """See the module docstring: real submodule, ``vllm_ascend/ops/__init__.py`` not run."""
     os.environ.setdefault("VLLM_PLUGINS", "")  # the lanes use "npu_shim"; never "ascend"
-    import vllm_ascend
+    from npu_shim.testing.isolation import import_vllm_ascend_ops_module
 
-    if "vllm_ascend.ops" not in sys.modules:
-        spec = importlib.util.find_spec("vllm_ascend.ops")
-        package = importlib.util.module_from_spec(spec)  # real __path__, __init__ not run
-        sys.modules["vllm_ascend.ops"] = package
-        vllm_ascend.ops = package
-    return importlib.import_module(TARGET)
+    return import_vllm_ascend_ops_module()
 
 
 def _row():
