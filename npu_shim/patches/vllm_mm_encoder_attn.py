@@ -199,6 +199,7 @@ PATCH = Patch(
     target="vllm_ascend.ops.mm_encoder_attention",
     replaces=(CLASS_NAME + ".__init__", CLASS_NAME + ".forward_oot"),
     requires={"vllm-ascend": ">=0.13,<0.18"},
+    outside_window={"vllm-ascend": "0.18.0+ take host sequence lengths from vLLM (Qwen-VL encoders); 0.23.0rc1+ rewrote forward_oot"},
     needs_npu=True,
     check=check,
     build=build,
