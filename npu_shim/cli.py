@@ -17,22 +17,28 @@ EXIT_NOT_FOUND = 127
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer cut off by `head`
 
 
-def _status_table(rows):
-    headers = ("patch", "state", "reason", "versions")
-    table = [
-        (
-            row["name"],
-            row["state"],
-            row["reason"],
-            ", ".join("%s %s" % (d, v or "-") for d, v in row["versions"].items()) or "-",
-        )
-        for row in rows
-    ]
-    widths = [max(len(str(r[i])) for r in table + [headers]) for i in range(len(headers))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in table]
+def format_table(headers, rows):
+    """Left-aligned columns under a rule; cells are turned into text."""
+    rows = [[str(cell) for cell in row] for row in rows]
+    widths = [max(len(r[i]) for r in rows + [list(headers)]) for i in range(len(headers))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
     return "\n".join(line.rstrip() for line in lines)
+
+
+def _status_table(rows):
+    return format_table(
+        ("patch", "state", "reason", "versions"),
+        [
+            (
+                row["name"],
+                row["state"],
+                row["reason"],
+                ", ".join("%s %s" % (d, v or "-") for d, v in row["versions"].items()) or "-",
+            )
+            for row in rows
+        ],
+    )
 
 
 def cmd_status(args):
@@ -53,7 +59,7 @@ def cmd_run(argv):
     if not argv:
         print("npu-shim run: missing command; usage: npu-shim run -- CMD [ARGS...]", file=sys.stderr)
         return EXIT_USAGE
-    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    entries = _startup._pythonpath_entries()
     if _startup.BOOTSTRAP_DIR not in entries:
         entries.insert(0, _startup.BOOTSTRAP_DIR)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(entries))

@@ -150,3 +150,24 @@ def test_shape_and_length_errors():
         VarlenAttention(6, 64, num_kv_heads=4)
     empty = layer(q[:0], k[:0], v[:0], [0])
     assert empty.shape == (0, 4, 64)
+
+
+@pytest.mark.parametrize("backend, op, limit", [
+    ("tnd", "npu_fusion_attention", 1024),        # documented varlen batch limit
+    ("unpad", "_npu_flash_attention_unpad", 2000),  # documented 310P batch limit
+])
+def test_more_segments_than_one_call_takes_are_split(backend, op, limit):
+    lengths = [1 + i % 3 for i in range(limit + 7)]
+    layer = VarlenAttention(2, 16, backend=backend)
+    with record_npu_calls() as calls:
+        check(layer, lengths)
+    assert [c.name for c in calls] == [op, op]
+    assert [c.arg("query", 0).shape[0] for c in calls] == [sum(lengths[:limit]), sum(lengths[limit:])]
+
+
+def test_gqa_ratio_over_the_documented_limit_is_refused():
+    q = torch.randn(1, 65, 1, 16)     # BNSD: 65 query heads
+    kv = torch.randn(1, 1, 4, 16)     # 1 key/value head
+    with pytest.raises(ValueError, match="num_heads / num_key_value_heads must be <= 64"):
+        torch_npu.npu_fused_infer_attention_score(q, kv, kv, num_heads=65, num_key_value_heads=1,
+                                                  input_layout="BNSD")

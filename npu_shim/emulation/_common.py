@@ -58,12 +58,14 @@ def check_float_inputs(op, **tensors):
             raise ValueError("%s: query, key and value must share one dtype" % op)
 
 
-def check_heads(op, num_heads, num_kv_heads):
+def check_heads(op, num_heads, num_kv_heads, max_ratio=None):
     if num_heads <= 0 or num_kv_heads <= 0 or num_heads % num_kv_heads:
         raise ValueError(
             "%s: the number of query heads (%d) must be a positive multiple of the "
             "number of key/value heads (%d)" % (op, num_heads, num_kv_heads)
         )
+    if max_ratio is not None and num_heads // num_kv_heads > max_ratio:
+        raise ValueError("%s: num_heads / num_key_value_heads must be <= %d" % (op, max_ratio))
 
 
 def per_batch_lengths(op, name, values, batch, default):

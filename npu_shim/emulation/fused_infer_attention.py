@@ -94,9 +94,7 @@ def npu_fused_infer_attention_score(
     C.check_float_inputs(FIA, query=query, key=key, value=value)
     n = int(num_heads)
     nkv = int(num_key_value_heads) or n
-    C.check_heads(FIA, n, nkv)
-    if n // nkv > MAX_GQA_RATIO:
-        raise ValueError("%s: num_heads / num_key_value_heads must be <= 64" % FIA)
+    C.check_heads(FIA, n, nkv, MAX_GQA_RATIO)
     scale = float(scale)
     if input_layout == "TND":
         return _fia_tnd(query, key, value, n, nkv, atten_mask, actual_seq_lengths,
@@ -292,9 +290,7 @@ def npu_incre_flash_attention(query, key, value, *, padding_mask=None, pse_shift
     C.check_float_inputs(IFA, query=query, key=key, value=value)
     n = int(num_heads)
     nkv = int(num_key_value_heads) or n
-    C.check_heads(IFA, n, nkv)
-    if n // nkv > MAX_GQA_RATIO:
-        raise ValueError("%s: num_heads / num_key_value_heads must be <= 64" % IFA)
+    C.check_heads(IFA, n, nkv, MAX_GQA_RATIO)
     q = C.to_bsnd(IFA, query, input_layout, n, "query")
     b, sq, qn, dq = q.shape
     if sq != 1:

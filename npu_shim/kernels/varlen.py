@@ -130,41 +130,42 @@ class VarlenAttention:
 
     def _tnd(self, q, k, v, cum):
         if len(cum) - 1 <= TND_MAX_SEGMENTS:  # the usual case: one call, no slicing
-            return self._torch_npu.npu_fusion_attention(
-                q, k, v, head_num=self.num_heads, input_layout="TND", scale=self.scale,
-                actual_seq_qlen=list(cum[1:]), actual_seq_kvlen=list(cum[1:]))[0]
+            return self._fusion(q, k, v, list(cum[1:]))
         outs = []
         for first, last in _groups(len(cum) - 1, TND_MAX_SEGMENTS):
             t0, t1 = cum[first], cum[last]
             ends = [c - t0 for c in cum[first + 1:last + 1]]
-            out = self._torch_npu.npu_fusion_attention(
-                q[t0:t1], k[t0:t1], v[t0:t1], head_num=self.num_heads, input_layout="TND",
-                scale=self.scale, actual_seq_qlen=ends, actual_seq_kvlen=ends)[0]
-            outs.append(out)
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+            outs.append(self._fusion(q[t0:t1], k[t0:t1], v[t0:t1], ends))
+        return torch.cat(outs, dim=0)
+
+    def _fusion(self, q, k, v, ends):
+        """One TND npu_fusion_attention call; ``ends``: cumulative lengths without the 0."""
+        return self._torch_npu.npu_fusion_attention(
+            q, k, v, head_num=self.num_heads, input_layout="TND", scale=self.scale,
+            actual_seq_qlen=ends, actual_seq_kvlen=ends)[0]
 
     def _unpad(self, q, k, v, cum):
         lengths = [b - a for a, b in zip(cum, cum[1:]) if b > a]  # empty segments: nothing to do
         out = torch.empty((q.shape[0], self.num_heads, self.v_pad_dim), dtype=q.dtype,
                           device=q.device)
         if len(lengths) <= UNPAD_MAX_SEGMENTS:  # the usual case: one call, no slicing
-            self._torch_npu._npu_flash_attention_unpad(
-                query=q, key=k, value=v,
-                seq_len=torch.tensor(lengths, dtype=torch.int32),  # built on the host: no sync
-                scale_value=self.scale, num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads, out=out)
+            self._unpad_call(q, k, v, lengths, out)
             return out
         start = 0
         for first, last in _groups(len(lengths), UNPAD_MAX_SEGMENTS):
             part = lengths[first:last]
             end = start + sum(part)
-            self._torch_npu._npu_flash_attention_unpad(
-                query=q[start:end], key=k[start:end], value=v[start:end],
-                seq_len=torch.tensor(part, dtype=torch.int32),  # built on the host: no sync
-                scale_value=self.scale, num_heads=self.num_heads,
-                num_kv_heads=self.num_kv_heads, out=out[start:end])
+            self._unpad_call(q[start:end], k[start:end], v[start:end], part, out[start:end])
             start = end
         return out
+
+    def _unpad_call(self, q, k, v, lengths, out):
+        """One _npu_flash_attention_unpad call writing ``out``; ``lengths`` per segment."""
+        self._torch_npu._npu_flash_attention_unpad(
+            query=q, key=k, value=v,
+            seq_len=torch.tensor(lengths, dtype=torch.int32),  # built on the host: no sync
+            scale_value=self.scale, num_heads=self.num_heads,
+            num_kv_heads=self.num_kv_heads, out=out)
 
 
 def _groups(count, limit):

@@ -115,11 +115,10 @@ def table(results):
         verdict = "-" if r["ok"] is None else ("ok" if r["ok"] else "MISMATCH" if r["max_abs_err"] is not None else "ERROR")
         rows.append((r["patch"], r["target_version"], r["state"], _fmt(r["max_abs_err"], ".2e"),
                      _fmt(r["tolerance"], ".0e"), _fmt(r["host_syncs"], "d"), _fmt(r["seconds"], ".2f"), verdict))
-    widths = [max(len(x[i]) for x in rows + [headers]) for i in range(len(headers))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
-    lines += ["", "notes:"] + ["  %s: %s" % (r["patch"], r["reason"]) for r in results]
-    return "\n".join(lines)
+    from npu_shim.cli import format_table
+
+    notes = ["", "notes:"] + ["  %s: %s" % (r["patch"], r["reason"]) for r in results]
+    return "\n".join([format_table(headers, rows)] + notes)
 
 
 def main(as_json=False):
