@@ -68,7 +68,7 @@ def env_log_level(environ=None):
 class Settings:
     """A snapshot of the ``NPU_SHIM*`` variables, validated."""
 
-    __slots__ = ("enabled", "strict", "emulate", "enable", "disable", "log_level")
+    __slots__ = ("enabled", "strict", "emulate", "enable", "disable", "log_level", "mm_encoder_tnd")
 
     def __init__(self, environ=None):
         environ = os.environ if environ is None else environ
@@ -78,6 +78,9 @@ class Settings:
         self.enable = env_names("NPU_SHIM_ENABLE", environ)
         self.disable = env_names("NPU_SHIM_DISABLE", environ)
         self.log_level = env_log_level(environ)
+        # vllm.mm_encoder_attn on vllm-ascend 0.13-0.17: npu-shim's TND kernel instead of
+        # upstream's _npu_flash_attention_unpad (default off: upstream's call is hardware-proven).
+        self.mm_encoder_tnd = env_flag("NPU_SHIM_MM_ENCODER_TND", False, environ)
 
     def disabled_reason(self, patch_name):
         """Why the environment switches ``patch_name`` off, or None."""

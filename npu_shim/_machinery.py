@@ -30,8 +30,9 @@ import wrapt
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from npu_shim import _config
-from npu_shim.patch import NotNeeded, Patch, PatchError, Slot, TargetMismatch, apply_atomically, revert
+from npu_shim import _config, _stats
+from npu_shim.patch import (NotNeeded, Patch, PatchError, Slot, TargetMismatch, apply_atomically, revert,
+                             unpack_build)
 from npu_shim.patches import BUILTIN_PATCHES
 
 logger = logging.getLogger("npu_shim")
@@ -49,6 +50,7 @@ class Record:
         self.state = PENDING
         self.reason = "waiting for import of %s" % patch.target
         self.undo = None          # [(slot, original)] while applied
+        self.adapter = None       # name of the adapter that built the applied values, if any
         self.armed_generation = None
         self.seconds = 0.0        # time the shim spent deciding and applying this patch
 
@@ -147,6 +149,7 @@ def disarm() -> None:
             if record.undo is not None:
                 revert(record.undo)
                 record.undo = None
+                record.adapter = None
             record.armed_generation = None
             record.set(DISABLED, "uninstalled by npu_shim.uninstall()")
 
@@ -244,13 +247,18 @@ def _decide_and_apply(record: Record, module) -> None:
             _complain(settings, patch, record.reason, exc)
             return
         try:
-            record.undo = apply_atomically(module, patch, patch.build(module))
+            values, adapter, exact = unpack_build(patch.build(module))
+            record.undo = apply_atomically(module, patch, values, exact)
         except Exception as exc:
             record.set(FAILED, "%s: %s" % (type(exc).__name__, exc))
             _complain(settings, patch, record.reason, exc)
             return
+        record.adapter = adapter
+        if adapter is not None:
+            _stats.note_adapter(patch.name, adapter)
         record.set(APPLIED, "; ".join("%s %s" % kv for kv in versions_of(patch).items()) or "applied")
-        logger.info("applied %s to %s (%s)", patch.name, patch.target, record.reason)
+        logger.info("applied %s to %s (%s%s)", patch.name, patch.target, record.reason,
+                    ", adapter %s" % adapter if adapter else "")
 
 
 def _complain(settings, patch: Patch, message: str, cause: BaseException = None) -> None:
@@ -280,6 +288,7 @@ def status(import_targets: bool = False) -> list:
                 "target": patch.target,
                 "replaces": list(patch.replaces),
                 "state": state,
+                "adapter": record.adapter if record.undo is not None else None,
                 "reason": reason,
                 "requires": dict(patch.requires),
                 "versions": versions_of(patch),

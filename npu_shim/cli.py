@@ -28,11 +28,12 @@ def format_table(headers, rows):
 
 def _status_table(rows):
     return format_table(
-        ("patch", "state", "reason", "versions"),
+        ("patch", "state", "adapter", "reason", "versions"),
         [
             (
                 row["name"],
                 row["state"],
+                row.get("adapter") or "-",
                 row["reason"],
                 ", ".join("%s %s" % (d, v or "-") for d, v in row["versions"].items()) or "-",
             )

@@ -9,6 +9,11 @@ returns the new values for exactly the declared attributes, without touching
 the module. The machinery sets them all or none and keeps the originals so
 that :func:`npu_shim.uninstall` can put back the very same objects.
 
+A patch served by several adapters (one per upstream release family) lets
+``build`` return :class:`Adapted`: the adapter's name, which ``npu-shim status``
+shows, and the values it replaces, which may be any non-empty subset of the
+declared ``replaces`` (each family replaces what its release needs).
+
 Attribute paths are dotted names inside the target module (``Class.method``),
 optionally ending in a string key of a dict (``TABLE['key']``), for entries a
 patch adds to a registry dict.
@@ -31,6 +36,25 @@ class TargetMismatch(Exception):
 
 class PatchError(RuntimeError):
     """Raised in strict mode when a patch fails or its target mismatches."""
+
+
+@dataclass(frozen=True)
+class Adapted:
+    """What ``build`` returns when one of several adapters built the replacements."""
+
+    adapter: str                  # shown by ``npu-shim status`` / ``status()`` as "adapter"
+    values: Mapping[str, Any]     # a non-empty subset of ``Patch.replaces``
+
+
+def unpack_build(result):
+    """``(values, adapter name or None, exact)`` of what ``build`` returned.
+
+    ``exact``: the values must cover every declared attribute (plain mappings);
+    an :class:`Adapted` result may cover a subset.
+    """
+    if isinstance(result, Adapted):
+        return result.values, result.adapter, False
+    return result, None, True
 
 
 @dataclass(frozen=True)
@@ -120,14 +144,18 @@ class Slot:
             setattr(self.owner, self.key, value)
 
 
-def apply_atomically(module: ModuleType, patch: Patch, values: Mapping[str, Any]):
-    """Write every value or none; return ``[(slot, original), ...]`` for revert."""
-    if set(values) != set(patch.replaces):
+def apply_atomically(module: ModuleType, patch: Patch, values: Mapping[str, Any], exact: bool = True):
+    """Write every value or none; return ``[(slot, original), ...]`` for revert.
+
+    ``exact=False`` (an :class:`Adapted` build) accepts a non-empty subset of ``replaces``.
+    """
+    keys, declared = set(values), set(patch.replaces)
+    if (keys != declared) if exact else (not keys or not keys <= declared):
         raise TypeError(
-            "%s: build() returned %s but the patch declares %s"
-            % (patch.name, sorted(values), sorted(patch.replaces))
+            "%s: build() returned %s but the patch declares %s%s"
+            % (patch.name, sorted(values), sorted(patch.replaces), "" if exact else " (a subset is allowed)")
         )
-    slots = [Slot(module, path) for path in patch.replaces]
+    slots = [Slot(module, path) for path in patch.replaces if path in keys]
     done = []
     try:
         for slot in slots:

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 BIN = os.path.dirname(sys.executable)
-KEYS = {"name", "target", "state", "reason", "requires", "versions"}
+KEYS = {"name", "target", "state", "adapter", "reason", "requires", "versions"}
 PATCHES = ["transformers.attn_check", "vllm.moonvit_attn", "vllm.mm_encoder_attn", "sglang.cp_fia"]
 
 
@@ -31,7 +31,7 @@ def test_status_table_and_module_entry_agree(make_env):
     assert table.returncode == module.returncode == 0
     assert table.stdout == module.stdout
     header, rule, *lines = table.stdout.splitlines()
-    assert header.split() == ["patch", "state", "reason", "versions"]
+    assert header.split() == ["patch", "state", "adapter", "reason", "versions"]
     assert [line.split()[0] for line in lines] == PATCHES
 
 

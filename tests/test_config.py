@@ -48,3 +48,10 @@ def test_enable_disable_lists():
     assert s.disabled_reason("c") == "not listed in NPU_SHIM_ENABLE"
     assert Settings({"NPU_SHIM": "0"}).disabled_reason("a") == "NPU_SHIM=0"
     assert s.unknown_names({"a"}) == [("NPU_SHIM_ENABLE", "b"), ("NPU_SHIM_DISABLE", "b")]
+
+
+def test_mm_encoder_tnd_switch_validated():
+    assert Settings({}).mm_encoder_tnd is False
+    assert Settings({"NPU_SHIM_MM_ENCODER_TND": "1"}).mm_encoder_tnd is True
+    with pytest.raises(ConfigError, match="NPU_SHIM_MM_ENCODER_TND='tnd' is not a boolean"):
+        Settings({"NPU_SHIM_MM_ENCODER_TND": "tnd"})

@@ -1,11 +1,13 @@
 """Selftest of ``vllm.mm_encoder_attn``: a patched vision-tower attention stack.
 
 Builds a few real ``AscendMMEncoderAttention`` layers (vllm-ascend's own class,
-already patched by the shim) shaped like Qwen2.5-VL's ViT (16 heads of 80, so
-the head dim is padded to 128), runs one encoder forward over three images of
-different sizes packed into one sequence, and reports the largest deviation
-from the float64 reference, the host syncs of that forward (one: the single
-copy of ``cu_seqlens``, whatever the depth) and the time it took.
+already patched by the shim with the adapter that applies to the installed
+release) shaped like Qwen2.5-VL's ViT (16 heads of 80, so the head dim is
+padded to 128), runs one encoder forward over three images of different sizes
+packed into one sequence, and reports the largest deviation from the float64
+reference, the host syncs of that forward (one: the single copy of
+``cu_seqlens``, whatever the depth), the time it took, and the adapter and NPU
+op that ran.
 """
 import time
 
@@ -18,23 +20,25 @@ TOLERANCE = {"float32": 1e-4, "float16": 5e-3}
 
 
 def _patched_class():
+    from npu_shim import status
     from npu_shim.selftest import applied_target
 
     cls = applied_target(PATCH_NAME).AscendMMEncoderAttention
-    if not cls.forward_oot.__code__.co_filename.endswith("vllm_mm_encoder_attn.py"):
+    if not hasattr(cls.forward_oot, "__wrapped_upstream__"):
         raise RuntimeError("%s reports applied but %s.forward_oot is not the shim's"
                            % (PATCH_NAME, cls.__qualname__))
-    return cls
+    adapter = next(r for r in status() if r["name"] == PATCH_NAME)["adapter"]
+    return cls, adapter
 
 
 def run(device=None):
     import torch
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 
-    from npu_shim.testing import attention_f64, count_host_syncs, dense_segments
+    from npu_shim.testing import attention_f64, count_host_syncs, dense_segments, record_npu_calls
 
     device = device or "cpu"
-    cls = _patched_class()
+    cls, adapter = _patched_class()
     dtype = torch.float32 if device == "cpu" else torch.float16
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=device))):
         layers = [cls(num_heads=HEADS, head_size=HEAD_DIM, scale=SCALE,
@@ -49,7 +53,7 @@ def run(device=None):
 
     started = time.perf_counter()
     # On a CPU-only machine cu_seqlens stands in for a device tensor.
-    with count_host_syncs(device_tensors=[cu_seqlens]) as syncs:
+    with count_host_syncs(device_tensors=[cu_seqlens]) as syncs, record_npu_calls() as calls:
         outs = [layer.forward_oot(q, k, v, cu_seqlens) for layer in layers]
     if device != "cpu":
         torch.npu.synchronize()
@@ -63,9 +67,9 @@ def run(device=None):
         "tolerance": TOLERANCE[str(dtype).replace("torch.", "")],
         "host_syncs": syncs.count,
         "seconds": seconds,
-        "detail": "%d AscendMMEncoderAttention layers, %d heads x %d (padded to %d), scale %g, "
-                  "images of %s tokens packed, %s on %s, kernel path %r"
-                  % (LAYERS, HEADS, HEAD_DIM, layers[0].npu_shim_kernel.varlen.qk_pad_dim, SCALE,
-                     "/".join(map(str, IMAGE_TOKENS)), str(dtype).replace("torch.", ""), device,
-                     layers[0].npu_shim_kernel.varlen.backend),
+        "detail": "%d AscendMMEncoderAttention layers (adapter %s), %d heads x %d, scale %g, "
+                  "images of %s tokens packed, %s on %s, NPU op %s"
+                  % (LAYERS, adapter, HEADS, HEAD_DIM, SCALE, "/".join(map(str, IMAGE_TOKENS)),
+                     str(dtype).replace("torch.", ""), device,
+                     "/".join(sorted({c.name for c in calls})) or "none"),
     }

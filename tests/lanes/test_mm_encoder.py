@@ -218,10 +218,10 @@ def test_low_precision_keeps_dtype_and_shape(stack, dtype_name):
 
 @pytest.mark.parametrize("layout", ["3d", "4d"])
 def test_gqa(stack, layout):
-    """GQA (8 query heads, 2 KV heads). The patch hands num_kv_heads to the kernel
-    without repeating K/V. Upstream repeats K/V to 8 heads and still passes
+    """GQA (8 query heads, 2 KV heads). Upstream repeats K/V to 8 heads and still passes
     num_kv_heads=2 to _npu_flash_attention_unpad, whose documented key/value carry
-    num_kv_heads heads: the emulated op rejects that call."""
+    num_kv_heads heads: the emulated op rejects that call. The patch repeats K/V as
+    upstream does and passes the head count of the repeated tensors (8)."""
     heads, kv_heads, head_dim = 8, 2, 80
     bsz, seq, cu, ref_cu = lengths_case("device")
     q, k, v = make_qkv(layout, bsz, seq, heads, kv_heads, head_dim, seed=11)
@@ -257,48 +257,53 @@ def test_non_default_scale_is_honoured_where_upstream_ignores_it(stack, layout):
     assert max_err(wrong, asked) > 0.05
 
 
-def test_scale_and_padding_decided_once_at_construction(stack):
+@pytest.mark.parametrize("soc", [None, "Ascend310P3"])
+def test_op_call_is_upstreams_on_every_soc(stack, monkeypatch, soc):
+    """Upstream 0.13-0.17 call _npu_flash_attention_unpad on every SoC: the patch makes the
+    same call with the same layout (K/V repeated, head dim padded to 128 by upstream's
+    rule, per-segment host lengths, ``out=``); at the default scale the outputs are equal
+    bit for bit."""
     import torch
     from npu_shim.testing import record_npu_calls
 
-    layer = build(stack, stack.patched, heads=4, head_dim=72)
-    kernel = layer.npu_shim_kernel.varlen
-    assert (kernel.scale, kernel.qk_pad_dim, kernel.backend) == (72 ** -0.5, 128, "tnd")
-    assert layer.enable_pad is True
-    assert build(stack, stack.patched, heads=4, head_dim=64).enable_pad is False
-    assert build(stack, stack.patched, heads=2, head_dim=128).enable_pad is False
-
-    bsz, seq, cu, _ = lengths_case("host")
-    q, k, v = make_qkv("4d", bsz, seq, 4, 4, 72)
-    with record_npu_calls() as calls:
-        layer.forward_oot(q, k, v, cu)
-    assert [c.name for c in calls] == ["npu_fusion_attention"]
-    call = calls[0]
-    assert call.arg("input_layout") == "TND" and call.arg("atten_mask") is None
-    assert call.arg("scale") == 72 ** -0.5
-    assert call.arg("query", 0).shape[-1] == 128          # padded once per call, sliced back
-    assert call.arg("actual_seq_qlen") == [5, 6, 15, 18]  # host ints, no leading 0
-    assert all(type(x) is int for x in call.arg("actual_seq_qlen"))
-    assert not isinstance(call.arg("actual_seq_kvlen"), torch.Tensor)
-
-
-def test_310p_uses_unpad_and_matches_upstream_bit_for_bit(stack, monkeypatch):
-    """On 310P (no TND fusion attention) the kernels layer calls the same op as upstream,
-    _npu_flash_attention_unpad: with the same inputs the outputs are identical."""
-    import torch
-    from npu_shim.testing import record_npu_calls
-
-    monkeypatch.setenv("NPU_SHIM_EMULATE_SOC", "Ascend310P3")
+    if soc:
+        monkeypatch.setenv("NPU_SHIM_EMULATE_SOC", soc)
     patched = build(stack, stack.patched, heads=4, head_dim=80)
     upstream = build(stack, stack.upstream, heads=4, head_dim=80)
-    assert patched.npu_shim_kernel.varlen.backend == "unpad"
     bsz, seq, cu, ref_cu = lengths_case("device")
     q, k, v = make_qkv("4d", bsz, seq, 4, 4, 80, seed=9)
-    with record_npu_calls() as calls:
+    with record_npu_calls() as ours:
         out = patched.forward_oot(q, k, v, cu)
-    assert [c.name for c in calls] == ["_npu_flash_attention_unpad"]
-    assert torch.equal(out, upstream.forward_oot(q, k, v, cu))
+    with record_npu_calls() as theirs:
+        expected = upstream.forward_oot(q, k, v, cu)
+    assert [c.name for c in ours] == [c.name for c in theirs] == ["_npu_flash_attention_unpad"]
+    mine, upstream_call = ours[0], theirs[0]
+    assert set(mine.kwargs) == set(upstream_call.kwargs)
+    for name in ("query", "key", "value", "out"):
+        assert mine.arg(name).shape == upstream_call.arg(name).shape, name
+    assert mine.arg("query").shape[-1] == 128
+    assert torch.equal(mine.arg("seq_len"), upstream_call.arg("seq_len"))
+    assert mine.arg("seq_len").device.type == "cpu" and mine.arg("seq_len").dtype == torch.int32
+    for name in ("scale_value", "num_heads", "num_kv_heads"):
+        assert mine.arg(name) == upstream_call.arg(name), name
+    assert torch.equal(out, expected)
     assert max_err(out, reference(q, k, v, ref_cu, heads=4, kv_heads=4, head_dim=80)) < 2e-5
+
+
+def test_padding_follows_upstreams_rule(stack):
+    """64 < D < 128 is padded to 128 (0.13.0/0.14.0rc1: while USE_OPTIMIZED_MODEL, default on);
+    64 and 128 are not; the layer exposes what it uses as upstream 0.15+ does."""
+    from npu_shim.testing import record_npu_calls
+
+    for head_dim, width in ((64, 64), (72, 128), (80, 128), (128, 128)):
+        layer = build(stack, stack.patched, heads=2, head_dim=head_dim)
+        assert layer.enable_pad is (width != head_dim)
+        assert layer.scale_value == head_dim ** -0.5
+        bsz, seq, cu, _ = lengths_case("host")
+        q, k, v = make_qkv("4d", bsz, seq, 2, 2, head_dim)
+        with record_npu_calls() as calls:
+            layer.forward_oot(q, k, v, cu)
+        assert calls[0].arg("query").shape[-1] == width
 
 
 def test_constructor_arguments_as_upstream(stack):
@@ -309,15 +314,15 @@ def test_constructor_arguments_as_upstream(stack):
         layer = stack.patched(4, 72, 0.05, 2, "visual.blocks.0.attn")
         assert (layer.num_heads, layer.head_size, layer.scale, layer.num_kv_heads,
                 layer.layer_name) == (4, 72, 0.05, 2, "visual.blocks.0.attn")
-        assert layer.npu_shim_kernel.varlen.num_kv_heads == 2
+        assert layer.scale_value == 0.05
         for cls in (stack.patched, stack.upstream):
             with pytest.raises(TypeError):
                 cls(4, 72, no_such_argument=1)
 
 
 def test_patched_layer_deepcopies_and_pickles(stack):
-    """Upstream layers can be deep-copied and pickled; the patched ones too (the kernel
-    handle is shared by copies and rebuilt on unpickling)."""
+    """Upstream layers can be deep-copied and pickled; the patched ones too (the layer's
+    state is not copied; the clone rebuilds it from its own attributes)."""
     import copy
     import pickle
 
@@ -329,7 +334,7 @@ def test_patched_layer_deepcopies_and_pickles(stack):
     expected = layer.forward_oot(q, k, v, cu)
     for clone in (copy.deepcopy(layer), pickle.loads(pickle.dumps(layer))):
         assert type(clone) is stack.patched and clone is not layer
-        assert clone.npu_shim_kernel.varlen.scale == 0.05
+        assert clone.scale == 0.05
         assert torch.equal(clone.forward_oot(q, k, v, cu), expected)
     upstream = copy.deepcopy(build(stack, stack.upstream, heads=4, head_dim=72, scale=0.05))
     assert torch.equal(upstream.forward_oot(q, k, v, cu),
@@ -486,11 +491,12 @@ def test_status_and_replaced_methods(stack):
     from npu_shim.patches.vllm_mm_encoder_attn import PATCH
 
     assert stack.status["reason"] == "vllm-ascend %s" % stack.vllm_ascend_version
+    assert stack.status["adapter"] == "v013"
     for path in PATCH.replaces:
         name = path.split(".")[1]
         ours = vars(stack.patched)[name]
         original = vars(stack.upstream)[name]
-        assert ours.__code__.co_filename.endswith(os.path.join("patches", "vllm_mm_encoder_attn.py"))
+        assert ours.__code__.co_filename.endswith(os.path.join("patches", "mm_encoder", "v013.py"))
         assert original.__code__.co_filename == stack.module.__file__
         assert inspect.signature(ours) == inspect.signature(original)
 

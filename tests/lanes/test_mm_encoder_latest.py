@@ -1,12 +1,10 @@
-"""Patch ``vllm.mm_encoder_attn`` on the newest stack (lane latest): skipped, with its reason.
+"""Patch ``vllm.mm_encoder_attn`` on the newest stack (lane latest-vllm).
 
-vllm-ascend 0.18.0 .. 0.22.1rc1 receive host ``sequence_lengths`` computed once
-per encoder forward (``AscendMMEncoderAttention.maybe_compute_seq_lens``);
 0.23.0rc1 and later rewrote ``forward_oot`` around
-``npu_fused_infer_attention_score`` and honour ``self.scale``. The patch's
-version guard (``vllm-ascend >=0.13,<0.18``) keeps it off, and its structural
-check refuses this shape too, so widening the guard by mistake could not apply
-it to code it was not written for.
+``npu_fused_infer_attention_score`` and honour ``self.scale``; no adapter of
+this branch serves that family yet, so the patch skips with every adapter's
+reason, and each adapter's structural check refuses this shape too (widening
+a fence by mistake could not apply an adapter to code it was not written for).
 
 The target is imported the way the 0.13/0.15 lanes do it (see
 ``import_target_without_ops_init``): ``vllm_ascend/ops/__init__.py`` imports
@@ -57,14 +55,18 @@ def latest():
     return module, version, before, _row()
 
 
-def test_skipped_by_its_version_guard_with_the_reason(latest):
+def test_skipped_while_no_adapter_serves_this_release(latest):
+    """Until an adapter for this family exists, the patch skips, naming every adapter's reason."""
+    from npu_shim.patches.vllm_mm_encoder_attn import ADAPTERS
+
     _, version, before, after = latest
-    reason = ("vllm-ascend %s is outside >=0.13,<0.18 (0.18.0+ take host sequence lengths from vLLM "
-              "(Qwen-VL encoders); 0.23.0rc1+ rewrote forward_oot)" % version)
-    for row in (before, after):
-        assert row["state"] == "skipped", row
-        assert row["reason"] == reason
-        assert row["versions"] == {"vllm-ascend": version}
+    assert before["state"] == "pending" or before["state"] == after["state"]
+    assert after["state"] == "skipped", after
+    assert after["adapter"] is None
+    assert after["reason"].startswith("structural check: no adapter accepts AscendMMEncoderAttention: ")
+    for name in ADAPTERS:
+        assert "%s: vllm-ascend %s outside " % (name, version) in after["reason"]
+    assert after["versions"] == {"vllm-ascend": version}
 
 
 def test_upstream_methods_untouched(latest):
@@ -75,17 +77,13 @@ def test_upstream_methods_untouched(latest):
 
 
 def test_structural_check_refuses_this_shape(latest):
-    """Not only the version: the real class no longer has the shape the patch replaces."""
-    from npu_shim.patch import NotNeeded, TargetMismatch
-    from npu_shim.patches.vllm_mm_encoder_attn import PATCH
+    """Not only the versions: no adapter's structural check accepts the real class."""
+    from npu_shim.patch import TargetMismatch
+    from npu_shim.patches.mm_encoder import load_adapters
+    from npu_shim.patches.vllm_mm_encoder_attn import ADAPTERS
 
-    module = latest[0]
-    cls = module.AscendMMEncoderAttention
-    if "maybe_compute_seq_lens" in vars(cls):       # 0.18.0 .. 0.22.1rc1
-        with pytest.raises(NotNeeded, match="precomputes host sequence_lengths"):
-            PATCH.check(module)
-    else:                                           # 0.23.0rc1 and later
-        assert "_npu_flash_attention_unpad" not in cls.forward_oot.__code__.co_names
-        assert "self.scale," in importlib.util.find_spec(TARGET).loader.get_source(TARGET)
-        with pytest.raises(TargetMismatch, match="no longer calls torch_npu._npu_flash_attention_unpad"):
-            PATCH.check(module)
+    cls = latest[0].AscendMMEncoderAttention
+    assert "self.scale," in importlib.util.find_spec(TARGET).loader.get_source(TARGET)
+    for adapter in load_adapters(ADAPTERS):
+        with pytest.raises(TargetMismatch):
+            adapter.check(cls)

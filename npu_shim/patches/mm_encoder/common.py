@@ -1,0 +1,206 @@
+"""What every MMEncoderAttention adapter (and the 310P patch) shares.
+
+Per-forward host lengths
+  The NPU ops take sequence lengths on the host; upstream copies
+  ``cu_seqlens`` (or ``sequence_lengths``) device->host in every layer.
+  :func:`host_values` reads a tensor from the device at most once per encoder
+  forward and never carries it into the next forward.
+
+  What "one encoder forward" is: vLLM opens no context of its own around the
+  encoder. In every release this shim serves (vLLM 0.13.0 .. 0.21.0 read in
+  the wheels; vllm-ascend's NPUModelRunner inherits ``_execute_mm_encoder``)
+  the model runner's ``_execute_mm_encoder`` calls ``model.embed_multimodal``
+  outside ``set_forward_context`` (``get_forward_context()`` there raises),
+  so the forward context cannot delimit it. What does, in every release and
+  for every model: the tower's own forward, which runs each of its blocks --
+  and so each attention layer -- exactly once (``for blk in self.blocks``).
+  Hence the rule: the host copy of a tensor belongs to the layers that have
+  read it; when a layer asks again for a tensor it already read, a new
+  forward has begun and the tensor is read again. The copy is stored on the
+  tensor object itself (an attribute, so it dies with the tensor and nothing
+  is process-global), with the layers that consumed it (weakly) and the
+  tensor's storage pointer and version counter (no counter under
+  ``torch.inference_mode()``, which is why the layer rule exists: a buffer
+  rewritten in place between two forwards is read again by the first layer of
+  the second forward).
+
+  Called outside a tower (a single layer called repeatedly, as unit tests
+  do): every call after the first re-reads, so it is correct, at upstream's
+  cost of one copy per call. Host tensors and Python/NumPy values cost no
+  device transfer at all. Limit (documented, not reachable from vLLM's
+  towers): tower B reading, for the first time, a buffer that tower A has
+  read and that was rewritten in place since, under inference mode, gets A's
+  reading.
+
+Lazy layer state
+  :func:`layer_state` builds a layer's kernel state from the layer's own
+  attributes (``num_heads``, ``head_size``, ``num_kv_heads``, ``scale``) the
+  first time its forward runs, so a layer made with ``__new__``, built before
+  the shim was installed or unpickled works. The state is never pickled or
+  deep-copied (it comes back as "not built yet").
+
+Counters and wrappers
+  :func:`count` reports to :mod:`npu_shim._stats`; :func:`wrap` gives a
+  replacement upstream's name, qualname and signature.
+"""
+import inspect
+import weakref
+
+import torch
+
+from npu_shim import _stats
+from npu_shim.patch import TargetMismatch
+
+__all__ = ["LayerState", "count", "host_values", "layer_state", "own_function", "check_params",
+           "pad_head_dim", "repeat_kv_to_heads", "wrap", "PAD_MIN", "PAD_TO"]
+
+PAD_MIN, PAD_TO = 64, 128      # vllm-ascend pads head dims 64 < D < 128 to 128
+HOST_ATTR = "_npu_shim_host_copy"
+STATE_ATTR = "_npu_shim_mm_encoder_state"
+
+
+# ------------------------------------------------------------------ counters
+
+def count(patch_name, event, n=1):
+    _stats.count(patch_name, event, n)
+
+
+# ------------------------------------------------------- per-forward host copy
+
+class _HostCopy:
+    __slots__ = ("values", "data_ptr", "version", "readers")
+
+    def __init__(self, values, data_ptr, version):
+        self.values = values                 # a CPU tensor
+        self.data_ptr = data_ptr
+        self.version = version
+        self.readers = weakref.WeakSet()     # the layers that used this reading
+
+    def __reduce__(self):                    # never travels with a pickled tensor
+        return (_nothing, ())
+
+    def __deepcopy__(self, memo):
+        return None
+
+
+def _nothing():
+    return None
+
+
+def host_values(layer, values, patch_name):
+    """``values`` (1-D: ``cu_seqlens`` or ``sequence_lengths``) as a CPU tensor.
+
+    A tensor is read (``.cpu()``) once per encoder forward, see the module
+    docstring: a device tensor costs one device->host copy per forward
+    (counted as ``host_copies`` of ``patch_name``), a CPU tensor none
+    (``.cpu()`` returns it). A list/tuple/NumPy array becomes a CPU tensor.
+    """
+    if not isinstance(values, torch.Tensor):
+        return torch.as_tensor(values)
+    copy = values.__dict__.get(HOST_ATTR)
+    version = None if values.is_inference() else values._version
+    if (copy is None or layer in copy.readers or copy.data_ptr != values.data_ptr()
+            or copy.version != version):
+        copy = _HostCopy(values.cpu(), values.data_ptr(), version)  # the one read per forward
+        setattr(values, HOST_ATTR, copy)
+        if values.device.type != "cpu":
+            _stats.count(patch_name, "host_copies")
+    copy.readers.add(layer)
+    return copy.values
+
+
+# ---------------------------------------------------------------- layer state
+
+class LayerState:
+    """What a layer's forward needs, derived once from the layer's own attributes."""
+
+    __slots__ = ("scale", "pad_to", "kernel")
+
+    def __init__(self, scale, pad_to, kernel=None):
+        self.scale = scale        # the softmax scale to pass (the model's, else head_size ** -0.5)
+        self.pad_to = pad_to      # head dim handed to the op (128 where upstream pads)
+        self.kernel = kernel      # an optional prepared kernel (e.g. the TND switch)
+
+    def __reduce__(self):         # rebuilt from the layer after unpickling
+        return (_nothing, ())
+
+    def __deepcopy__(self, memo):
+        return None
+
+    def __repr__(self):
+        return "LayerState(scale=%g, pad_to=%d, kernel=%r)" % (self.scale, self.pad_to, self.kernel)
+
+
+def default_scale(layer):
+    scale = getattr(layer, "scale", None)
+    return float(scale) if scale is not None else layer.head_size ** -0.5
+
+
+def layer_state(layer, make):
+    """The layer's :class:`LayerState`, built by ``make(layer)`` on first use."""
+    state = layer.__dict__.get(STATE_ATTR)
+    if state is None:
+        state = make(layer)
+        layer.__dict__[STATE_ATTR] = state
+    return state
+
+
+# ------------------------------------------------------------- tensor helpers
+
+def repeat_kv_to_heads(query, key, value, num_heads, num_kv_heads, head_size):
+    """(T, N, D) q and K/V repeated to N heads with ``repeat_interleave``, as vllm-ascend does."""
+    bsz, q_len = query.shape[:2]
+    kv_len = key.shape[1]
+    q = query.view(bsz * q_len, num_heads, head_size)
+    k = key.view(bsz * kv_len, num_kv_heads, head_size)
+    v = value.view(bsz * kv_len, num_kv_heads, head_size)
+    repeat = num_heads // num_kv_heads
+    if repeat > 1:
+        k = torch.repeat_interleave(k, repeat, dim=1)
+        v = torch.repeat_interleave(v, repeat, dim=1)
+    return q, k, v
+
+
+def pad_head_dim(x, width):
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
+
+
+def to_upstream_shape(out, query, head_size, num_heads):
+    """(B, S, N, D) for 4-D queries, (B, S, N*D) for 3-D ones; contiguous, as upstream."""
+    out = out[..., :head_size]
+    bsz, q_len = query.shape[:2]
+    if query.dim() == 4:
+        return out.reshape(bsz, q_len, num_heads, head_size).contiguous()
+    return out.reshape(bsz, q_len, num_heads * head_size).contiguous()
+
+
+# -------------------------------------------------- structure and wrappers
+
+def own_function(cls, name):
+    function = vars(cls).get(name)
+    if not inspect.isfunction(function):
+        raise TargetMismatch("%s.%s is not a function defined by the class" % (cls.__name__, name))
+    return function
+
+
+def check_params(function, required, optional_tails, what):
+    params = tuple(inspect.signature(function).parameters)
+    if params[: len(required)] != required or params[len(required):] not in optional_tails:
+        raise TargetMismatch("%s takes %s; the adapter knows %s" % (
+            what, params, " or ".join(str(required + tail) for tail in optional_tails)))
+
+
+def calls_name(function, name):
+    """Whether ``function``'s own code refers to global/attribute ``name``."""
+    return name in function.__code__.co_names
+
+
+def wrap(replacement, original, patch_name, adapter_module):
+    """Give ``replacement`` upstream's name, qualname and signature."""
+    replacement.__name__ = original.__name__
+    replacement.__qualname__ = original.__qualname__
+    replacement.__doc__ = ("npu-shim (%s) replacement of %s.%s; see %s."
+                           % (patch_name, original.__module__, original.__qualname__, adapter_module))
+    replacement.__signature__ = inspect.signature(original)
+    replacement.__wrapped_upstream__ = original
+    return replacement
