@@ -44,6 +44,8 @@ ADAPTERS = (
     "v013",
     "v018",
     "v019",
+    "v022",
+    "v023",
 )
 
 check, build = dispatch(PATCH_NAME, CLASS_NAME, ADAPTERS)
