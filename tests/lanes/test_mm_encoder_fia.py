@@ -300,6 +300,16 @@ def test_no_cu_seqlens_uniform_lengths_no_copy(stack):
 # ------------------------------------------------ the towers' own length inputs
 
 
+@pytest.fixture
+def no_pinned_memory(monkeypatch):
+    """vLLM 0.26's ``async_tensor_h2d`` pins host memory when its platform says it can; this
+    machine has no accelerator to pin for (pinning raises), so the copy stays unpinned."""
+    import vllm.utils.torch_utils as torch_utils
+
+    if hasattr(torch_utils, "PIN_MEMORY"):
+        monkeypatch.setattr(torch_utils, "PIN_MEMORY", False)
+
+
 def vllm_lengths(layer, lengths):
     """What vLLM's towers hand the layers: host ``sequence_lengths`` from
     ``MMEncoderAttention.maybe_compute_seq_lens`` (None where the class no longer has
@@ -317,7 +327,7 @@ def vllm_lengths(layer, lengths):
     return cu, seq
 
 
-def test_qwen3_vl_with_vllms_sequence_lengths(stack):
+def test_qwen3_vl_with_vllms_sequence_lengths(stack, no_pinned_memory):
     import torch
     from npu_shim.testing import count_host_syncs
 
@@ -342,7 +352,7 @@ def test_qwen3_vl_with_vllms_sequence_lengths(stack):
     assert max_err(outs[-1], ref) < TOL
 
 
-def test_qwen25_vl_full_and_window_layers_at_most_two_copies(stack):
+def test_qwen25_vl_full_and_window_layers_at_most_two_copies(stack, no_pinned_memory):
     """Qwen2.5-VL: 32 blocks, full attention in 7/15/23/31 (cu_seqlens), windowed elsewhere
     (cu_window_seqlens): two tensors, at most two copies per forward."""
     import torch
