@@ -77,13 +77,13 @@ def build_forward(cls, host_lengths, adapter_module):
     tokens_q, tokens_kv, cu_seqlens, sequence_lengths) -> (lengths_q, lengths_kv)``."""
     original_forward = vars(cls)["forward_oot"]
     upstream_globals = original_forward.__globals__
-    capture_context = upstream_globals[CAPTURE_CONTEXT]
     block_size, no_band = (upstream_globals[name] for name in CONSTANTS)
     # 0.26.0rc1 hands K/V over with .contiguous(), 0.23.0rc1 .. 0.25.1rc1 as they are.
     contiguous_kv = C.calls_name(vars(cls)["_run_vit_fia"], "contiguous")
 
     def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None, sequence_lengths=None):
-        if capture_context().capturing:
+        # Looked up per call, as upstream's forward_oot does (tests may replace it).
+        if upstream_globals[CAPTURE_CONTEXT]().capturing:
             C.count(PATCH_NAME, "upstream_calls")
             return original_forward(self, query, key, value, cu_seqlens=cu_seqlens,
                                     max_seqlen=max_seqlen, sequence_lengths=sequence_lengths)
