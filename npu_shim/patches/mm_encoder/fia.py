@@ -114,10 +114,8 @@ def host_tensor(layer, values):
     return C.host_values(layer, values, PATCH_NAME)
 
 
-def uniform_cu_seqlens(query):
-    """``bsz`` sequences of ``q_len`` tokens (models that pass no ``cu_seqlens``), on the host."""
-    import torch
-
+def uniform_lengths(query):
+    """Cumulative lengths of ``bsz`` sequences of ``q_len`` tokens (models that pass no
+    ``cu_seqlens``): upstream builds them with ``torch.arange`` on the host; plain ints here."""
     bsz, q_len = query.shape[:2]
-    return torch.arange(0, (bsz + 1) * q_len, step=q_len, dtype=torch.int32)
-
+    return list(range(q_len, (bsz + 1) * q_len, q_len))

@@ -14,6 +14,8 @@ cumulated, else ``cu_seqlens[1:]``, else uniform lengths built on the host) with
 the tensor read at most once per encoder forward; the model's ``scale``
 (``self.scale``); the K/V head count that matches the repeated K/V.
 """
+import torch
+
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches.mm_encoder import Adapter
 from npu_shim.patches.mm_encoder import fia
@@ -23,15 +25,12 @@ LENGTHS_METHOD = "_maybe_compute_actual_seq_lengths"
 
 
 def host_lengths(layer, upstream_globals, query, tokens_q, tokens_kv, cu_seqlens, sequence_lengths):
-    import torch
-
     if sequence_lengths is not None:
-        cumulative = fia.host_tensor(layer, sequence_lengths).cumsum(0)
+        lengths = fia.host_tensor(layer, sequence_lengths).cumsum(0).to(torch.int64).tolist()
     elif cu_seqlens is not None:
-        cumulative = fia.host_tensor(layer, cu_seqlens)[1:]
+        lengths = fia.host_tensor(layer, cu_seqlens)[1:].to(torch.int64).tolist()
     else:
-        cumulative = fia.uniform_cu_seqlens(query)[1:]
-    lengths = cumulative.to(torch.int64).tolist()
+        lengths = fia.uniform_lengths(query)
     return lengths, lengths
 
 

@@ -19,6 +19,8 @@ Read in the wheels 0.23.0rc1, 0.23.0, 0.24.0rc1, 0.25.1rc1, 0.26.0rc1 and on
 upstream's main branch (no fence above: a later release of this shape is served,
 one of another shape is refused by the structural check).
 """
+import torch
+
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches.mm_encoder import Adapter
 from npu_shim.patches.mm_encoder import fia
@@ -30,7 +32,10 @@ CU_METHOD = "_maybe_compute_cu_seqlens"
 def host_lengths(layer, upstream_globals, query, tokens_q, tokens_kv, cu_seqlens, sequence_lengths):
     # sequence_lengths is ignored, as upstream does (see the module docstring).
     if cu_seqlens is None:
-        host = fia.uniform_cu_seqlens(query)
+        lengths = fia.uniform_lengths(query)
+        if tokens_kv == tokens_q:
+            return lengths, lengths
+        host = torch.tensor([0] + lengths, dtype=torch.int32)   # upstream's helper scales the KV list
     else:
         host = fia.host_tensor(layer, cu_seqlens)
     return upstream_globals[LENGTHS_FUNCTION](host, tokens_q, tokens_kv, cudagraph_mm_encoder=False)
