@@ -150,7 +150,7 @@ def test_applied_with_the_adapter_of_this_release(stack):
     # Only forward_oot is replaced; __init__ is upstream's (it parses nothing here).
     assert vars(stack.patched)["__init__"].__code__.co_filename == stack.module.__file__
     ours, original = vars(stack.patched)["forward_oot"], vars(stack.upstream)["forward_oot"]
-    assert ours.__code__.co_filename.endswith("%s.py" % stack.status["adapter"])
+    assert "npu_shim.patches.mm_encoder.%s" % stack.status["adapter"] in ours.__doc__
     assert inspect.signature(ours) == inspect.signature(original)
 
 
@@ -277,7 +277,7 @@ def test_uniform_lengths_without_cu_seqlens(stack):
 
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(3, 7, HEADS * HEAD_DIM, generator=gen) for _ in range(3))
-    with count_host_syncs(cpu_is_device=True) as syncs:
+    with count_host_syncs(device_tensors=[q, k, v]) as syncs:   # lengths come from shapes only
         out = vllm_layer(stack).forward_oot(q, k, v)
     assert syncs.count == 0, syncs.summary()
     expected = upstream_layer(stack).forward_oot(q, k, v)
