@@ -48,6 +48,7 @@ LANES = {
     "kimi-vl-2025": VLLM_ENV,
     "vllm-0.13": VLLM_ENV,
     "vllm-0.15": VLLM_ENV,
+    "vllm-0.22": VLLM_ENV,
     "sglang-0.5.12": SGLANG_ENV,
     "sglang-0.5.13": SGLANG_ENV,
     # "latest" is split: one venv cannot honour the pins of both vllm 0.33.0 and sglang
