@@ -7,7 +7,8 @@ import pytest
 
 BIN = os.path.dirname(sys.executable)
 KEYS = {"name", "target", "state", "adapter", "reason", "requires", "versions"}
-PATCHES = ["transformers.attn_check", "vllm.moonvit_attn", "vllm.mm_encoder_attn", "sglang.cp_fia"]
+PATCHES = ["transformers.attn_check", "vllm.moonvit_attn", "vllm.mm_encoder_attn", "vllm.mm_encoder_attn_310p",
+           "sglang.cp_fia"]
 
 
 def cli(args, env):

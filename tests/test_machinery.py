@@ -207,7 +207,8 @@ def test_npu_shim_0_turns_everything_off(toy, run_python, make_env):
     ''', build="build_subset"), env=make_env(NPU_SHIM="0"))
     rows = json.loads(out.stdout)
     assert {r["state"] for r in rows} == {"disabled"} and {r["reason"] for r in rows} == {"NPU_SHIM=0"}
-    assert {"transformers.attn_check", "vllm.moonvit_attn", "vllm.mm_encoder_attn", "sglang.cp_fia", "toy.patch"} == {
+    assert {"transformers.attn_check", "vllm.moonvit_attn", "vllm.mm_encoder_attn",
+            "vllm.mm_encoder_attn_310p", "sglang.cp_fia", "toy.patch"} == {
         r["name"] for r in rows
     }
 

@@ -21,7 +21,8 @@ def test_with_emulation_and_no_framework_nothing_applies(make_env):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert {r["patch"] for r in rows} == {"transformers.attn_check", "vllm.moonvit_attn",
-                                          "vllm.mm_encoder_attn", "sglang.cp_fia"}
+                                          "vllm.mm_encoder_attn", "vllm.mm_encoder_attn_310p",
+                                          "sglang.cp_fia"}
     assert all(r["kernels"] == "emulation" and r["ok"] is None for r in rows)
     assert all(r["state"] == "skipped" and r["reason"].startswith("not installed") for r in rows)
 

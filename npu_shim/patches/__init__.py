@@ -10,6 +10,7 @@ the watched frameworks starts importing.
 | transformers.attn_check    | transformers_attn_check   | transformers rejects attn_implementation="ascend_fa" |
 | vllm.moonvit_attn          | vllm_moonvit_attn         | MoonViT falls back to SDPA with an S x S mask  |
 | vllm.mm_encoder_attn       | vllm_mm_encoder_attn      | vllm-ascend syncs cu_seqlens to host per layer, ignores scale |
+| vllm.mm_encoder_attn_310p  | vllm_mm_encoder_attn_310p | the same in vllm-ascend's 310P class           |
 | sglang.cp_fia              | sglang_cp_fia             | sglang CP attention on NPU correct for bs == 1 only |
 """
 
@@ -17,6 +18,7 @@ BUILTIN_PATCHES = (
     ("transformers.attn_check", "npu_shim.patches.transformers_attn_check"),
     ("vllm.moonvit_attn", "npu_shim.patches.vllm_moonvit_attn"),
     ("vllm.mm_encoder_attn", "npu_shim.patches.vllm_mm_encoder_attn"),
+    ("vllm.mm_encoder_attn_310p", "npu_shim.patches.vllm_mm_encoder_attn_310p"),
     ("sglang.cp_fia", "npu_shim.patches.sglang_cp_fia"),
 )
 

@@ -136,12 +136,15 @@ def default_scale(layer):
     return float(scale) if scale is not None else layer.head_size ** -0.5
 
 
-def layer_state(layer, make):
-    """The layer's :class:`LayerState`, built by ``make(layer)`` on first use."""
-    state = layer.__dict__.get(STATE_ATTR)
+def layer_state(layer, make, attr=STATE_ATTR):
+    """The layer's :class:`LayerState`, built by ``make(layer)`` on first use.
+
+    ``attr``: where it is kept on the layer; a patch whose class derives from
+    another patched class (0.14.0rc1's 310P class) keeps its own."""
+    state = layer.__dict__.get(attr)
     if state is None:
         state = make(layer)
-        layer.__dict__[STATE_ATTR] = state
+        layer.__dict__[attr] = state
     return state
 
 

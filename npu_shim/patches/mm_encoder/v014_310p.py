@@ -1,0 +1,67 @@
+"""Adapter v014_310p: ``AscendMMEncoderAttention310`` of vllm-ascend 0.14.0rc1.
+
+Upstream there: a subclass of 0.14.0rc1's ``AscendMMEncoderAttention`` (the
+class ``vllm.mm_encoder_attn`` patches), registered as ``"MMEncoderAttention"``
+when ``is_310p()``. Its ``forward_oot(query, key, value, cu_seqlens=None,
+max_seqlen=None, **kwargs)`` repeats K/V to the query heads (the base's
+``reshape_qkv_to_3d``), builds a uniform ``cu_seqlens`` on ``query.device``
+when none is given, copies ``torch.diff(cu_seqlens).to("cpu", dtype=torch.int32)``
+in every layer, does not pad the head dim, and calls
+``torch_npu._npu_flash_attention_unpad(query, key, value, seq_len,
+scale_value=head_size ** -0.5, num_heads, num_kv_heads, out)`` whatever
+``scale`` the model gave; the output is (B, S, N, D) for 3-D and 4-D inputs
+alike. (0.15.0rc1 .. 0.17.0rc1 have no 310P class.)
+
+Replaced: ``forward_oot`` only, with upstream's op call and layout (no
+padding, int32 ``seq_len``, (B, S, N, D) output), the lengths read from the
+device at most once per encoder forward (a uniform ``cu_seqlens`` is built on
+the host: no copy), the model's ``scale`` and, under GQA, the head count of
+the repeated K/V. The layer's state is kept apart from the one
+``vllm.mm_encoder_attn`` may keep on the same layer (its base class).
+"""
+import inspect
+
+import torch
+
+from npu_shim.patch import TargetMismatch
+from npu_shim.patches.mm_encoder import Adapter
+from npu_shim.patches.mm_encoder import common as C
+from npu_shim.patches.mm_encoder import v018_310p as F
+
+FORWARD_PARAMS = ("self", "query", "key", "value", "cu_seqlens", "max_seqlen", "kwargs")
+SEQ_LEN_DTYPE = torch.int32        # upstream: .to("cpu", dtype=torch.int32)
+
+
+def check(cls):
+    if F.ASCEND_MAIN_CLASS not in [base.__name__ for base in cls.__mro__[1:]]:
+        raise TargetMismatch("%s no longer derives from vllm-ascend's %s (the 0.14.0rc1 shape does)"
+                             % (cls.__name__, F.ASCEND_MAIN_CLASS))
+    forward = C.own_function(cls, "forward_oot")
+    C.check_params(forward, FORWARD_PARAMS, ((),), cls.__name__ + ".forward_oot")
+    if inspect.signature(forward).parameters["kwargs"].kind is not inspect.Parameter.VAR_KEYWORD:
+        raise TargetMismatch("%s.forward_oot no longer takes **kwargs" % cls.__name__)
+    names = forward.__code__.co_names
+    if "torch_npu" not in forward.__globals__ or F.UNPAD not in names or "diff" not in names:
+        raise TargetMismatch("%s.forward_oot no longer calls torch_npu.%s with torch.diff(cu_seqlens)"
+                             % (cls.__name__, F.UNPAD))
+
+
+def build(cls):
+    original_forward = vars(cls)["forward_oot"]
+    upstream_globals = original_forward.__globals__
+    make_state = F.state_maker(pads=False)
+
+    def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None, **kwargs):
+        C.count(F.PATCH_NAME, "calls")
+        state = C.layer_state(self, make_state, F.STATE_ATTR)
+        if cu_seqlens is None and query.device.type != "cpu":
+            C.count(F.PATCH_NAME, "upstream_host_copies")   # upstream builds it on query.device
+        seq_len = F.host_seq_len(self, query, cu_seqlens).to(SEQ_LEN_DTYPE)
+        out = F.attend(self, state, upstream_globals["torch_npu"], query, key, value, seq_len)
+        bsz, q_len = query.shape[:2]
+        return out.view(bsz, q_len, self.num_heads, self.head_size)
+
+    return {"forward_oot": C.wrap(forward_oot, original_forward, F.PATCH_NAME, __name__)}
+
+
+ADAPTER = Adapter(name="v014_310p", releases=">=0.14.0rc1,<0.15.0rc1", check=check, build=build)
