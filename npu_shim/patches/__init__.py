@@ -11,6 +11,8 @@ the watched frameworks starts importing.
 | vllm.moonvit_attn          | vllm_moonvit_attn         | MoonViT falls back to SDPA with an S x S mask  |
 | vllm.mm_encoder_attn       | vllm_mm_encoder_attn      | vllm-ascend syncs cu_seqlens to host per layer, ignores scale |
 | sglang.cp_fia              | sglang_cp_fia             | sglang CP attention on NPU correct for bs == 1 only |
+| sglang.cp_fia_host_lengths | sglang_cp_fia_host_lengths | sglang 0.5.23 CP prefill: 4 device->host syncs per layer (.tolist() of the zigzag lengths) |
+| sglang.small_page_fia      | sglang_small_page_fia     | sglang prefill with page size < 128 corrupts output on NPU (legacy qlens op); route it through FIA |
 """
 
 BUILTIN_PATCHES = (
