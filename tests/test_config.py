@@ -48,3 +48,16 @@ def test_enable_disable_lists():
     assert s.disabled_reason("c") == "not listed in NPU_SHIM_ENABLE"
     assert Settings({"NPU_SHIM": "0"}).disabled_reason("a") == "NPU_SHIM=0"
     assert s.unknown_names({"a"}) == [("NPU_SHIM_ENABLE", "b"), ("NPU_SHIM_DISABLE", "b")]
+
+
+def test_patch_switch_turns_its_patch_off_and_is_validated():
+    from npu_shim._config import PATCH_SWITCHES
+
+    name, var = "sglang.small_page_fia", "NPU_SHIM_SGLANG_SMALL_PAGE_FIA"
+    assert PATCH_SWITCHES[name] == var
+    assert Settings({}).disabled_reason(name) is None
+    assert Settings({var: "on"}).disabled_reason(name) is None
+    assert Settings({var: "0"}).disabled_reason(name) == var + "=0"
+    assert Settings({var: "0"}).disabled_reason("sglang.cp_fia") is None
+    with pytest.raises(ConfigError, match=var):
+        Settings({var: "maybe"})

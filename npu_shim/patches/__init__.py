@@ -20,6 +20,8 @@ BUILTIN_PATCHES = (
     ("vllm.moonvit_attn", "npu_shim.patches.vllm_moonvit_attn"),
     ("vllm.mm_encoder_attn", "npu_shim.patches.vllm_mm_encoder_attn"),
     ("sglang.cp_fia", "npu_shim.patches.sglang_cp_fia"),
+    ("sglang.cp_fia_host_lengths", "npu_shim.patches.sglang_cp_fia_host_lengths"),
+    ("sglang.small_page_fia", "npu_shim.patches.sglang_small_page_fia"),
 )
 
 # Top-level packages whose import loads the patch machinery.
