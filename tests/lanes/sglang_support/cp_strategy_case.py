@@ -33,8 +33,12 @@ def zigzag_rank(rank, cp_size):
     from sglang.srt.layers.cp import base
     from sglang.srt.runtime_context import get_parallel
 
-    with get_parallel().override(attn_cp_rank=rank, attn_cp_size=cp_size, enable_prefill_cp=True,
-                                 cp_strategy=STRATEGY):
+    # One attention-CP group of cp_size ranks and nothing else: TP = CP, no DP, no EP
+    # (sglang validates that the widths multiply up).
+    topology = dict(tp_size=cp_size, tp_rank=rank, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1,
+                    attn_dp_rank=0, attn_cp_size=cp_size, attn_cp_rank=rank, moe_tp_size=cp_size,
+                    moe_ep_size=1, moe_dp_size=1)
+    with get_parallel().override(enable_prefill_cp=True, cp_strategy=STRATEGY, **topology):
         base.init_cp_strategy(enable_prefill_cp=True, cp_size=cp_size, cp_strategy=STRATEGY)
         try:
             yield base.get_cp_strategy()
