@@ -86,10 +86,15 @@ def _prefill(modules, method, spec, use_fia=None):
 
 
 def _same_arguments(a, b):
+    """Equal arguments; ``out`` (allocated with torch.empty, filled by the op) by shape and dtype."""
     import torch
 
     assert sorted(a.kwargs) == sorted(b.kwargs) and len(a.args) == len(b.args)
-    for x, y in list(zip(a.args, b.args)) + [(a.kwargs[key], b.kwargs[key]) for key in a.kwargs]:
+    out_a, out_b = a.kwargs.get("out"), b.kwargs.get("out")
+    if out_a is not None:
+        assert (out_a.shape, out_a.dtype) == (out_b.shape, out_b.dtype)
+    named = [(a.kwargs[key], b.kwargs[key]) for key in a.kwargs if key != "out"]
+    for x, y in list(zip(a.args, b.args)) + named:
         if isinstance(x, torch.Tensor):
             assert isinstance(y, torch.Tensor) and x.shape == y.shape and torch.equal(x, y)
         elif hasattr(x, "tolist"):   # numpy cumulative lengths

@@ -27,11 +27,13 @@ from sglang_support import cp_case
 def make_pool(module_pool, batch):
     """sglang's NPUMHATokenToKVPool on CPU, filled with the batch's paged cache."""
     spec = batch.spec
+    if spec.v_head_dim != spec.qk_head_dim:
+        raise ValueError("the NPU pool has one head dim up to 0.5.13; use equal K and V head dims")
     slots = batch.k_cache.shape[0]
     pool = module_pool.NPUMHATokenToKVPool(
         size=slots - spec.page_size, page_size=spec.page_size, dtype=spec.dtype,
-        head_num=spec.num_kv_heads, head_dim=spec.qk_head_dim, v_head_dim=spec.v_head_dim,
-        layer_num=1, device="cpu", enable_memory_saver=False)
+        head_num=spec.num_kv_heads, head_dim=spec.qk_head_dim, layer_num=1, device="cpu",
+        enable_memory_saver=False)
     k_buffer, v_buffer = pool.get_key_buffer(0), pool.get_value_buffer(0)
     k_buffer.view(slots, spec.num_kv_heads, spec.qk_head_dim).copy_(batch.k_cache)
     v_buffer.view(slots, spec.num_kv_heads, spec.v_head_dim).copy_(batch.v_cache)
