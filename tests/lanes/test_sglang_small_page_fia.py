@@ -230,8 +230,11 @@ def test_switched_off_is_upstream_and_strict_raises_when_unreadable(modules, run
 
     strict = run_python(
         "import importlib, inspect, npu_shim\n"
-        "def unreadable(obj):\n"
-        "    raise OSError('source not available')\n"
+        "readable = inspect.getsource\n"
+        "def unreadable(obj):\n"   # as in an install without .py files, for this method only
+        "    if getattr(obj, '__name__', '') == 'forward_extend':\n"
+        "        raise OSError('source not available')\n"
+        "    return readable(obj)\n"
         "inspect.getsource = unreadable\n"
         "importlib.import_module(%r)\n" % TARGET,
         env=make_env(NPU_SHIM_EMULATE="1", NPU_SHIM_STRICT="1", PYTHONPATH=placeholders),
