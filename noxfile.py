@@ -50,6 +50,9 @@ LANES = {
     "vllm-0.15": VLLM_ENV,
     "sglang-0.5.12": SGLANG_ENV,
     "sglang-0.5.13": SGLANG_ENV,
+    "sglang-0.5.16": SGLANG_ENV,
+    "sglang-0.5.19": SGLANG_ENV,
+    "sglang-0.5.21": SGLANG_ENV,
     # "latest" is split: one venv cannot honour the pins of both vllm 0.33.0 and sglang
     # 0.5.23 (torch, openai, compressed-tensors; see the two pin files).
     "latest-vllm": VLLM_ENV,
