@@ -221,12 +221,10 @@ def test_switched_off_is_upstream_and_strict_raises_when_unreadable(modules, run
     row, host_lengths_row, patched, where, cp_patched = json.loads(off.stdout.strip().splitlines()[-1])
     assert row == ["disabled", "NPU_SHIM_SGLANG_SMALL_PAGE_FIA=0"]
     assert (patched, where) == (False, TARGET)
-    # sglang.cp_fia_host_lengths, listed in NPU_SHIM_DISABLE (0.5.23; outside its window before)
+    # sglang.cp_fia_host_lengths, listed in NPU_SHIM_DISABLE: upstream's do_cp_attn_fia (0.5.23)
+    assert host_lengths_row == ["disabled", "listed in NPU_SHIM_DISABLE"]
     if _version() == "0.5.23":
-        assert host_lengths_row == ["disabled", "listed in NPU_SHIM_DISABLE"]
-    else:
-        assert host_lengths_row[0] == "skipped"
-    assert cp_patched is False
+        assert cp_patched is False
 
     strict = run_python(
         "import importlib, inspect, npu_shim\n"
