@@ -10,6 +10,12 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
+# Patches that are on by default and have a switch of their own (boolean, default 1)
+# besides NPU_SHIM_DISABLE: patch name -> variable.
+PATCH_SWITCHES = {
+    "sglang.small_page_fia": "NPU_SHIM_SGLANG_SMALL_PAGE_FIA",
+}
+
 
 class ConfigError(ValueError):
     """An ``NPU_SHIM*`` environment variable has a value the shim cannot use."""
@@ -68,7 +74,8 @@ def env_log_level(environ=None):
 class Settings:
     """A snapshot of the ``NPU_SHIM*`` variables, validated."""
 
-    __slots__ = ("enabled", "strict", "emulate", "enable", "disable", "log_level", "mm_encoder_tnd")
+    __slots__ = ("enabled", "strict", "emulate", "enable", "disable", "log_level", "mm_encoder_tnd",
+                 "switched_off")
 
     def __init__(self, environ=None):
         environ = os.environ if environ is None else environ
@@ -81,6 +88,8 @@ class Settings:
         # vllm.mm_encoder_attn on vllm-ascend 0.13-0.17: npu-shim's TND kernel instead of
         # upstream's _npu_flash_attention_unpad (default off: upstream's call is hardware-proven).
         self.mm_encoder_tnd = env_flag("NPU_SHIM_MM_ENCODER_TND", False, environ)
+        self.switched_off = frozenset(
+            name for name, var in PATCH_SWITCHES.items() if not env_flag(var, True, environ))
 
     def disabled_reason(self, patch_name):
         """Why the environment switches ``patch_name`` off, or None."""
@@ -90,6 +99,8 @@ class Settings:
             return "listed in NPU_SHIM_DISABLE"
         if self.enable and patch_name not in self.enable:
             return "not listed in NPU_SHIM_ENABLE"
+        if patch_name in self.switched_off:
+            return "%s=0" % PATCH_SWITCHES[patch_name]
         return None
 
     def unknown_names(self, known):

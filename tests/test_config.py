@@ -55,3 +55,16 @@ def test_mm_encoder_tnd_switch_validated():
     assert Settings({"NPU_SHIM_MM_ENCODER_TND": "1"}).mm_encoder_tnd is True
     with pytest.raises(ConfigError, match="NPU_SHIM_MM_ENCODER_TND='tnd' is not a boolean"):
         Settings({"NPU_SHIM_MM_ENCODER_TND": "tnd"})
+
+
+def test_patch_switch_turns_its_patch_off_and_is_validated():
+    from npu_shim._config import PATCH_SWITCHES
+
+    name, var = "sglang.small_page_fia", "NPU_SHIM_SGLANG_SMALL_PAGE_FIA"
+    assert PATCH_SWITCHES[name] == var
+    assert Settings({}).disabled_reason(name) is None
+    assert Settings({var: "on"}).disabled_reason(name) is None
+    assert Settings({var: "0"}).disabled_reason(name) == var + "=0"
+    assert Settings({var: "0"}).disabled_reason("sglang.cp_fia") is None
+    with pytest.raises(ConfigError, match=var):
+        Settings({var: "maybe"})

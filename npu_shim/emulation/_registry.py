@@ -24,6 +24,7 @@ from npu_shim.emulation.fusion_attention import npu_fusion_attention
 from npu_shim.emulation.kv_cache import _npu_reshape_and_cache
 from npu_shim.emulation.prompt_flash_attention import (
     PFA_PRE_TOKENS_DEFAULT, npu_prompt_flash_attention)
+from npu_shim.emulation.scatter import npu_scatter_nd_update_
 from npu_shim.emulation.unpad import _npu_flash_attention_unpad
 
 _T = "Tensor? {}=None"
@@ -92,6 +93,10 @@ SCHEMAS = {
         _npu_reshape_and_cache,
         "_npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
         "Tensor(b!) value_cache, Tensor slot_indices) -> ()",
+    ),
+    "npu_scatter_nd_update_": (
+        npu_scatter_nd_update_,
+        "npu_scatter_nd_update_(Tensor(a!) input, Tensor indices, Tensor updates) -> Tensor(a!)",
     ),
 }
 

@@ -5,11 +5,12 @@ the torch_npu call recorder.
 * :func:`count_host_syncs` -- counts device->host syncs of the code under test
   (syncs.py); CPU tensors can stand in for device tensors.
 * :func:`record_npu_calls` -- records ``torch_npu.X`` / ``torch.ops.npu.X`` calls
-  (calls.py).
+  (calls.py); :func:`unemulated_op` lets a call to an op the emulation lacks be
+  recorded (dispatch only, it computes nothing).
 """
-from npu_shim.testing.calls import NpuCall, record_npu_calls
+from npu_shim.testing.calls import NpuCall, record_npu_calls, unemulated_op
 from npu_shim.testing.reference import attention_f64, dense_segments
 from npu_shim.testing.syncs import HostSyncCounter, SyncEvent, count_host_syncs
 
 __all__ = ["HostSyncCounter", "NpuCall", "SyncEvent", "attention_f64", "count_host_syncs",
-           "dense_segments", "record_npu_calls"]
+           "dense_segments", "record_npu_calls", "unemulated_op"]

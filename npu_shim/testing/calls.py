@@ -11,7 +11,7 @@ from typing import Any, NamedTuple
 
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["NpuCall", "record_npu_calls"]
+__all__ = ["NpuCall", "record_npu_calls", "unemulated_op"]
 
 
 class NpuCall(NamedTuple):
@@ -64,3 +64,36 @@ def record_npu_calls():
     calls = []
     with _CallMode(calls):
         yield calls
+
+
+@contextlib.contextmanager
+def unemulated_op(torch_npu_module, name):
+    """``torch_npu.<name>`` as an op that records its call and computes nothing.
+
+    For checking that code *dispatches* to an op the emulation does not provide
+    (its semantics are not documented well enough to emulate, e.g.
+    ``_npu_flash_attention_qlens``): inside :func:`record_npu_calls` the call
+    shows up with its arguments, like an emulated op's. It returns None and
+    writes nothing, so outputs the real op would fill stay as allocated: use
+    it to test the dispatch, never a result. Refuses to shadow an op that exists.
+    """
+    import torch
+    from torch.overrides import handle_torch_function, has_torch_function
+    from torch.utils._pytree import tree_flatten
+
+    if hasattr(torch_npu_module, name):
+        raise RuntimeError("torch_npu.%s exists; record it with record_npu_calls directly" % name)
+
+    def op(*args, **kwargs):
+        tensors = tuple(x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor))
+        if tensors and has_torch_function(tensors):
+            return handle_torch_function(op, tensors, *args, **kwargs)
+        return None
+
+    op.__name__ = op.__qualname__ = name
+    op.__module__ = "torch_npu"
+    setattr(torch_npu_module, name, op)
+    try:
+        yield op
+    finally:
+        delattr(torch_npu_module, name)

@@ -54,8 +54,10 @@ def test_patch_is_skipped_with_the_reason_for_this_release(module):
         patch.check(module)
     assert str(raised.value) == reason
     method = module.AscendAttnBackend.__dict__["do_cp_attn_fia"]
-    assert not hasattr(method, "__npu_shim_patch__")
-    assert method.__module__ == TARGET
+    # 0.5.23: sglang.cp_fia_host_lengths may own the method; sglang.cp_fia never does here.
+    assert getattr(method, "__npu_shim_patch__", None) in (None, "sglang.cp_fia_host_lengths")
+    if not hasattr(method, "__npu_shim_patch__"):
+        assert method.__module__ == TARGET
 
 
 def test_the_check_reads_what_this_release_has(module):

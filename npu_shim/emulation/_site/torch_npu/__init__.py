@@ -26,11 +26,12 @@ npu_fused_infer_attention_score = _registry.PUBLIC["npu_fused_infer_attention_sc
 npu_incre_flash_attention = _registry.PUBLIC["npu_incre_flash_attention"]
 _npu_flash_attention_unpad = _registry.PUBLIC["_npu_flash_attention_unpad"]
 _npu_reshape_and_cache = _registry.PUBLIC["_npu_reshape_and_cache"]
+npu_scatter_nd_update_ = _registry.PUBLIC["npu_scatter_nd_update_"]
 
 from torch_npu import _C, npu  # noqa: E402  (submodules after the ops exist)
 
 __all__ = [
     "npu_fusion_attention", "npu_prompt_flash_attention", "npu_fused_infer_attention_score",
     "npu_incre_flash_attention", "_npu_flash_attention_unpad", "_npu_reshape_and_cache",
-    "npu", "_C",
+    "npu_scatter_nd_update_", "npu", "_C",
 ]

@@ -1,0 +1,283 @@
+"""sglang.small_page_fia — prefill with KV pages smaller than 128 through sglang's FIA path.
+
+Why: with the ascend attention backend, ``--page-size 16`` gives fluent
+  garbage with no error (sglang issue #38196, Ascend 910C). sglang PR #39905
+  (open) traced it, with an operator differential test on CANN 9.0 and
+  end-to-end runs on A3, to the legacy prefill op
+  ``torch_npu._npu_flash_attention_qlens``: wrong output at page sizes 16, 32
+  and 64 (NaN at 64), right at 128; sglang's FIA prefill path
+  (``npu_fused_infer_attention_score``) is right at the small page sizes.
+  Every release from 0.5.11 to 0.5.23 sends a plain prefill to the qlens op
+  unless ``ASCEND_USE_FIA=1``.
+How: wrap ``AscendAttnBackend.forward_extend``. A call that upstream would
+  send to the qlens op (same gates as the installed release: not MLA, not
+  sparse / speculative / CP / sinks, head dim <= 128, causal, no encoder,
+  no logit cap, not native SDPA, not ALiBi, ...) while the backend's page
+  size is below 128, ``use_fia`` is off and ``ASCEND_USE_FIA`` is not set
+  explicitly, runs upstream's own ``forward_extend`` on a read-only view of
+  the backend whose ``use_fia`` is True: the call takes sglang's FIA prefill
+  branch of that release, with its op call and arguments, unchanged. Every
+  other call goes to upstream's ``forward_extend`` with the backend itself.
+  The KV cache is the same memory either way (FIA views it as
+  ``(-1, page_size, heads * head_dim)``); the FIA mask and host lengths it
+  reads are built by ``init_forward_metadata`` whether or not FIA is on.
+  Page size 128 and above keep the qlens op (right there, and upstream's
+  fast path). ``ASCEND_USE_FIA`` set to anything is respected as is.
+  ``NPU_SHIM_SGLANG_SMALL_PAGE_FIA=0`` turns the patch off.
+Upstream fix: sglang PR #39905 (open, not in any release up to 0.5.23).
+Remove when: the pinned sglang carries PR #39905 (or qlens is fixed in CANN
+  for page sizes below 128).
+
+What the tests can and cannot show: the torch_npu emulation computes what the
+documentation says, so it cannot show the op bug; it is taken from the
+hardware evidence above (the one exception to "reproduce first"). The tests
+check the dispatch: page sizes 16/32/64 reach ``npu_fused_infer_attention_score``
+and match the float64 reference; 128 and 256 make upstream's qlens call.
+
+Release families (decided by the structure of ``forward_extend``: the
+conditions of its ``if`` statements, compared as syntax trees, must include
+the gates the adapter mirrors):
+
+=============  ==================  ==========================================
+sglang         adapter             what differs
+=============  ==================  ==========================================
+0.5.11-0.5.12  sinks-only-0.5.12   speculative = target verify / draft
+                                   extend (v1, v2); sinks have own branch
+0.5.13         hybrid-swa-0.5.13   as above; hybrid-SWA layers go to the
+                                   sinks branch
+0.5.14         swa-fia-0.5.14      speculative = target verify / draft
+                                   extend v2; SWA layers reach qlens while
+                                   use_fia is off (so they route, to the
+                                   SWA FIA branch)
+0.5.15-0.5.23  swa-fia-fa-0.5.15   as 0.5.14; ASCEND_USE_FA comes first
+=============  ==================  ==========================================
+
+(checked on every wheel from 0.5.11 to 0.5.23 by reading the syntax tree;
+run in the lanes on 0.5.13 and 0.5.23.)
+"""
+import ast
+import inspect
+import os
+import textwrap
+
+from npu_shim.patch import Patch, TargetMismatch
+
+NAME = "sglang.small_page_fia"
+TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
+METHOD = "forward_extend"
+SWITCH = "NPU_SHIM_SGLANG_SMALL_PAGE_FIA"
+SGLANG_FIA_SWITCH = "ASCEND_USE_FIA"
+QLENS_OP = "_npu_flash_attention_qlens"
+FIA_OP = "npu_fused_infer_attention_score"
+SMALLEST_SAFE_PAGE = 128   # PR #39905: qlens right at 128, wrong at 16/32/64
+
+# Gates upstream has before the qlens call, as ``ast.unparse`` of the ``if`` tests.
+QLENS_GUARD = ("layer.qk_head_dim <= 128 and causal and (forward_batch.encoder_lens is None) "
+               "and (layer.logit_cap == 0) and (not getattr(self, 'use_native_sdpa', False))")
+COMMON_GATES = frozenset({
+    "is_mla_preprocess_enabled() and self.use_mla",
+    "self.is_dllm_model",
+    "topk_indices is not None",
+    "not self.use_mla",
+    "is_cp_mode",
+    "self.use_fia",
+    "layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY",
+    QLENS_GUARD,
+    "not self.use_alibi",
+})
+SPECULATIVE_V1_V2 = ("forward_batch.forward_mode.is_target_verify() or "
+                     "forward_batch.forward_mode.is_draft_extend() or "
+                     "forward_batch.forward_mode.is_draft_extend_v2()")
+SPECULATIVE_V2 = "forward_batch.forward_mode.is_target_verify() or forward_batch.forward_mode.is_draft_extend_v2()"
+
+
+class Adapter:
+    """One release family: the gates it expects, and which calls reach qlens there."""
+
+    name = ""
+    gates = frozenset()
+    absent = frozenset()     # gates whose presence means another family
+
+    def matches(self, conditions):
+        return self.gates <= conditions and not self.absent & conditions
+
+    def speculative(self, mode):
+        return mode.is_target_verify() or mode.is_draft_extend() or mode.is_draft_extend_v2()
+
+    def takes_sinks_branch(self, backend, layer, sinks):
+        return sinks is not None
+
+    def takes_other_kernel(self, backend):
+        return False
+
+    def reaches_qlens(self, backend, layer, forward_batch, topk_indices, sinks):
+        """True where upstream's forward_extend (use_fia off) ends in the qlens op."""
+        from sglang.srt.layers.radix_attention import AttentionType
+
+        mode = forward_batch.forward_mode
+        return not (
+            backend.use_mla
+            or backend.is_dllm_model
+            or topk_indices is not None
+            or self.speculative(mode)
+            or (mode.is_context_parallel_extend() and forward_batch.attn_cp_metadata is not None
+                and backend.attn_cp_size > 1)
+            or self.takes_sinks_branch(backend, layer, sinks)
+            or self.takes_other_kernel(backend)
+            or layer.qk_head_dim > 128
+            or layer.is_cross_attention
+            or layer.attn_type == AttentionType.ENCODER_ONLY
+            or forward_batch.encoder_lens is not None
+            or layer.logit_cap != 0
+            or getattr(backend, "use_native_sdpa", False)
+            or backend.use_alibi
+        )
+
+
+class Sinks012(Adapter):
+    name = "sinks-only-0.5.12"
+    gates = COMMON_GATES | {SPECULATIVE_V1_V2, "sinks is not None"}
+    absent = frozenset({"sinks is not None or (self.is_hybrid_swa and layer.sliding_window_size != -1)"})
+
+
+class HybridSwa013(Adapter):
+    name = "hybrid-swa-0.5.13"
+    gates = COMMON_GATES | {SPECULATIVE_V1_V2,
+                            "sinks is not None or (self.is_hybrid_swa and layer.sliding_window_size != -1)"}
+
+    def takes_sinks_branch(self, backend, layer, sinks):
+        return sinks is not None or (backend.is_hybrid_swa and layer.sliding_window_size != -1)
+
+
+class SwaFia014(Adapter):
+    name = "swa-fia-0.5.14"
+    gates = COMMON_GATES | {SPECULATIVE_V2,
+                            "sinks is not None or (self._is_swa_layer(layer) and self.use_fia)"}
+    absent = frozenset({"self.use_fa"})
+
+    def speculative(self, mode):
+        return mode.is_target_verify() or mode.is_draft_extend_v2()
+
+
+class SwaFiaFa015(SwaFia014):
+    name = "swa-fia-fa-0.5.15"
+    gates = SwaFia014.gates | {"self.use_fa"}
+    absent = frozenset()
+
+    def takes_other_kernel(self, backend):
+        return backend.use_fa
+
+
+ADAPTERS = (Sinks012(), HybridSwa013(), SwaFia014(), SwaFiaFa015())
+
+
+def if_conditions(function) -> frozenset:
+    """``ast.unparse`` of every ``if`` test in ``function`` (formatting and comments do not matter)."""
+    try:
+        source = textwrap.dedent(inspect.getsource(inspect.unwrap(function)))
+    except (OSError, TypeError) as exc:
+        raise TargetMismatch("cannot read the source of %s (%s)" % (METHOD, exc)) from None
+    tree = ast.parse(source)
+    return frozenset(ast.unparse(node.test) for node in ast.walk(tree) if isinstance(node, ast.If))
+
+
+def code_names(function) -> frozenset:
+    import types
+
+    code = inspect.unwrap(function).__code__
+    names, pending = set(), [code]
+    while pending:
+        code = pending.pop()
+        names.update(code.co_names)
+        pending.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    return frozenset(names)
+
+
+def select_adapter(module) -> Adapter:
+    method = module.AscendAttnBackend.__dict__.get(METHOD)
+    if method is None:
+        raise TargetMismatch("AscendAttnBackend does not define %s itself" % METHOD)
+    names = code_names(method)
+    for op in (QLENS_OP, FIA_OP):
+        if op not in names:
+            raise TargetMismatch("%s does not call %s" % (METHOD, op))
+    conditions = if_conditions(method)
+    for adapter in ADAPTERS:
+        if adapter.matches(conditions):
+            return adapter
+    raise TargetMismatch("%s has gates before the qlens call that no adapter knows (expected one "
+                         "of the families %s)" % (METHOD, ", ".join(a.name for a in ADAPTERS)))
+
+
+def check(module) -> None:
+    select_adapter(module)
+
+
+class FiaPrefillView:
+    """The backend as upstream's forward_extend sees it, with ``use_fia`` on.
+
+    Reads go to the backend; forward_extend writes nothing to ``self`` in any
+    release this patch applies to, and the view refuses writes so that a
+    release that starts to would fail loudly instead of losing state.
+    """
+
+    __slots__ = ("_backend",)
+    use_fia = True
+
+    def __init__(self, backend):
+        object.__setattr__(self, "_backend", backend)
+
+    def __getattr__(self, name):
+        return getattr(self._backend, name)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("%s: forward_extend set %s on the backend through the FIA view"
+                             % (NAME, name))
+
+
+def sglang_fia_explicit(environ=os.environ) -> bool:
+    return environ.get(SGLANG_FIA_SWITCH, "").strip() != ""
+
+
+def make_forward_extend(original, adapter):
+    import functools
+
+    from npu_shim import _stats
+
+    @functools.wraps(original)
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None,
+                       k_rope=None, topk_indices=None, sinks=None, **kwargs):
+        if (self.page_size < SMALLEST_SAFE_PAGE and not self.use_fia and not sglang_fia_explicit()
+                and adapter.reaches_qlens(self, layer, forward_batch, topk_indices, sinks)):
+            _stats.count(NAME, "calls")
+            backend = FiaPrefillView(self)
+        else:
+            _stats.count(NAME, "upstream_calls")
+            backend = self
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope,
+                        k_rope=k_rope, topk_indices=topk_indices, sinks=sinks, **kwargs)
+
+    forward_extend.__npu_shim_patch__ = NAME
+    return forward_extend
+
+
+def build(module):
+    from npu_shim import _stats
+
+    adapter = select_adapter(module)
+    _stats.note_adapter(NAME, adapter.name)
+    original = module.AscendAttnBackend.__dict__[METHOD]
+    return {"AscendAttnBackend.%s" % METHOD: make_forward_extend(original, adapter)}
+
+
+PATCH = Patch(
+    name=NAME,
+    target=TARGET,
+    replaces=("AscendAttnBackend.%s" % METHOD,),
+    requires={"sglang": ">=0.5.11,<0.5.24"},
+    outside_window={"sglang": "no qlens/FIA prefill split before 0.5.11; releases after 0.5.23 not verified"},
+    needs_npu=True,
+    check=check,
+    build=build,
+    summary="prefill with page size < 128 goes through sglang's FIA path, not the legacy qlens op",
+)

@@ -1,0 +1,147 @@
+"""Selftest of ``sglang.cp_fia_host_lengths``: one CP prefill layer through the patched method (sglang 0.5.23).
+
+Binds sglang's ``ZigzagCPStrategy`` for each rank of cp_size 2 in turn
+(``init_cp_strategy`` under ``get_parallel().override``, inside
+``disable_cp_strategy`` so that whatever strategy the process had comes back),
+builds the rank's metadata with the strategy's own ``build_metadata`` and
+``pad_logical_token_to_physical``, shards the queries with
+``shard_hidden_states`` (pad rows included), and runs the patched
+``AscendAttnBackend.do_cp_attn_fia`` on three sequences of uneven length (one
+padded, one with a cached prefix), GQA, a paged cache with shuffled pages.
+Reports the largest deviation of the logical rows from the float64 causal
+reference (pad rows must be zero, else the error is reported as infinite) and
+the host syncs of a rank's call with the metadata's tensors treated as device
+tensors (0: the lengths come from the metadata's host lists).
+
+The backend is made with ``object.__new__`` and given what the method reads
+(``page_size``, ``device``, ``forward_metadata.block_tables``, ``fia_mask``):
+its ``__init__`` needs a whole ``ModelRunner``.
+"""
+import random
+import time
+
+PATCH_NAME = "sglang.cp_fia_host_lengths"
+CP_SIZE = 2
+EXTEND_LENS = (37, 70, 21)
+PREFIX_LENS = (0, 9, 4)
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
+PAGE_SIZE = 128
+TOLERANCE = {"float32": 2e-5, "float16": 4e-3}
+
+
+def _patched_module():
+    from npu_shim.selftest import applied_target
+
+    module = applied_target(PATCH_NAME)
+    method = module.AscendAttnBackend.__dict__["do_cp_attn_fia"]
+    if getattr(method, "__npu_shim_patch__", None) != PATCH_NAME:
+        raise RuntimeError("%s reports applied but do_cp_attn_fia is not the shim's" % PATCH_NAME)
+    return module
+
+
+def _paged(k, v, device, dtype, gen):
+    """A KV cache with shuffled pages holding the sequences, and its block table."""
+    import torch
+
+    pages = [-(-t.shape[0] // PAGE_SIZE) for t in k]
+    free = list(range(1, sum(pages) + 3))
+    random.Random(0).shuffle(free)
+    slots = (len(free) + 1) * PAGE_SIZE
+    k_cache = 1e3 * torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen)
+    v_cache = 1e3 * torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen)
+    block_table = torch.zeros(len(k), max(pages), dtype=torch.int32)
+    for s, (ks, vs) in enumerate(zip(k, v)):
+        owned = [free.pop() for _ in range(pages[s])]
+        block_table[s, :len(owned)] = torch.tensor(owned, dtype=torch.int32)
+        positions = torch.arange(ks.shape[0])
+        where = torch.tensor(owned)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        k_cache[where], v_cache[where] = ks, vs
+    return k_cache.to(device, dtype), v_cache.to(device, dtype), block_table.to(device)
+
+
+def _layout(rank):
+    """(sequence, new-token index) of each logical local token of ``rank`` (zigzag definition)."""
+    segments = 2 * CP_SIZE
+    layout = []
+    for block in (rank, segments - 1 - rank):
+        for s, n in enumerate(EXTEND_LENS):
+            sizes = [n // segments + (1 if i < n % segments else 0) for i in range(segments)]
+            layout.extend((s, sum(sizes[:block]) + i) for i in range(sizes[block]))
+    return layout
+
+
+def run(device=None):
+    import torch
+    from sglang.srt.layers.cp import base
+    from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.runtime_context import get_parallel
+
+    from npu_shim.testing import attention_f64, count_host_syncs
+
+    device = device or "cpu"
+    module = _patched_module()
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = [p + n for p, n in zip(PREFIX_LENS, EXTEND_LENS)]
+    q = [torch.randn(n, HEADS, HEAD_DIM, generator=gen) for n in EXTEND_LENS]
+    k = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
+    v = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
+    k_cache, v_cache, block_table = _paged(k, v, device, dtype, gen)
+    layer = RadixAttention(num_heads=HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM ** -0.5,
+                           num_kv_heads=KV_HEADS, layer_id=0)
+    backend = object.__new__(module.AscendAttnBackend)
+    backend.page_size, backend.device = PAGE_SIZE, device
+    backend.forward_metadata = module.ForwardMetadata(block_tables=block_table)
+    backend.fia_mask = module.AscendAttnMaskBuilder.generate_mask_flag(2048).to(device)
+    reference = [attention_f64(qs.to(dtype), ks.to(dtype), vs.to(dtype), [0, qs.shape[0]],
+                               [0, ks.shape[0]], scale=layer.scaling, causal=True)
+                 for qs, ks, vs in zip(q, k, v)]
+    packed_q = torch.cat(q).reshape(sum(EXTEND_LENS), -1).to(device, dtype)
+
+    err, syncs, seconds = 0.0, 0, 0.0
+    for rank in range(CP_SIZE):
+        topology = dict(tp_size=CP_SIZE, tp_rank=rank, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1,
+                        attn_dp_rank=0, attn_cp_size=CP_SIZE, attn_cp_rank=rank, moe_tp_size=CP_SIZE,
+                        moe_ep_size=1, moe_dp_size=1)
+        with base.disable_cp_strategy(), get_parallel().override(enable_prefill_cp=True,
+                                                                 cp_strategy="zigzag", **topology):
+            base.init_cp_strategy(enable_prefill_cp=True, cp_size=CP_SIZE, cp_strategy="zigzag")
+            strategy = base.get_cp_strategy()
+            meta = strategy.build_metadata(sum(EXTEND_LENS), seq_lens, list(EXTEND_LENS))
+            pad_logical_token_to_physical(meta)
+            forward_batch = ForwardBatch(
+                forward_mode=ForwardMode.EXTEND, batch_size=len(EXTEND_LENS),
+                input_ids=torch.zeros(sum(EXTEND_LENS), dtype=torch.int64),
+                req_pool_indices=torch.arange(len(EXTEND_LENS)), seq_lens=torch.tensor(seq_lens),
+                out_cache_loc=torch.zeros(0, dtype=torch.int64), seq_lens_sum=sum(seq_lens),
+                attn_cp_metadata=meta)
+            local_q = strategy.shard_hidden_states(packed_q, forward_batch)
+            stand_ins = [local_q, k_cache, v_cache, block_table, backend.fia_mask]
+            stand_ins += [t for t in vars(meta).values() if isinstance(t, torch.Tensor)]
+            started = time.perf_counter()
+            with count_host_syncs(device_tensors=stand_ins) as counter:
+                out = module.AscendAttnBackend.do_cp_attn_fia(backend, local_q, k_cache, v_cache, layer,
+                                                              forward_batch)
+            if device != "cpu":
+                torch.npu.synchronize()
+            seconds += time.perf_counter() - started
+        syncs = max(syncs, counter.count)
+        layout = _layout(rank)
+        rows = len(layout)
+        expected = torch.stack([reference[s][i] for s, i in layout]).reshape(rows, -1)
+        err = max(err, (out[:rows].detach().to("cpu", torch.float64) - expected).abs().max().item())
+        if out.shape[0] < rows or bool(out[rows:].ne(0).any()):
+            err = float("inf")
+    return {
+        "max_abs_err": err,
+        "tolerance": TOLERANCE[str(dtype).replace("torch.", "")],
+        "host_syncs": syncs,
+        "seconds": seconds,
+        "detail": "AscendAttnBackend.do_cp_attn_fia via ZigzagCPStrategy, cp_size %d (both ranks, pad "
+                  "rows), %s new tokens (prefixes %s), %d heads over %d KV heads x %d, page %d, "
+                  "shuffled pages, %s on %s" % (
+                      CP_SIZE, "/".join(map(str, EXTEND_LENS)), "/".join(map(str, PREFIX_LENS)),
+                      HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, str(dtype).replace("torch.", ""), device),
+    }

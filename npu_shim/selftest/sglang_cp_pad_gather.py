@@ -1,0 +1,132 @@
+"""Selftest of ``sglang.cp_pad_gather``: the patched FIA step of a padded CP-v2 prefill.
+
+Builds both ranks' CP-v2 metadata (cp_size 2) with sglang's own
+``ZigzagCPStrategy.build_metadata`` and ``pad_logical_token_to_physical`` for two
+sequences whose lengths get pad rows (37 and 20 new tokens, cached prefixes 0
+and 9, GQA 8 over 2 KV heads, page 128, shuffled block table), hands each rank's
+padded queries to the patched ``AscendAttnBackend.do_cp_attn_fia`` (which calls
+the NPU ``npu_fused_infer_attention_score`` as upstream does, on the real rows
+only) and reports the largest deviation of the real rows from the float64 causal
+reference, and of the pad rows from zero. The KV all-gather half of the patch is
+a collective across CP ranks; it runs in the lanes' two-process test, not here.
+sglang's test hooks ``override_server_args`` and ``get_parallel().override``
+stand in for a running server's configuration and CP topology.
+"""
+import random
+import time
+
+PATCH_NAME = "sglang.cp_pad_gather"
+CP_SIZE = 2
+EXTEND_LENS = (37, 20)
+PREFIX_LENS = (0, 9)
+HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
+PAGE_SIZE = 128
+TOLERANCE = {"float32": 2e-5, "float16": 4e-3}
+
+
+def _layout(lengths, rank):
+    """(sequence, new-token index) of each of ``rank``'s real local tokens (zigzag definition)."""
+    segments = 2 * CP_SIZE
+    layout = []
+    for block in (rank, segments - 1 - rank):
+        for s, n in enumerate(lengths):
+            sizes = [n // segments + (1 if i < n % segments else 0) for i in range(segments)]
+            layout.extend((s, sum(sizes[:block]) + i) for i in range(sizes[block]))
+    return layout
+
+
+def run(device=None):
+    import torch
+    from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
+    from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    from npu_shim.selftest import applied_target
+    from npu_shim.testing import attention_f64, count_host_syncs
+
+    device = device or "cpu"
+    module = applied_target(PATCH_NAME)
+    dtype = torch.float32 if device == "cpu" else torch.float16
+    gen = torch.Generator().manual_seed(0)
+    seq_lens = [p + n for p, n in zip(PREFIX_LENS, EXTEND_LENS)]
+    q = [torch.randn(n, HEADS, HEAD_DIM, generator=gen) for n in EXTEND_LENS]
+    k = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
+    v = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
+
+    pages = [-(-n // PAGE_SIZE) for n in seq_lens]
+    free = list(range(1, sum(pages) + 3))
+    random.Random(0).shuffle(free)
+    k_cache = 1e3 * torch.randn((len(free) + 1) * PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    v_cache = 1e3 * torch.randn((len(free) + 1) * PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
+    block_table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
+    for s, n in enumerate(seq_lens):
+        owned = [free.pop() for _ in range(pages[s])]
+        block_table[s, :len(owned)] = torch.tensor(owned, dtype=torch.int32)
+        positions = torch.arange(n)
+        slots = torch.tensor(owned)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
+        k_cache[slots], v_cache[slots] = k[s], v[s]
+
+    layer = RadixAttention(num_heads=HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM ** -0.5,
+                           num_kv_heads=KV_HEADS, layer_id=0)
+    backend = object.__new__(module.AscendAttnBackend)
+    backend.page_size = PAGE_SIZE
+    backend.forward_metadata = module.ForwardMetadata(block_tables=block_table.to(device))
+    backend.fia_mask = module.AscendAttnMaskBuilder.generate_mask_flag(2048).to(device)
+    k_dev, v_dev = k_cache.to(device, dtype), v_cache.to(device, dtype)
+    reference = [attention_f64(qs.to(dtype), ks.to(dtype), vs.to(dtype), [0, qs.shape[0]],
+                               [0, ks.shape[0]], scale=layer.scaling, causal=True)
+                 for qs, ks, vs in zip(q, k, v)]
+
+    err, pad_max, pad_rows, syncs, seconds = 0.0, 0.0, 0, 0, 0.0
+    with get_context().override_server_args(enable_prefill_cp=True, cp_strategy="zigzag",
+                                            attn_cp_size=CP_SIZE, enable_prefill_context_parallel=True,
+                                            prefill_cp_mode="in-seq-split"):
+        for rank in range(CP_SIZE):
+            with get_parallel().override(attn_cp_size=CP_SIZE, attn_cp_rank=rank):
+                metadata = ZigzagCPStrategy(cp_size=CP_SIZE).build_metadata(
+                    num_tokens=sum(EXTEND_LENS), seqs_len=seq_lens, extend_seqs_len=list(EXTEND_LENS))
+                pad_logical_token_to_physical(metadata)
+            layout = _layout(EXTEND_LENS, rank)
+            physical = metadata.per_rank_actual_token[rank]
+            local_q = torch.zeros(physical, HEADS * HEAD_DIM)
+            local_q[:len(layout)] = torch.stack([q[s][i] for s, i in layout]).reshape(len(layout), -1)
+            local_q = local_q.to(device, dtype)
+            forward_batch = ForwardBatch(
+                forward_mode=ForwardMode.EXTEND, batch_size=len(EXTEND_LENS),
+                input_ids=torch.zeros(sum(EXTEND_LENS), dtype=torch.int64),
+                req_pool_indices=torch.arange(len(EXTEND_LENS)),
+                seq_lens=torch.tensor(seq_lens), out_cache_loc=torch.zeros(0, dtype=torch.int64),
+                seq_lens_sum=sum(seq_lens), attn_cp_metadata=metadata)
+            device_tensors = [local_q, k_dev, v_dev, backend.forward_metadata.block_tables, backend.fia_mask]
+            started = time.perf_counter()
+            with count_host_syncs(device_tensors=device_tensors) as counter:
+                out = module.AscendAttnBackend.do_cp_attn_fia(backend, local_q, k_dev, v_dev, layer,
+                                                              forward_batch)
+            if device != "cpu":
+                torch.npu.synchronize()
+            seconds += time.perf_counter() - started
+            syncs = max(syncs, counter.count)
+            expected = torch.stack([reference[s][i] for s, i in layout]).reshape(len(layout), -1)
+            out = out.detach().to("cpu", torch.float64)
+            err = max(err, (out[:len(layout)] - expected).abs().max().item())
+            if out.shape[0] != physical:
+                raise RuntimeError("rank %d: %d output rows for %d local rows" % (rank, out.shape[0], physical))
+            pad_rows += physical - len(layout)
+            if physical > len(layout):
+                pad_max = max(pad_max, out[len(layout):].abs().max().item())
+    if pad_rows == 0:
+        raise RuntimeError("the selftest's lengths produced no pad rows; it would not test the patch")
+
+    return {
+        "max_abs_err": max(err, pad_max),
+        "tolerance": TOLERANCE[str(dtype).replace("torch.", "")],
+        "host_syncs": syncs,
+        "seconds": seconds,
+        "detail": "AscendAttnBackend.do_cp_attn_fia on CP-v2 padded rows, cp_size %d (both ranks, %d pad "
+                  "rows in all), %s new tokens (cached prefixes %s), %d heads over %d KV heads x %d, "
+                  "page %d, %s on %s; pad rows max |out| %g" % (
+                      CP_SIZE, pad_rows, "/".join(map(str, EXTEND_LENS)), "/".join(map(str, PREFIX_LENS)),
+                      HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE, str(dtype).replace("torch.", ""), device, pad_max),
+    }
