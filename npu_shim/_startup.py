@@ -1,69 +1,31 @@
-"""The part of the shim that runs at interpreter start.
+"""Install, uninstall, status and register: the shim's Python API.
 
-It must cost next to nothing in a process that never imports a patched
-framework, so it imports only ``os`` and ``sys`` (and the shim's own
-``_config`` and patch index). It does three things:
-
-* puts a tiny finder at the front of ``sys.meta_path`` that notices the first
-  import of a watched top-level package (``vllm``, ``transformers``, ...) and
-  only then loads the real machinery (``_machinery``: wrapt post-import hooks,
-  ``packaging``, ``importlib.metadata``, ``logging``);
-* exports the bootstrap directory on ``PYTHONPATH`` so that child interpreters
-  (multiprocessing spawn/forkserver, Ray workers) run the shim's
-  ``sitecustomize`` and are patched too;
-* chains to the next ``sitecustomize`` on ``sys.path``, so the shim never
-  shadows a user's or another tool's.
+The start-up path itself is ``npu_shim._boot`` (a finder, the export of the
+bootstrap directory for children, the chain to the next sitecustomize); this
+module loads when a process configures the shim (an ``NPU_SHIM*`` variable),
+imports ``npu_shim`` or calls the API, or when a watched framework
+(``vllm``, ``transformers``, ...) starts importing. It then loads the real
+machinery (``_machinery``: wrapt post-import hooks, ``packaging``,
+``importlib.metadata``, ``logging``) once.
 """
 import os
 import sys
-import _thread
 
-from npu_shim import _config
-from npu_shim.patches import WATCHED_PACKAGES
+from npu_shim import _boot, _config
 
-BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-class _State:
-    lock = _thread.RLock()
-    installed = False
-    generation = 0           # bumped by uninstall(); stale hooks compare against it
-    settings = None
-    finder = None
-    machinery = None         # the _machinery module once loaded
-    watched = set(WATCHED_PACKAGES)
-    extra_patches = []       # registered through register() before the machinery loaded
-    exported_path = None     # what install() added to PYTHONPATH, for uninstall()
-    booted_by = []           # sitecustomize files of ours that ran in this process
-    chained_sitecustomize = None
+BOOTSTRAP_DIR = _boot.BOOTSTRAP_DIR
+PACKAGE_PARENT = _boot.PACKAGE_PARENT
+_State = _boot.State
 
 
-class _WatchFinder:
-    """Loads the machinery the first time a watched package starts importing.
-
-    It never finds anything itself: it returns None so the normal finders
-    carry on with the import. It stays in ``sys.meta_path`` after firing
-    because removing an entry while the import system iterates over the list
-    would make it skip the next finder.
-    """
-
-    def find_spec(self, fullname, path=None, target=None):
-        if _State.machinery is None and fullname in _State.watched and _State.installed:
-            _load_machinery()
-            # Loading the machinery put wrapt's post-import finder in front of
-            # this one, too late for the import already under way: ask it now,
-            # so a hook on this very module fires.
-            for finder in list(sys.meta_path):
-                if finder is self:
-                    break
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    return spec
-        return None
-
-    def invalidate_caches(self):
-        pass
+def settings():
+    """The validated settings of this process (made once, on first use)."""
+    with _State.lock:
+        if _State.settings is None:
+            # Booted without NPU_SHIM* variables: the defaults, whatever the
+            # environment says later (as if validated at start-up).
+            _State.settings = _config.Settings({} if _State.defaults else None)
+        return _State.settings
 
 
 def install():
@@ -74,25 +36,58 @@ def install():
     with _State.lock:
         if _State.installed:
             return
-        settings = _config.Settings()
-        _State.settings = settings
-        if not settings.enabled:
+        current = _config.Settings()
+        _State.settings = current
+        for line in current.warnings():
+            sys.stderr.write("npu-shim: %s\n" % line)
+        if not current.enabled:
             return
-        _State.installed = True
-        _export_for_children()
-        if settings.emulate:
+        _boot.activate()
+        if current.emulate:
             from npu_shim import emulation
 
             emulation.install()
-        if _State.finder is None:
-            _State.finder = _WatchFinder()
-        if _State.finder not in sys.meta_path:
-            sys.meta_path.insert(0, _State.finder)
         already = [name for name in _State.watched if name in sys.modules]
     if already and _State.machinery is None:
         _load_machinery()
     elif _State.machinery is not None:
         _State.machinery.arm()
+
+
+def install_on_import():
+    """``import npu_shim`` outside start-up: install; a bad variable raises, except in our CLI."""
+    try:
+        install()
+    except _config.ConfigError:
+        if not _running_our_cli():
+            raise
+
+
+def _running_our_cli():
+    """``npu-shim ...`` or ``python -m npu_shim ...``, which report a bad variable themselves."""
+    if os.path.basename((getattr(sys, "argv", None) or [""])[0]) == "npu-shim":
+        return True
+    # While `python -m M` imports M's package, sys.argv[0] is "-m" for any M:
+    # read the interpreter's own command line instead.
+    args = iter((getattr(sys, "orig_argv", None) or [""])[1:])
+    for arg in args:   # interpreter options up to -m MODULE, -c, or a script
+        if arg == "-m":
+            return next(args, "") in ("npu_shim", "npu_shim.__main__")
+        if arg.startswith("-m"):
+            return arg[2:] in ("npu_shim", "npu_shim.__main__")
+        if arg in ("-X", "-W"):
+            next(args, None)
+        elif arg == "-c" or not arg.startswith("-"):
+            return False
+    return False
+
+
+def boot_configured():
+    """Start-up with NPU_SHIM* variables set: validate and report on stderr, never raise."""
+    try:
+        install()
+    except _config.ConfigError as exc:
+        sys.stderr.write("npu-shim: %s; the shim is not installed in this process\n" % exc)
 
 
 def uninstall():
@@ -114,8 +109,26 @@ def status():
     (state ``pending``); a target package that is not installed reads
     ``skipped`` / ``not installed``.
     """
-    _load_machinery()
-    return _State.machinery.status()
+    return _machinery().status()
+
+
+def stats():
+    """What each patch did in this process: state, reason, adapter and its counters.
+
+    ``{patch name: {"state", "reason", "adapter", "calls", "upstream_calls",
+    "host_copies", "upstream_host_copies"}}``. Counters start at 0 in every
+    process (a forked child starts from 0 too).
+    """
+    machinery = _machinery()
+    from npu_shim import _stats
+
+    counted = _stats.snapshot()
+    out = {}
+    for row in machinery.status():
+        entry = {"state": row["state"], "reason": row["reason"]}
+        entry.update(counted.get(row["name"]) or _stats.empty_row())
+        out[row["name"]] = entry
+    return out
 
 
 def register(patch):
@@ -133,12 +146,43 @@ def register(patch):
         _load_machinery()
 
 
+def _machinery():
+    _load_machinery()
+    if _State.machinery is None:
+        raise ImportError("npu-shim cannot run here: %s" % _State.unavailable)
+    return _State.machinery
+
+
+def on_watched_import(finder, fullname, path, target):
+    """The first import of a watched package: load the machinery, then let its
+    post-import finder (now in front of ours) see this very import."""
+    _load_machinery()
+    if _State.machinery is None:
+        return None
+    for other in list(sys.meta_path):
+        if other is finder:
+            break
+        spec = other.find_spec(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
 def _load_machinery():
     with _State.lock:
-        if _State.machinery is not None:
+        if _State.machinery is not None or _State.unavailable is not None:
             return
-        from npu_shim import _machinery
-
+        try:
+            from npu_shim import _machinery
+        except ImportError as exc:
+            # A child interpreter that inherited the shim through PYTHONPATH but
+            # not its dependencies (another venv, a system Python): say so once,
+            # and let every import go on unpatched.
+            missing = getattr(exc, "name", None) or str(exc)
+            _State.unavailable = "%s is not importable (%s)" % (missing, sys.executable)
+            sys.stderr.write("npu-shim: %s; nothing is patched in this process\n" % _State.unavailable)
+            return
+        settings()
         _machinery.load(_State)
         _State.machinery = _machinery
         if _State.installed:
@@ -147,16 +191,6 @@ def _load_machinery():
 
 def _pythonpath_entries():
     return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-
-
-def _export_for_children():
-    """Make child interpreters run a sitecustomize of ours."""
-    entries = _pythonpath_entries()
-    ours = {BOOTSTRAP_DIR} | {os.path.dirname(f) for f in _State.booted_by}
-    if any(os.path.abspath(e) in ours for e in entries):
-        return
-    os.environ["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + entries)
-    _State.exported_path = BOOTSTRAP_DIR
 
 
 def _unexport_for_children():
@@ -168,49 +202,3 @@ def _unexport_for_children():
     else:
         os.environ.pop("PYTHONPATH", None)
     _State.exported_path = None
-
-
-def boot(sitecustomize_file):
-    """Entry point of the shim's ``sitecustomize`` files."""
-    _State.booted_by.append(os.path.abspath(sitecustomize_file))
-    try:
-        install()
-    except _config.ConfigError as exc:
-        sys.stderr.write("npu-shim: %s; the shim is not installed in this process\n" % exc)
-    finally:
-        _chain_next_sitecustomize(sitecustomize_file)
-
-
-def _our_sitecustomize_files():
-    return {
-        os.path.join(BOOTSTRAP_DIR, "sitecustomize.py"),
-        os.path.join(PACKAGE_PARENT, "sitecustomize.py"),
-    }
-
-
-def _chain_next_sitecustomize(sitecustomize_file):
-    """Run the next ``sitecustomize`` on sys.path after ours, if there is one."""
-    from _frozen_importlib import module_from_spec
-    from _frozen_importlib_external import PathFinder
-
-    here = os.path.dirname(os.path.abspath(sitecustomize_file))
-    later = []
-    seen_here = False
-    for entry in sys.path:
-        if seen_here:
-            later.append(entry)
-        elif os.path.abspath(entry or os.curdir) == here:
-            seen_here = True
-    ours = _our_sitecustomize_files()
-    while later:
-        spec = PathFinder.find_spec("sitecustomize", later)
-        if spec is None or spec.origin is None:
-            return
-        origin_dir = os.path.dirname(os.path.abspath(spec.origin))
-        if os.path.abspath(spec.origin) not in ours:
-            module = module_from_spec(spec)
-            spec.loader.exec_module(module)
-            _State.chained_sitecustomize = module
-            return
-        # One of ours again (checkout and bootstrap both on the path): keep looking.
-        later = later[[os.path.abspath(e or os.curdir) for e in later].index(origin_dir) + 1:]

@@ -17,7 +17,7 @@ PROBE = textwrap.dedent('''
     import json, os, sys
     def probe():
         shim = sys.modules.get("npu_shim")
-        state = shim._startup._State if shim else None
+        state = sys.modules["npu_shim._boot"].State if shim else None
         return {
             "installed": bool(state and state.installed),
             "booted_by": [os.path.basename(os.path.dirname(f)) for f in (state.booted_by if state else [])],
