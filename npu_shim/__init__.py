@@ -12,20 +12,16 @@ __all__ = ["ConfigError", "install", "register", "stats", "status", "uninstall",
 
 
 def __getattr__(name):
-    if name == "ConfigError":
-        from npu_shim._config import ConfigError
+    if name not in __all__:
+        raise AttributeError("module 'npu_shim' has no attribute %r" % name)
+    from npu_shim import _startup
 
-        return ConfigError
-    if name in __all__:
-        from npu_shim import _startup
-
-        return getattr(_startup, name)
-    raise AttributeError("module 'npu_shim' has no attribute %r" % name)
+    return _startup.api(name)
 
 
-# The shim's sitecustomize files (marked NPU_SHIM_BOOT) install through
-# _boot.boot(), which never raises out of start-up; the CLI reports a bad
-# variable as a usage error. Everywhere else `import npu_shim` installs here.
+# The shim's sitecustomize files (marked NPU_SHIM_BOOT) install at start-up and
+# never raise out of it; the CLI reports a bad variable as a usage error.
+# Everywhere else `import npu_shim` installs here.
 if not getattr(sys.modules.get("sitecustomize"), "NPU_SHIM_BOOT", False):
     from npu_shim import _startup as _s
 

@@ -81,7 +81,7 @@ def load(startup_state) -> None:
 
 
 def _hold_locks_across_fork(shim_lock) -> None:
-    """wrapt's import-hook lock, like the shim's own (npu_shim._boot), must not be
+    """wrapt's import-hook lock, like the shim's own (npu_shim._startup), must not be
     inherited held by a thread the child does not have. Taken in the order the
     shim takes them (shim lock, then wrapt's while arming)."""
     hooks_lock = getattr(getattr(wrapt, "importer", None), "_post_import_hooks_lock", None)

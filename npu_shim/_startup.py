@@ -1,21 +1,102 @@
 """Install, uninstall, status and register: the shim's Python API.
 
-The start-up path itself is ``npu_shim._boot`` (a finder, the export of the
-bootstrap directory for children, the chain to the next sitecustomize); this
-module loads when a process configures the shim (an ``NPU_SHIM*`` variable),
-imports ``npu_shim`` or calls the API, or when a watched framework
-(``vllm``, ``transformers``, ...) starts importing. It then loads the real
-machinery (``_machinery``: wrapt post-import hooks, ``packaging``,
-``importlib.metadata``, ``logging``) once.
+The start-up path itself is ``npu_shim/_bootstrap/sitecustomize.py`` (a finder
+that hands over to this module, the bootstrap directory exported for children,
+the next sitecustomize run). This module loads when a process configures the
+shim (an ``NPU_SHIM*`` variable), imports ``npu_shim`` or calls the API, or
+when a watched framework (``vllm``, ``transformers``, ...) starts importing. It
+then loads the real machinery (``_machinery``: wrapt post-import hooks,
+``packaging``, ``importlib.metadata``, ``logging``) once.
 """
 import os
 import sys
+import _thread
 
-from npu_shim import _boot, _config
+from npu_shim import _config
+from npu_shim.patches import WATCHED_PACKAGES
 
-BOOTSTRAP_DIR = _boot.BOOTSTRAP_DIR
-PACKAGE_PARENT = _boot.PACKAGE_PARENT
-_State = _boot.State
+BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
+
+
+class _State:
+    """The shim in this process."""
+    lock = _thread.RLock()
+    installed = False
+    defaults = False              # installed at start-up with no NPU_SHIM* variable
+    generation = 0                # bumped by uninstall(); stale hooks compare against it
+    settings = None               # _config.Settings, made when first needed
+    finder = None
+    machinery = None              # the _machinery module once loaded
+    unavailable = None            # why the machinery cannot load here (a missing dependency)
+    watched = set(WATCHED_PACKAGES)
+    extra_patches = []            # registered through register() before the machinery loaded
+    exported_path = None          # what was added to PYTHONPATH, for uninstall()
+    booted_by = []                # sitecustomize files of ours that ran in this process
+
+
+# A fork never splits an install or a patch application: the child gets the
+# lock free and sees every patch either applied or not (as logging does).
+os.register_at_fork(before=_State.lock.acquire, after_in_parent=_State.lock.release,
+                    after_in_child=_State.lock.release)
+
+
+class _WatchFinder:
+    """Finds nothing itself; the first import of a watched package loads the machinery.
+
+    It stays in sys.meta_path after firing: removing an entry while the import
+    system iterates over the list would make it skip the next finder.
+    """
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in _State.watched and _State.machinery is None and _State.installed \
+                and _State.unavailable is None:
+            return on_watched_import(self, fullname, path, target)
+        return None
+
+
+def _activate():
+    """Watch imports and export the bootstrap directory for children (lock held)."""
+    _State.installed = True
+    entries = _pythonpath_entries()
+    ours = {BOOTSTRAP_DIR} | {os.path.dirname(f) for f in _State.booted_by}
+    if not any(os.path.abspath(e) in ours for e in entries):
+        os.environ["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + entries)
+        _State.exported_path = BOOTSTRAP_DIR
+    if _State.finder is None:
+        _State.finder = _WatchFinder()
+    if _State.finder not in sys.meta_path:
+        sys.meta_path.insert(0, _State.finder)
+
+
+def _adopt_start_finder():
+    """Take over from the start-up hook's finder (installed with default settings)."""
+    for i, finder in enumerate(sys.meta_path):
+        if type(finder).__name__ == "NpuShimStart" and hasattr(finder, "booted_by"):
+            with _State.lock:
+                _State.finder = _State.finder or _WatchFinder()
+                sys.meta_path[i] = _State.finder   # same place, same order of finders
+                _State.booted_by.append(finder.booted_by)
+                _State.exported_path = finder.exported
+                _State.installed = _State.defaults = True
+            return
+
+
+def take_over(start_finder, fullname, path, target):
+    """The start-up finder saw the first watched import."""
+    _adopt_start_finder()
+    return _State.finder.find_spec(fullname, path, target)
+
+
+_adopt_start_finder()
+
+
+def api(name):
+    """``npu_shim.<name>`` for the public names, loaded on first use."""
+    if name == "ConfigError":
+        return _config.ConfigError
+    if name in ("install", "register", "stats", "status", "uninstall"):
+        return globals()[name]
+    raise AttributeError("module 'npu_shim' has no attribute %r" % name)
 
 
 def settings():
@@ -42,7 +123,7 @@ def install():
             sys.stderr.write("npu-shim: %s\n" % line)
         if not current.enabled:
             return
-        _boot.activate()
+        _activate()
         if current.emulate:
             from npu_shim import emulation
 
@@ -82,8 +163,9 @@ def _running_our_cli():
     return False
 
 
-def boot_configured():
+def boot_configured(sitecustomize_file):
     """Start-up with NPU_SHIM* variables set: validate and report on stderr, never raise."""
+    _State.booted_by.append(sitecustomize_file)
     try:
         install()
     except _config.ConfigError as exc:
@@ -156,6 +238,8 @@ def _machinery():
 def on_watched_import(finder, fullname, path, target):
     """The first import of a watched package: load the machinery, then let its
     post-import finder (now in front of ours) see this very import."""
+    if _State.unavailable is not None:
+        return None
     _load_machinery()
     if _State.machinery is None:
         return None

@@ -19,7 +19,6 @@ torch_npu polarity). Rows with no visible key produce zeros and a log-sum-exp of
 -inf (the "invalid row" convention of the NPU ops with row correction enabled).
 """
 import math
-import os
 
 import torch
 
