@@ -4,6 +4,7 @@
     nox -s "lane(kimi-vl-2025)"  one lane
     nox -s lanes                 same as plain ``nox``
     nox -l                       list the sessions
+    nox -s "bench(startup)"      one benchmark (never part of plain ``nox``), in its lane's venv
 
 Each lane is a fresh virtual environment (Python 3.11) holding the exact upstream wheels
 pinned in ``lanes/<lane>.txt``, installed with ``pip install --no-deps`` (the pin files
@@ -25,6 +26,8 @@ Per-lane environment (the reasons are in each pin file's header):
   ``npu-shim status --import``, which imports the targets, some of which import torch_npu.
 """
 import os
+import re
+import shutil
 import sys
 import time
 
@@ -95,3 +98,42 @@ def lane(session, lane):
 def lanes(session):
     """Every lane (run first, as requirements), then one table over all their reports."""
     session.run(sys.executable, os.path.join("lanes", "report.py"), "summary", REPORTS, *LANES, external=True)
+
+
+# benchmark -> (lane whose venv it runs in, extra environment). The venv is the lane's own
+# (.nox/lane-<lane>, made by `nox -s "lane(<lane>)"`); a bench session makes it if missing.
+BENCHMARKS = {
+    "startup": ("kimi-vl-2025", {"VLLM_PLUGINS": ""}),
+    "stats": ("base", {}),
+    "varlen_memory": ("base", {}),
+    "moonvit": ("kimi-vl-2025", {"NPU_SHIM_EMULATE": "1", "VLLM_PLUGINS": "npu_shim"}),
+    "mm_encoder": ("vllm-0.13", {"NPU_SHIM_EMULATE": "1", "VLLM_PLUGINS": ""}),
+    "cp_fia": ("sglang-0.5.13", {"NPU_SHIM_EMULATE": "1", "PYTHONPATH": PLACEHOLDERS}),
+}
+
+
+def lane_venv(lane):
+    """The directory nox gives the venv of session "lane(<lane>)"."""
+    return os.path.join(HERE, ".nox", re.sub(r"[^\w-]", "-", "lane-" + lane))
+
+
+@nox.session(python=False, default=False)
+@nox.parametrize("name", [nox.param(name, id=name) for name in BENCHMARKS])
+def bench(session, name):
+    """One benchmark, one command from a fresh clone: reuses (or makes) its lane's venv,
+    installs this checkout into it, runs benchmarks/bench_<name>.py (extra args after --)."""
+    lane, env = BENCHMARKS[name]
+    venv = lane_venv(lane)
+    python = os.path.join(venv, "bin", "python")
+    if not os.path.exists(python):
+        interpreter = shutil.which("python" + PYTHON)
+        if interpreter is None:
+            session.error("python%s not found on PATH; the lanes need CPython %s" % (PYTHON, PYTHON))
+        session.run(interpreter, "-m", "venv", venv, external=True)
+    # Pinned, --no-deps: a venv that already holds the pins is checked in seconds.
+    session.run(python, "-m", "pip", "install", "--quiet", "--no-deps", "-r",
+                os.path.join("lanes", lane + ".txt"), external=True)
+    session.run(python, "-m", "pip", "install", "--quiet", "--no-deps", ".", external=True)
+    session.run(python, os.path.join("benchmarks", "bench_%s.py" % name), *session.posargs,
+                env=env, external=True)
+

@@ -1,11 +1,9 @@
-"""Start-up hook for ``PYTHONPATH=<this checkout>``.
+"""Start-up hook for ``PYTHONPATH=<this checkout>``: runs the shim's own
+(npu_shim/_bootstrap/sitecustomize.py), which installs npu-shim and then runs the
+next ``sitecustomize`` on ``sys.path``, so none is shadowed."""
+import os
 
-Installs npu-shim in this interpreter, then runs the next ``sitecustomize`` on
-``sys.path`` so a user's or another tool's is never shadowed.
-"""
-
-NPU_SHIM_BOOT = True  # tells npu_shim/__init__ that boot() below installs
-
-from npu_shim._startup import boot
-
-boot(__file__)
+_npu_shim_file = __file__
+__file__ = os.path.join(os.path.dirname(os.path.abspath(__file__)), "npu_shim", "_bootstrap", "sitecustomize.py")
+with open(__file__, "rb") as _source:
+    exec(compile(_source.read(), __file__, "exec"))

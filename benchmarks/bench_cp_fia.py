@@ -38,8 +38,7 @@ The broken-window builds, where the shim actually applies, cannot run the
 upstream method at all (AttributeError), so 0.5.13's fixed method is the only
 meaningful baseline.
 
-    NPU_SHIM_EMULATE=1 PYTHONPATH=tests/placeholders \\
-        /work/venvs/sglang-0.5.13/bin/python benchmarks/bench_cp_fia.py
+    nox -s "bench(cp_fia)"      (from a fresh clone: makes or reuses the sglang-0.5.13 lane venv)
 """
 import argparse
 import importlib
@@ -51,8 +50,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
-REPRODUCE = ("NPU_SHIM_EMULATE=1 PYTHONPATH=tests/placeholders "
-             "/work/venvs/sglang-0.5.13/bin/python benchmarks/bench_cp_fia.py")
+REPRODUCE = 'nox -s "bench(cp_fia)"'   # the sglang-0.5.13 lane venv, emulated torch_npu
 BATCHES = {1: (64,), 4: (40, 17, 33, 22), 16: tuple(12 + (7 * i) % 29 for i in range(16))}
 
 

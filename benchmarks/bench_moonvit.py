@@ -25,8 +25,8 @@ Timings are of the pure-PyTorch emulation on a shared CPU, not of an NPU.
 Image grids are synthetic (the seed gives only the packed total): 100 images of
 random even (h, w) patch grids whose token counts sum to exactly 303,548.
 
-Reproduce (lane venv with vllm + transformers, from the repository root):
-  NPU_SHIM_EMULATE=1 VLLM_PLUGINS=npu_shim python benchmarks/bench_moonvit.py
+Reproduce from a fresh clone (makes or reuses the kimi-vl-2025 lane venv):
+  nox -s "bench(moonvit)"
 """
 import argparse
 import contextlib
@@ -223,8 +223,7 @@ def main():
     total, fit_total = tokens_of(grids), tokens_of(fit)
 
     print("npu-shim MoonViT benchmark: seed 000 (Kimi-VL, 100 concurrent requests)")
-    print("command: NPU_SHIM_EMULATE=1 VLLM_PLUGINS=npu_shim python benchmarks/bench_moonvit.py "
-          + " ".join(sys.argv[1:]))
+    print('reproduce: nox -s "bench(moonvit)" -- ' + " ".join(sys.argv[1:]))
     print("stack: vllm %s (real MoonVitEncoderLayer), torch %s, emulated torch_npu; %s, %d torch threads, "
           "load average %.1f (shared cores)" % (vllm.__version__, torch.__version__, platform.machine(),
                                                 torch.get_num_threads(), os.getloadavg()[0]))

@@ -19,7 +19,7 @@ emulation and prints, in one run:
 Segment lengths are synthetic (the seed gives only the total): 100 image
 segments drawn uniformly from 1,200-4,900 patches and scaled to sum to 303,548.
 
-Reproduce: PYTHONPATH=. python benchmarks/bench_varlen_memory.py
+Reproduce from a fresh clone: nox -s "bench(varlen_memory)" (the base lane venv)
 """
 import argparse
 import os
@@ -89,7 +89,7 @@ def main():
     elem = torch.tensor([], dtype=dtype).element_size()
 
     print("npu-shim varlen benchmark: seed 000, 100 concurrent requests (MoonViT, Kimi-VL)")
-    print("command: PYTHONPATH=. python benchmarks/bench_varlen_memory.py " + " ".join(sys.argv[1:]))
+    print("reproduce: nox -s \"bench(varlen_memory)\" -- " + " ".join(sys.argv[1:]))
     print("machine: %s, %d torch threads, torch %s, emulated torch_npu (SoC %s)"
           % (platform.machine(), torch.get_num_threads(), torch.__version__,
              __import__("torch_npu").npu.get_device_name()))

@@ -1,34 +1,29 @@
 """npu-shim: runtime backports of Ascend NPU attention fixes for pinned
 vLLM, vllm-ascend, transformers and sglang.
 
-``import npu_shim`` installs the shim in this process and exports what child
-interpreters need to install it too. Nothing heavy is imported here: the patch
-machinery loads when a patched framework starts importing.
+``import npu_shim`` installs the shim (a malformed NPU_SHIM* variable raises
+ConfigError) and exports what child interpreters need. The API below loads on
+first use: this file is on every interpreter's start-up path.
 """
-import os
 import sys
 
-from npu_shim._config import ConfigError
-from npu_shim._startup import install, register, status, uninstall
-
 __version__ = "0.1.0"
-__all__ = ["ConfigError", "install", "register", "status", "uninstall", "__version__"]
+__all__ = ["ConfigError", "install", "register", "stats", "status", "uninstall", "__version__"]
 
 
-def _install_on_import():
-    # The shim's sitecustomize files (marked NPU_SHIM_BOOT) call boot(), which
-    # reports a malformed environment on stderr instead of raising out of
-    # interpreter start-up; the CLI reports it as a usage error. Everywhere
-    # else a bad NPU_SHIM* variable makes `import npu_shim` raise.
-    if getattr(sys.modules.get("sitecustomize"), "NPU_SHIM_BOOT", False):
-        return
-    try:
-        install()
-    except ConfigError:
-        argv = getattr(sys, "argv", None) or [""]
-        running_cli = argv[0] == "-m" or os.path.basename(argv[0]) == "npu-shim"
-        if not running_cli:
-            raise
+def __getattr__(name):
+    if name not in __all__:
+        raise AttributeError("module 'npu_shim' has no attribute %r" % name)
+    from npu_shim import _startup
+
+    return _startup.api(name)
 
 
-_install_on_import()
+# The shim's sitecustomize files (marked NPU_SHIM_BOOT) install at start-up and
+# never raise out of it; the CLI reports a bad variable as a usage error.
+# Everywhere else `import npu_shim` installs here.
+if not getattr(sys.modules.get("sitecustomize"), "NPU_SHIM_BOOT", False):
+    from npu_shim import _startup as _s
+
+    _s.install_on_import()
+    del _s

@@ -9,6 +9,7 @@ import os
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+MOONVIT_ATTN_CHOICES = ("auto", "ascend_fa", "sdpa")
 
 # Patches that are on by default and have a switch of their own (boolean, default 1)
 # besides NPU_SHIM_DISABLE: patch name -> variable.
@@ -71,11 +72,39 @@ def env_log_level(environ=None):
     return level
 
 
+def env_positive_number(name, default, environ=None):
+    """A finite number > 0 (e.g. MiB); inf, nan, 0 and words are errors naming the variable."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value < float("inf"):   # nan fails both comparisons
+        raise ConfigError("%s=%r is not valid; use a finite number greater than 0" % (name, raw))
+    return value
+
+
+def check_emulation(environ=None):
+    """The NPU_SHIM_EMULATE_* variables; checked only where NPU_SHIM_EMULATE=1, so a
+    typo in a test-only variable never switches the shim off on a production machine."""
+    from npu_shim.emulation.soc import ENV, SOC_VERSIONS
+
+    environ = os.environ if environ is None else environ
+    soc = (environ.get(ENV) or "").strip()
+    if soc and soc not in SOC_VERSIONS:
+        raise ConfigError("%s=%r is not a known Ascend SoC; use one of %s"
+                          % (ENV, environ[ENV], ", ".join(sorted(SOC_VERSIONS))))
+    env_positive_number("NPU_SHIM_EMULATE_MEMORY_MIB", None, environ)
+
+
 class Settings:
     """A snapshot of the ``NPU_SHIM*`` variables, validated."""
 
     __slots__ = ("enabled", "strict", "emulate", "enable", "disable", "log_level", "mm_encoder_tnd",
-                 "switched_off")
+                 "switched_off", "moonvit_attn", "exit_summary")
 
     def __init__(self, environ=None):
         environ = os.environ if environ is None else environ
@@ -90,12 +119,18 @@ class Settings:
         self.mm_encoder_tnd = env_flag("NPU_SHIM_MM_ENCODER_TND", False, environ)
         self.switched_off = frozenset(
             name for name, var in PATCH_SWITCHES.items() if not env_flag(var, True, environ))
+        self.moonvit_attn = env_choice("NPU_SHIM_MOONVIT_ATTN", MOONVIT_ATTN_CHOICES, "auto", environ)
+        self.exit_summary = env_flag("NPU_SHIM_EXIT_SUMMARY", False, environ)
+        if self.emulate:
+            check_emulation(environ)
 
     def disabled_reason(self, patch_name):
         """Why the environment switches ``patch_name`` off, or None."""
         if not self.enabled:
             return "NPU_SHIM=0"
         if patch_name in self.disable:
+            if patch_name in self.enable:
+                return "listed in NPU_SHIM_DISABLE (and in NPU_SHIM_ENABLE: DISABLE wins)"
             return "listed in NPU_SHIM_DISABLE"
         if self.enable and patch_name not in self.enable:
             return "not listed in NPU_SHIM_ENABLE"
@@ -111,3 +146,15 @@ class Settings:
             for name in names
             if name not in known
         ]
+
+    def contradictions(self):
+        """Patch names listed in both NPU_SHIM_ENABLE and NPU_SHIM_DISABLE."""
+        return [name for name in self.enable if name in self.disable]
+
+    def warnings(self):
+        """Lines to report where the settings are read (start-up, status, run)."""
+        both = self.contradictions()
+        if not both:
+            return []
+        return ["NPU_SHIM_ENABLE and NPU_SHIM_DISABLE both name %s; DISABLE wins, %s stays off"
+                % (", ".join(repr(n) for n in both), "it" if len(both) == 1 else "they")]

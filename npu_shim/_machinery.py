@@ -24,6 +24,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import logging
+import os
 import sys
 
 import wrapt
@@ -77,7 +78,27 @@ def load(startup_state) -> None:
     for patch in startup_state.extra_patches:
         _add(patch)
     startup_state.extra_patches.clear()
+    _hold_locks_across_fork(startup_state.lock)
     load_seconds = time.perf_counter() - started + _IMPORT_SECONDS
+
+
+def _hold_locks_across_fork(shim_lock) -> None:
+    """wrapt's import-hook lock, like the shim's own (npu_shim._startup), must not be
+    inherited held by a thread the child does not have. Taken in the order the
+    shim takes them (shim lock, then wrapt's while arming)."""
+    hooks_lock = getattr(getattr(wrapt, "importer", None), "_post_import_hooks_lock", None)
+    if hooks_lock is None:
+        return
+
+    def before():
+        shim_lock.acquire()
+        hooks_lock.acquire()
+
+    def after():
+        hooks_lock.release()
+        shim_lock.release()
+
+    os.register_at_fork(before=before, after_in_parent=after, after_in_child=after)
 
 
 def _settings():
@@ -259,6 +280,37 @@ def _decide_and_apply(record: Record, module) -> None:
         record.set(APPLIED, "; ".join("%s %s" % kv for kv in versions_of(patch).items()) or "applied")
         logger.info("applied %s to %s (%s%s)", patch.name, patch.target, record.reason,
                     ", adapter %s" % adapter if adapter else "")
+        if settings.exit_summary:
+            _print_summary_at_exit()
+
+
+_summary_registered = False
+
+
+def _print_summary_at_exit() -> None:
+    """NPU_SHIM_EXIT_SUMMARY=1: each process that applied a patch prints its lines at exit
+    (atexit; forked multiprocessing children end with os._exit, so they get a finalizer)."""
+    global _summary_registered
+    if _summary_registered:
+        return
+    _summary_registered = True
+    import atexit
+    import multiprocessing.util as mp_util
+
+    atexit.register(_exit_summary)
+    mp_util.register_after_fork(_exit_summary, lambda _: mp_util.Finalize(None, _exit_summary, exitpriority=0))
+
+
+def _exit_summary(printed_by=set()) -> None:
+    pid = os.getpid()
+    if pid in printed_by:       # atexit and the multiprocessing finalizer of one process
+        return
+    printed_by.add(pid)
+    from npu_shim import _startup, _stats
+
+    for line in _stats.summary_lines(_startup.stats()):
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def _complain(settings, patch: Patch, message: str, cause: BaseException = None) -> None:

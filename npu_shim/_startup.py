@@ -1,18 +1,12 @@
-"""The part of the shim that runs at interpreter start.
+"""Install, uninstall, status and register: the shim's Python API.
 
-It must cost next to nothing in a process that never imports a patched
-framework, so it imports only ``os`` and ``sys`` (and the shim's own
-``_config`` and patch index). It does three things:
-
-* puts a tiny finder at the front of ``sys.meta_path`` that notices the first
-  import of a watched top-level package (``vllm``, ``transformers``, ...) and
-  only then loads the real machinery (``_machinery``: wrapt post-import hooks,
-  ``packaging``, ``importlib.metadata``, ``logging``);
-* exports the bootstrap directory on ``PYTHONPATH`` so that child interpreters
-  (multiprocessing spawn/forkserver, Ray workers) run the shim's
-  ``sitecustomize`` and are patched too;
-* chains to the next ``sitecustomize`` on ``sys.path``, so the shim never
-  shadows a user's or another tool's.
+The start-up path itself is ``npu_shim/_bootstrap/sitecustomize.py`` (a finder
+that hands over to this module, the bootstrap directory exported for children,
+the next sitecustomize run). This module loads when a process configures the
+shim (an ``NPU_SHIM*`` variable), imports ``npu_shim`` or calls the API, or
+when a watched framework (``vllm``, ``transformers``, ...) starts importing. It
+then loads the real machinery (``_machinery``: wrapt post-import hooks,
+``packaging``, ``importlib.metadata``, ``logging``) once.
 """
 import os
 import sys
@@ -22,48 +16,97 @@ from npu_shim import _config
 from npu_shim.patches import WATCHED_PACKAGES
 
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
-PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class _State:
+    """The shim in this process."""
     lock = _thread.RLock()
     installed = False
-    generation = 0           # bumped by uninstall(); stale hooks compare against it
-    settings = None
+    defaults = False              # installed at start-up with no NPU_SHIM* variable
+    generation = 0                # bumped by uninstall(); stale hooks compare against it
+    settings = None               # _config.Settings, made when first needed
     finder = None
-    machinery = None         # the _machinery module once loaded
+    machinery = None              # the _machinery module once loaded
+    unavailable = None            # why the machinery cannot load here (a missing dependency)
     watched = set(WATCHED_PACKAGES)
-    extra_patches = []       # registered through register() before the machinery loaded
-    exported_path = None     # what install() added to PYTHONPATH, for uninstall()
-    booted_by = []           # sitecustomize files of ours that ran in this process
-    chained_sitecustomize = None
+    extra_patches = []            # registered through register() before the machinery loaded
+    exported_path = None          # what was added to PYTHONPATH, for uninstall()
+    booted_by = []                # sitecustomize files of ours that ran in this process
+
+
+# A fork never splits an install or a patch application: the child gets the
+# lock free and sees every patch either applied or not (as logging does).
+os.register_at_fork(before=_State.lock.acquire, after_in_parent=_State.lock.release,
+                    after_in_child=_State.lock.release)
 
 
 class _WatchFinder:
-    """Loads the machinery the first time a watched package starts importing.
+    """Finds nothing itself; the first import of a watched package loads the machinery.
 
-    It never finds anything itself: it returns None so the normal finders
-    carry on with the import. It stays in ``sys.meta_path`` after firing
-    because removing an entry while the import system iterates over the list
-    would make it skip the next finder.
+    It stays in sys.meta_path after firing: removing an entry while the import
+    system iterates over the list would make it skip the next finder.
     """
 
     def find_spec(self, fullname, path=None, target=None):
-        if _State.machinery is None and fullname in _State.watched and _State.installed:
-            _load_machinery()
-            # Loading the machinery put wrapt's post-import finder in front of
-            # this one, too late for the import already under way: ask it now,
-            # so a hook on this very module fires.
-            for finder in list(sys.meta_path):
-                if finder is self:
-                    break
-                spec = finder.find_spec(fullname, path, target)
-                if spec is not None:
-                    return spec
+        if fullname in _State.watched and _State.machinery is None and _State.installed \
+                and _State.unavailable is None:
+            return on_watched_import(self, fullname, path, target)
         return None
 
-    def invalidate_caches(self):
-        pass
+
+def _activate():
+    """Watch imports and export the bootstrap directory for children (lock held)."""
+    _State.installed = True
+    entries = _pythonpath_entries()
+    ours = {BOOTSTRAP_DIR} | {os.path.dirname(f) for f in _State.booted_by}
+    if not any(os.path.abspath(e) in ours for e in entries):
+        os.environ["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + entries)
+        _State.exported_path = BOOTSTRAP_DIR
+    if _State.finder is None:
+        _State.finder = _WatchFinder()
+    if _State.finder not in sys.meta_path:
+        sys.meta_path.insert(0, _State.finder)
+
+
+def _adopt_start_finder():
+    """Take over from the start-up hook's finder (installed with default settings)."""
+    for i, finder in enumerate(sys.meta_path):
+        if type(finder).__name__ == "NpuShimStart" and hasattr(finder, "booted_by"):
+            with _State.lock:
+                _State.finder = _State.finder or _WatchFinder()
+                sys.meta_path[i] = _State.finder   # same place, same order of finders
+                _State.booted_by.append(finder.booted_by)
+                _State.exported_path = finder.exported
+                _State.installed = _State.defaults = True
+            return
+
+
+def take_over(start_finder, fullname, path, target):
+    """The start-up finder saw the first watched import."""
+    _adopt_start_finder()
+    return _State.finder.find_spec(fullname, path, target)
+
+
+_adopt_start_finder()
+
+
+def api(name):
+    """``npu_shim.<name>`` for the public names, loaded on first use."""
+    if name == "ConfigError":
+        return _config.ConfigError
+    if name in ("install", "register", "stats", "status", "uninstall"):
+        return globals()[name]
+    raise AttributeError("module 'npu_shim' has no attribute %r" % name)
+
+
+def settings():
+    """The validated settings of this process (made once, on first use)."""
+    with _State.lock:
+        if _State.settings is None:
+            # Booted without NPU_SHIM* variables: the defaults, whatever the
+            # environment says later (as if validated at start-up).
+            _State.settings = _config.Settings({} if _State.defaults else None)
+        return _State.settings
 
 
 def install():
@@ -74,25 +117,59 @@ def install():
     with _State.lock:
         if _State.installed:
             return
-        settings = _config.Settings()
-        _State.settings = settings
-        if not settings.enabled:
+        current = _config.Settings()
+        _State.settings = current
+        for line in current.warnings():
+            sys.stderr.write("npu-shim: %s\n" % line)
+        if not current.enabled:
             return
-        _State.installed = True
-        _export_for_children()
-        if settings.emulate:
+        _activate()
+        if current.emulate:
             from npu_shim import emulation
 
             emulation.install()
-        if _State.finder is None:
-            _State.finder = _WatchFinder()
-        if _State.finder not in sys.meta_path:
-            sys.meta_path.insert(0, _State.finder)
         already = [name for name in _State.watched if name in sys.modules]
     if already and _State.machinery is None:
         _load_machinery()
     elif _State.machinery is not None:
         _State.machinery.arm()
+
+
+def install_on_import():
+    """``import npu_shim`` outside start-up: install; a bad variable raises, except in our CLI."""
+    try:
+        install()
+    except _config.ConfigError:
+        if not _running_our_cli():
+            raise
+
+
+def _running_our_cli():
+    """``npu-shim ...`` or ``python -m npu_shim ...``, which report a bad variable themselves."""
+    if os.path.basename((getattr(sys, "argv", None) or [""])[0]) == "npu-shim":
+        return True
+    # While `python -m M` imports M's package, sys.argv[0] is "-m" for any M:
+    # read the interpreter's own command line instead.
+    args = iter((getattr(sys, "orig_argv", None) or [""])[1:])
+    for arg in args:   # interpreter options up to -m MODULE, -c, or a script
+        if arg == "-m":
+            return next(args, "") in ("npu_shim", "npu_shim.__main__")
+        if arg.startswith("-m"):
+            return arg[2:] in ("npu_shim", "npu_shim.__main__")
+        if arg in ("-X", "-W"):
+            next(args, None)
+        elif arg == "-c" or not arg.startswith("-"):
+            return False
+    return False
+
+
+def boot_configured(sitecustomize_file):
+    """Start-up with NPU_SHIM* variables set: validate and report on stderr, never raise."""
+    _State.booted_by.append(sitecustomize_file)
+    try:
+        install()
+    except _config.ConfigError as exc:
+        sys.stderr.write("npu-shim: %s; the shim is not installed in this process\n" % exc)
 
 
 def uninstall():
@@ -114,8 +191,26 @@ def status():
     (state ``pending``); a target package that is not installed reads
     ``skipped`` / ``not installed``.
     """
-    _load_machinery()
-    return _State.machinery.status()
+    return _machinery().status()
+
+
+def stats():
+    """What each patch did in this process: state, reason, adapter and its counters.
+
+    ``{patch name: {"state", "reason", "adapter", "calls", "upstream_calls",
+    "host_copies", "upstream_host_copies"}}``. Counters start at 0 in every
+    process (a forked child starts from 0 too).
+    """
+    machinery = _machinery()
+    from npu_shim import _stats
+
+    counted = _stats.snapshot()
+    out = {}
+    for row in machinery.status():
+        entry = {"state": row["state"], "reason": row["reason"]}
+        entry.update(counted.get(row["name"]) or _stats.empty_row())
+        out[row["name"]] = entry
+    return out
 
 
 def register(patch):
@@ -133,12 +228,45 @@ def register(patch):
         _load_machinery()
 
 
+def _machinery():
+    _load_machinery()
+    if _State.machinery is None:
+        raise ImportError("npu-shim cannot run here: %s" % _State.unavailable)
+    return _State.machinery
+
+
+def on_watched_import(finder, fullname, path, target):
+    """The first import of a watched package: load the machinery, then let its
+    post-import finder (now in front of ours) see this very import."""
+    if _State.unavailable is not None:
+        return None
+    _load_machinery()
+    if _State.machinery is None:
+        return None
+    for other in list(sys.meta_path):
+        if other is finder:
+            break
+        spec = other.find_spec(fullname, path, target)
+        if spec is not None:
+            return spec
+    return None
+
+
 def _load_machinery():
     with _State.lock:
-        if _State.machinery is not None:
+        if _State.machinery is not None or _State.unavailable is not None:
             return
-        from npu_shim import _machinery
-
+        try:
+            from npu_shim import _machinery
+        except ImportError as exc:
+            # A child interpreter that inherited the shim through PYTHONPATH but
+            # not its dependencies (another venv, a system Python): say so once,
+            # and let every import go on unpatched.
+            missing = getattr(exc, "name", None) or str(exc)
+            _State.unavailable = "%s is not importable (%s)" % (missing, sys.executable)
+            sys.stderr.write("npu-shim: %s; nothing is patched in this process\n" % _State.unavailable)
+            return
+        settings()
         _machinery.load(_State)
         _State.machinery = _machinery
         if _State.installed:
@@ -147,16 +275,6 @@ def _load_machinery():
 
 def _pythonpath_entries():
     return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-
-
-def _export_for_children():
-    """Make child interpreters run a sitecustomize of ours."""
-    entries = _pythonpath_entries()
-    ours = {BOOTSTRAP_DIR} | {os.path.dirname(f) for f in _State.booted_by}
-    if any(os.path.abspath(e) in ours for e in entries):
-        return
-    os.environ["PYTHONPATH"] = os.pathsep.join([BOOTSTRAP_DIR] + entries)
-    _State.exported_path = BOOTSTRAP_DIR
 
 
 def _unexport_for_children():
@@ -168,49 +286,3 @@ def _unexport_for_children():
     else:
         os.environ.pop("PYTHONPATH", None)
     _State.exported_path = None
-
-
-def boot(sitecustomize_file):
-    """Entry point of the shim's ``sitecustomize`` files."""
-    _State.booted_by.append(os.path.abspath(sitecustomize_file))
-    try:
-        install()
-    except _config.ConfigError as exc:
-        sys.stderr.write("npu-shim: %s; the shim is not installed in this process\n" % exc)
-    finally:
-        _chain_next_sitecustomize(sitecustomize_file)
-
-
-def _our_sitecustomize_files():
-    return {
-        os.path.join(BOOTSTRAP_DIR, "sitecustomize.py"),
-        os.path.join(PACKAGE_PARENT, "sitecustomize.py"),
-    }
-
-
-def _chain_next_sitecustomize(sitecustomize_file):
-    """Run the next ``sitecustomize`` on sys.path after ours, if there is one."""
-    from _frozen_importlib import module_from_spec
-    from _frozen_importlib_external import PathFinder
-
-    here = os.path.dirname(os.path.abspath(sitecustomize_file))
-    later = []
-    seen_here = False
-    for entry in sys.path:
-        if seen_here:
-            later.append(entry)
-        elif os.path.abspath(entry or os.curdir) == here:
-            seen_here = True
-    ours = _our_sitecustomize_files()
-    while later:
-        spec = PathFinder.find_spec("sitecustomize", later)
-        if spec is None or spec.origin is None:
-            return
-        origin_dir = os.path.dirname(os.path.abspath(spec.origin))
-        if os.path.abspath(spec.origin) not in ours:
-            module = module_from_spec(spec)
-            spec.loader.exec_module(module)
-            _State.chained_sitecustomize = module
-            return
-        # One of ours again (checkout and bootstrap both on the path): keep looking.
-        later = later[[os.path.abspath(e or os.curdir) for e in later].index(origin_dir) + 1:]

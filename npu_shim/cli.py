@@ -11,19 +11,11 @@ import os
 import sys
 
 from npu_shim import _config, _startup
+from npu_shim._table import format_table
 
 EXIT_USAGE = 2
 EXIT_NOT_FOUND = 127
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer cut off by `head`
-
-
-def format_table(headers, rows):
-    """Left-aligned columns under a rule; cells are turned into text."""
-    rows = [[str(cell) for cell in row] for row in rows]
-    widths = [max(len(r[i]) for r in rows + [list(headers)]) for i in range(len(headers))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
-    return "\n".join(line.rstrip() for line in lines)
 
 
 def _status_table(rows):
@@ -43,10 +35,10 @@ def _status_table(rows):
 
 
 def cmd_status(args):
-    _startup._load_machinery()
+    machinery = _startup._machinery()
     # Frameworks log to stdout while they import (vLLM does): keep stdout for our output.
     with contextlib.redirect_stdout(sys.stderr):
-        rows = _startup._State.machinery.status(import_targets=args.import_targets)
+        rows = machinery.status(import_targets=args.import_targets)
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
     else:
@@ -55,6 +47,8 @@ def cmd_status(args):
 
 
 def cmd_run(argv):
+    # A malformed variable stops here, before anything is launched (exit 2 from main).
+    _config.Settings()
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
@@ -103,10 +97,10 @@ def build_parser():
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["run"]:
-        return cmd_run(argv[1:])
-    args = build_parser().parse_args(argv)
     try:
+        if argv[:1] == ["run"]:
+            return cmd_run(argv[1:])
+        args = build_parser().parse_args(argv)
         return args.func(args)
     except _config.ConfigError as exc:
         print("npu-shim: %s" % exc, file=sys.stderr)

@@ -44,7 +44,7 @@ def test_enable_disable_lists():
     s = Settings({"NPU_SHIM_ENABLE": "a, b,,", "NPU_SHIM_DISABLE": "b"})
     assert s.enable == ("a", "b") and s.disable == ("b",)
     assert s.disabled_reason("a") is None
-    assert s.disabled_reason("b") == "listed in NPU_SHIM_DISABLE"
+    assert s.disabled_reason("b") == "listed in NPU_SHIM_DISABLE (and in NPU_SHIM_ENABLE: DISABLE wins)"
     assert s.disabled_reason("c") == "not listed in NPU_SHIM_ENABLE"
     assert Settings({"NPU_SHIM": "0"}).disabled_reason("a") == "NPU_SHIM=0"
     assert s.unknown_names({"a"}) == [("NPU_SHIM_ENABLE", "b"), ("NPU_SHIM_DISABLE", "b")]

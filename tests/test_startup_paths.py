@@ -16,8 +16,10 @@ HEAVY_TOP_LEVEL = ("wrapt", "packaging", "torch", "logging")  # and importlib.me
 PROBE = textwrap.dedent('''
     import json, os, sys
     def probe():
-        shim = sys.modules.get("npu_shim")
-        state = shim._startup._State if shim else None
+        state = None
+        if "npu_shim" in sys.modules or any(type(f).__name__ == "NpuShimStart" for f in sys.meta_path):
+            from npu_shim import _startup   # adopts the start-up finder; imports nothing heavy
+            state = _startup._State
         return {
             "installed": bool(state and state.installed),
             "booted_by": [os.path.basename(os.path.dirname(f)) for f in (state.booted_by if state else [])],
@@ -170,3 +172,22 @@ def test_npu_shim_0_installs_nothing(make_env):
     proc = run([sys.executable, "-c", PROBE + "print(json.dumps(probe()))"], make_env(PYTHONPATH=REPO, NPU_SHIM="0"))
     got = probe_json(proc)
     assert not got["installed"] and got["pythonpath"] == REPO
+
+
+def test_start_up_hook_watches_the_packages_the_patch_index_names():
+    # The start-up hook keeps its own copy (it imports nothing of the package).
+    import ast
+
+    from npu_shim.patches import WATCHED_PACKAGES
+
+    source = open(os.path.join(REPO, "npu_shim", "_bootstrap", "sitecustomize.py")).read()
+    (value,) = [node.value for node in ast.parse(source).body
+                if isinstance(node, ast.Assign) and node.targets[0].id == "WATCHED"]
+    assert set(ast.literal_eval(value)) == set(WATCHED_PACKAGES)
+
+
+def test_start_up_without_bytecode_compiles_only_the_hook(make_env, tmp_path):
+    # What a process that never imports a watched framework loads: the hook itself.
+    proc = run([sys.executable, "-c", "import sys; print(sorted(m for m in sys.modules if 'npu' in m))"],
+               make_env(PYTHONPATH=REPO, PYTHONDONTWRITEBYTECODE="1"))
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

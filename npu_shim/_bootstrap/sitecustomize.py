@@ -1,18 +1,56 @@
-"""Start-up hook put on PYTHONPATH by ``npu-shim run`` and ``import npu_shim``.
+"""The shim's start-up hook: PYTHONPATH=<this directory> (exported for children by
+``npu-shim run`` and ``import npu_shim``), or the checkout's root sitecustomize.py.
 
-Installs the shim in every interpreter that inherits the environment, then
-runs the next ``sitecustomize`` on ``sys.path`` so none is shadowed.
+Every start where no bytecode is written (PYTHONDONTWRITEBYTECODE=1 with a
+checkout) compiles this file, so it stays this small: a finder that hands over
+to npu_shim._startup when a watched framework starts importing, this directory
+exported for child interpreters, and the next sitecustomize on sys.path run.
+Any NPU_SHIM* variable takes the validating path (npu_shim._startup).
 """
 import os
 import sys
+from _frozen_importlib_external import PathFinder
 
-NPU_SHIM_BOOT = True  # tells npu_shim/__init__ that boot() below installs
+NPU_SHIM_BOOT = True  # npu_shim/__init__: start-up installs here and never raises
+WATCHED = ("transformers", "vllm", "vllm_ascend", "sglang")  # = npu_shim.patches.WATCHED_PACKAGES
+_dir = os.path.dirname(os.path.abspath(__file__))
+_booted_by = os.path.abspath(globals().get("_npu_shim_file", __file__))
+_parent = os.path.dirname(os.path.dirname(_dir))
+if _parent not in sys.path:
+    sys.path.append(_parent)   # a checkout that is not installed: let `npu_shim` resolve
 
-_package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if _package_parent not in sys.path:
-    # Running from a checkout that is not installed: let `npu_shim` resolve.
-    sys.path.append(_package_parent)
 
-from npu_shim._startup import boot  # noqa: E402
+class NpuShimStart:
+    """Finds nothing; the first watched import hands over to npu_shim._startup."""
 
-boot(__file__)
+    def find_spec(self, name, path=None, target=None):
+        if name in WATCHED:
+            from npu_shim import _startup
+
+            return _startup.take_over(self, name, path, target)
+
+
+def _start():
+    if any(name.startswith("NPU_SHIM") for name in os.environ):
+        from npu_shim import _startup
+
+        return _startup.boot_configured(_booted_by)
+    start = NpuShimStart()
+    start.booted_by, start.exported = _booted_by, None
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if not any(os.path.abspath(p) in (_dir, os.path.dirname(_booted_by)) for p in entries):
+        os.environ["PYTHONPATH"] = os.pathsep.join([_dir] + entries)
+        start.exported = _dir
+    sys.meta_path.insert(0, start)
+
+
+try:
+    _start()
+finally:
+    _here = os.path.dirname(_booted_by)
+    _paths = [os.path.abspath(p or ".") for p in sys.path]
+    _later = sys.path[_paths.index(_here) + 1:] if _here in _paths else []
+    if _later and PathFinder.find_spec("sitecustomize", _later):
+        from npu_shim._chain import run_next_sitecustomize
+
+        run_next_sitecustomize(_later)

@@ -6,6 +6,7 @@ would reject raises ``ValueError`` naming the documented constraint. It never
 quietly computes something else.
 """
 import math
+import operator
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -29,8 +30,19 @@ def reject_set(op, **args):
             raise not_implemented(op, name)
 
 
-def host_ints(values):
-    """A list of Python ints from a list/tuple/array/tensor (emulation-internal)."""
+def as_int(op, name, value):
+    """An integer argument: Python ints, NumPy integers and integer 0-d tensors are
+    accepted; 3.5, "3", True or a float tensor are refused, never truncated."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError("%s: %s must be an integer, got %r (%s)" % (op, name, value, type(value).__name__))
+
+
+def host_ints(values, op="torch_npu op", name="lengths"):
+    """A list of Python ints from a list/tuple/array/tensor of integers (emulation-internal)."""
     if values is None:
         return None
     if isinstance(values, torch.Tensor):
@@ -39,7 +51,9 @@ def host_ints(values):
         values = values.tolist()
     elif isinstance(values, int):
         values = [values]
-    return [int(x) for x in values]
+    if not isinstance(values, (list, tuple)):
+        values = [values]   # a 0-d array or tensor
+    return [as_int(op, name, x) for x in values]
 
 
 def check_float_inputs(op, **tensors):
@@ -73,7 +87,7 @@ def per_batch_lengths(op, name, values, batch, default):
     used for every batch; otherwise the first ``batch`` values; None = full."""
     if values is None:
         return [default] * batch
-    values = host_ints(values)
+    values = host_ints(values, op, name)
     if len(values) == 1:
         values = values * batch
     if len(values) < batch:
@@ -95,7 +109,7 @@ def cumulative_segments(op, name, cum, total):
     npu_fusion_attention TND); they are dropped. Otherwise values must be
     non-decreasing and end at or before ``total``.
     """
-    cum = host_ints(cum)
+    cum = host_ints(cum, op, name)
     if not cum:
         raise ValueError("%s: %s is required with input_layout='TND'" % (op, name))
     last = len(cum)
@@ -271,7 +285,11 @@ def paged_cache_view(op, cache, what, block_size, num_kv_heads, allow_bnsd):
     )
 
 
-def check_block_table(op, block_table, batch, kv_lengths, block_size):
+def check_block_table(op, block_table, batch, kv_lengths, block_size, num_blocks=None,
+                      lengths_name="actual_seq_lengths_kv"):
+    for i, n in enumerate(kv_lengths):
+        if n < 0:
+            raise ValueError("%s: %s[%d] = %d is negative" % (op, lengths_name, i, n))
     if block_table.dim() != 2:
         raise ValueError("%s: block_table must be 2-D (batch, max_blocks)" % op)
     if block_table.dtype not in (torch.int32, torch.int64):
@@ -286,3 +304,14 @@ def check_block_table(op, block_table, batch, kv_lengths, block_size):
             "%s: block_table has %d columns; the longest sequence needs %d blocks"
             % (op, block_table.shape[1], need)
         )
+    if num_blocks is not None and need:
+        # Only the blocks each sequence reads must exist; the rest of a row is padding.
+        used = torch.arange(block_table.shape[1], device=block_table.device).unsqueeze(0) < \
+            torch.tensor([math.ceil(n / block_size) for n in kv_lengths],
+                         device=block_table.device).unsqueeze(1)
+        rows = block_table[:batch]
+        bad = used & ((rows < 0) | (rows >= num_blocks))
+        if bool(bad.any()):
+            row, col = (int(i) for i in bad.nonzero()[0])
+            raise ValueError("%s: block_table[%d, %d] = %d is not a block of the cache "
+                             "(num_blocks = %d)" % (op, row, col, int(rows[row, col]), num_blocks))

@@ -19,7 +19,6 @@ torch_npu polarity). Rows with no visible key produce zeros and a log-sum-exp of
 -inf (the "invalid row" convention of the NPU ops with row correction enabled).
 """
 import math
-import os
 
 import torch
 
@@ -29,18 +28,9 @@ _F32 = 4  # bytes per float32
 
 def memory_bound_bytes():
     """The per-call byte budget for the emulation's temporaries (read each call)."""
-    raw = os.environ.get("NPU_SHIM_EMULATE_MEMORY_MIB", "").strip()
-    if not raw:
-        return DEFAULT_MEMORY_MIB << 20
-    try:
-        mib = float(raw)
-    except ValueError:
-        raise ValueError(
-            "NPU_SHIM_EMULATE_MEMORY_MIB=%r is not a number of MiB" % raw
-        ) from None
-    if mib <= 0:
-        raise ValueError("NPU_SHIM_EMULATE_MEMORY_MIB must be positive, got %r" % raw)
-    return int(mib * (1 << 20))
+    from npu_shim._config import env_positive_number
+
+    return int(env_positive_number("NPU_SHIM_EMULATE_MEMORY_MIB", DEFAULT_MEMORY_MIB) * (1 << 20))
 
 
 # --------------------------------------------------------------------------- masks

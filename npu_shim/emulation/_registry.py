@@ -42,7 +42,8 @@ SCHEMAS = {
         "Tensor? atten_mask=None, float scale=1., float keep_prob=1., "
         "int pre_tockens=%d, int next_tockens=%d, int inner_precise=0, int[]? prefix=None, "
         "int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, int sparse_mode=0, "
-        "bool gen_mask_parallel=True, bool sync=False, str softmax_layout=\"\") "
+        "bool gen_mask_parallel=True, bool sync=False, str softmax_layout=\"\", Tensor? sink=None, "
+        "*, Tensor? dropout_mask=None, int seed=0, int offset=0) "
         "-> (Tensor, Tensor, Tensor, Tensor, int, int, int)" % (INT_MAX, INT_MAX),
     ),
     "npu_prompt_flash_attention": (

@@ -92,16 +92,17 @@ def npu_fused_infer_attention_score(
     if inner_precise not in (0, 1, 2, 3):
         raise ValueError("%s: inner_precise=%r; documented values are 0-3" % (FIA, inner_precise))
     C.check_float_inputs(FIA, query=query, key=key, value=value)
-    n = int(num_heads)
-    nkv = int(num_key_value_heads) or n
+    n = C.as_int(FIA, "num_heads", num_heads)
+    nkv = C.as_int(FIA, "num_key_value_heads", num_key_value_heads) or n
+    block_size = C.as_int(FIA, "block_size", block_size)
     C.check_heads(FIA, n, nkv, MAX_GQA_RATIO)
     scale = float(scale)
     if input_layout == "TND":
         return _fia_tnd(query, key, value, n, nkv, atten_mask, actual_seq_lengths,
-                        actual_seq_lengths_kv, block_table, int(block_size), scale, sparse_mode,
+                        actual_seq_lengths_kv, block_table, block_size, scale, sparse_mode,
                         softmax_lse_flag)
     return _fia_batched(query, key, value, n, nkv, atten_mask, actual_seq_lengths,
-                        actual_seq_lengths_kv, block_table, int(block_size), scale, pre_tokens,
+                        actual_seq_lengths_kv, block_table, block_size, scale, pre_tokens,
                         next_tokens, input_layout, sparse_mode, softmax_lse_flag)
 
 
@@ -133,13 +134,15 @@ def _kv_sources(op, key, value, n, nkv, b, layout, block_table, block_size, kv_l
         vc = C.paged_cache_view(op, value, "value cache", block_size, nkv, allow_bnsd_cache)
         if kc.shape[0] != vc.shape[0]:
             raise ValueError("%s: key and value caches have different block counts" % op)
-        kv_lens = C.host_ints(kv_lens_arg)
+        lengths_name = "actual_seq_lengths" if op == IFA else "actual_seq_lengths_kv"
+        kv_lens = C.host_ints(kv_lens_arg, op, lengths_name)
         if len(kv_lens) == 1 and b > 1:
             kv_lens = kv_lens * b
         if len(kv_lens) < b:
             raise ValueError("%s: %d KV lengths for %d sequences" % (op, len(kv_lens), b))
         kv_lens = kv_lens[:b]
-        C.check_block_table(op, block_table, b, kv_lens, block_size)
+        C.check_block_table(op, block_table, b, kv_lens, block_size, num_blocks=kc.shape[0],
+                            lengths_name=lengths_name)
         ks = [C.PagedRows(kc, block_table[i], block_size, kv_lens[i]) for i in range(b)]
         vs = [C.PagedRows(vc, block_table[i], block_size, kv_lens[i]) for i in range(b)]
         dk, dv = kc.shape[3], vc.shape[3]
@@ -221,7 +224,7 @@ def _fia_tnd(query, key, value, n, nkv, atten_mask, q_cum, kv_arg, block_table, 
         C.check_compressed_mask(FIA, atten_mask, 3)
     if q_cum is None:
         raise ValueError("%s: input_layout='TND' requires actual_seq_lengths" % FIA)
-    seg_q = _tnd_segments(q_cum, t)
+    seg_q = _tnd_segments(q_cum, t, "actual_seq_lengths")
     b = len(seg_q)
     if block_table is not None:
         ks, vs, kv_lens, dv = _kv_sources(FIA, key, value, n, nkv, b, "TND", block_table,
@@ -231,7 +234,7 @@ def _fia_tnd(query, key, value, n, nkv, atten_mask, q_cum, kv_arg, block_table, 
             raise ValueError("%s: input_layout='TND' requires actual_seq_lengths_kv" % FIA)
         if key.dim() != 3 or key.shape[1] != nkv or value.shape[:2] != key.shape[:2]:
             raise ValueError("%s: TND key/value must be (T, Nkv=%d, D)" % (FIA, nkv))
-        seg_kv = _tnd_segments(kv_arg, key.shape[0])
+        seg_kv = _tnd_segments(kv_arg, key.shape[0], "actual_seq_lengths_kv")
         if len(seg_kv) != b:
             raise ValueError("%s: %d query batches but %d KV batches" % (FIA, b, len(seg_kv)))
         if key.shape[2] != dq:
@@ -250,9 +253,9 @@ def _fia_tnd(query, key, value, n, nkv, atten_mask, q_cum, kv_arg, block_table, 
     return out, _lse_result(lse, lse_flag, query)
 
 
-def _tnd_segments(cum, total):
+def _tnd_segments(cum, total, name):
     """FIA TND lengths: cumulative, non-decreasing, the count is the batch."""
-    cum = C.host_ints(cum)
+    cum = C.host_ints(cum, FIA, name)
     segments, start = [], 0
     for end in cum:
         if end < start:
@@ -288,8 +291,8 @@ def npu_incre_flash_attention(query, key, value, *, padding_mask=None, pse_shift
     if inner_precise not in (0, 1):
         raise ValueError("%s: inner_precise=%r; documented values are 0 and 1" % (IFA, inner_precise))
     C.check_float_inputs(IFA, query=query, key=key, value=value)
-    n = int(num_heads)
-    nkv = int(num_key_value_heads) or n
+    n = C.as_int(IFA, "num_heads", num_heads)
+    nkv = C.as_int(IFA, "num_key_value_heads", num_key_value_heads) or n
     C.check_heads(IFA, n, nkv, MAX_GQA_RATIO)
     q = C.to_bsnd(IFA, query, input_layout, n, "query")
     b, sq, qn, dq = q.shape
@@ -298,7 +301,7 @@ def npu_incre_flash_attention(query, key, value, *, padding_mask=None, pse_shift
     if qn != n:
         raise ValueError("%s: num_heads=%d but query has %d heads" % (IFA, n, qn))
     ks, vs, kv_lens, dv = _kv_sources(IFA, key, value, n, nkv, b, input_layout, block_table,
-                                      int(block_size), actual_seq_lengths,
+                                      C.as_int(IFA, "block_size", block_size), actual_seq_lengths,
                                       input_layout == "BNSD", True, dq)
     out, out_bsnd = C.alloc_out_bsnd(input_layout, b, 1, n, dv, query)
     for i in range(b):

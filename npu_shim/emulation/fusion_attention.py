@@ -8,7 +8,10 @@ introduction"):
   padding_mask=None, atten_mask=None, scale=1., keep_prob=1.,
   pre_tockens=2147483647, next_tockens=2147483647, inner_precise=0, prefix=None,
   actual_seq_qlen=None, actual_seq_kvlen=None, sparse_mode=0,
-  gen_mask_parallel=True, sync=False, softmax_layout="")`` returning 7 values:
+  gen_mask_parallel=True, sync=False, softmax_layout="", sink=None)`` returning 7 values
+  (``softmax_layout`` since Ascend Extension for PyTorch 7.2.0, ``sink`` in the
+  newest op-plugin); keyword-only ``dropout_mask=None, seed=0, offset=0``, which
+  the vendor's op tests pass at these neutral values, are accepted too:
   ``attention_out``, ``softmax_max``, ``softmax_sum``, a reserved tensor, and the
   dropout seed / offset / mask length (ints).
 * Layouts BSH, SBH, BSND, BNSD and TND (varlen: ``actual_seq_qlen`` /
@@ -31,8 +34,10 @@ introduction"):
   ``D_k >= D_v`` (the output takes ``D_v``).
 
 Not implemented (NotImplementedError naming the argument): ``pse``,
-``padding_mask`` (documented as unsupported), ``prefix``, dropout
-(``keep_prob != 1``), sparse modes 5-8, ``actual_seq_*`` outside TND.
+``padding_mask`` (documented as unsupported), ``prefix``, ``sink``, dropout
+(``keep_prob != 1``, a ``dropout_mask``, a non-zero ``seed`` / ``offset``),
+sparse modes 5-8, ``actual_seq_*`` outside TND. Integer arguments (``head_num``,
+lengths) must be integers (0-d integer tensors and NumPy integers included).
 Hardware limits on sizes/alignment are not enforced beyond the ones above.
 ``softmax_max`` / ``softmax_sum`` are returned as (B, N, Sq, 8) — TND: (N, T, 8),
 or (T, N, 8) with ``softmax_layout="TND"`` — float32 views whose last axis
@@ -54,10 +59,15 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None,
                          pre_tockens=C.INT_MAX, next_tockens=C.INT_MAX, inner_precise=0,
                          prefix=None, actual_seq_qlen=None, actual_seq_kvlen=None,
                          sparse_mode=0, gen_mask_parallel=True, sync=False,
-                         softmax_layout=""):
-    C.reject_set(OP, pse=pse, padding_mask=padding_mask, prefix=prefix)
+                         softmax_layout="", sink=None, *, dropout_mask=None, seed=0, offset=0):
+    C.reject_set(OP, pse=pse, padding_mask=padding_mask, prefix=prefix, sink=sink,
+                 dropout_mask=dropout_mask)
     if keep_prob != 1.0:
         raise C.not_implemented(OP, "keep_prob", "dropout; only keep_prob=1 is emulated")
+    for name, number in (("seed", seed), ("offset", offset)):
+        if C.as_int(OP, name, number) != 0:
+            raise C.not_implemented(OP, name, "dropout's random stream; only the neutral 0 "
+                                              "(with keep_prob=1) is emulated")
     if input_layout not in LAYOUTS:
         raise ValueError("%s: input_layout=%r; documented: %s" % (OP, input_layout, ", ".join(LAYOUTS)))
     if sparse_mode in (5, 6, 7, 8):
@@ -70,7 +80,7 @@ def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None,
         raise ValueError("%s: softmax_layout=%r is only valid as 'TND' with input_layout='TND'"
                          % (OP, softmax_layout))
     C.check_float_inputs(OP, query=query, key=key, value=value)
-    head_num = int(head_num)
+    head_num = C.as_int(OP, "head_num", head_num)
     scale = float(scale)
 
     if input_layout == "TND":

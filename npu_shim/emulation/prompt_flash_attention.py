@@ -52,8 +52,8 @@ def npu_prompt_flash_attention(query, key, value, *, pse_shift=None, padding_mas
     if sparse_mode not in (0, 1, 2, 3, 4):
         raise ValueError("%s: sparse_mode=%r; only 0-4 are supported by the op" % (OP, sparse_mode))
     C.check_float_inputs(OP, query=query, key=key, value=value)
-    n = int(num_heads)
-    nkv = int(num_key_value_heads) or n
+    n = C.as_int(OP, "num_heads", num_heads)
+    nkv = C.as_int(OP, "num_key_value_heads", num_key_value_heads) or n
     C.check_heads(OP, n, nkv)
     in_layout = "BNSD" if input_layout == "BNSD_BSND" else input_layout
     q = C.to_bsnd(OP, query, in_layout, n, "query")

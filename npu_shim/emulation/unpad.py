@@ -31,7 +31,7 @@ MAX_BATCH_310P = 2000
 def _npu_flash_attention_unpad(query, key, value, seq_len, scale_value, num_heads,
                                num_kv_heads, out):
     C.check_float_inputs(OP, query=query, key=key, value=value)
-    n, nkv = int(num_heads), int(num_kv_heads)
+    n, nkv = C.as_int(OP, "num_heads", num_heads), C.as_int(OP, "num_kv_heads", num_kv_heads)
     C.check_heads(OP, n, nkv)
     q = query if query.dim() == 3 else C.split_hidden(OP, query, n, "query")
     k = key if key.dim() == 3 else C.split_hidden(OP, key, nkv, "key")
@@ -48,7 +48,7 @@ def _npu_flash_attention_unpad(query, key, value, seq_len, scale_value, num_head
     if isinstance(seq_len, torch.Tensor) and seq_len.device.type != "cpu":
         raise ValueError("%s: seq_len must be a host (CPU) tensor, got one on %s"
                          % (OP, seq_len.device))
-    lengths = C.host_ints(seq_len)
+    lengths = C.host_ints(seq_len, OP, "seq_len")
     if any(x < 0 for x in lengths) or sum(lengths) != t:
         raise ValueError("%s: seq_len %r must be non-negative lengths summing to T=%d"
                          % (OP, lengths, t))

@@ -24,7 +24,7 @@ import operator
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["host_cu_seqlens"]
+__all__ = ["host_cu_seqlens", "is_cached"]
 
 _cache = WeakIdKeyDictionary()
 
@@ -77,6 +77,13 @@ def _from_tensor(t):
     values = _validated(tuple(t.tolist()))  # the one device->host transfer
     _cache[t] = (key, values)
     return values
+
+
+def is_cached(t):
+    """True when :func:`host_cu_seqlens` would answer for tensor ``t`` without reading it."""
+    key = (None, t.data_ptr()) if t.is_inference() else (t._version, t.data_ptr())
+    hit = _cache.get(t)
+    return hit is not None and hit[0] == key
 
 
 def _validated(values):

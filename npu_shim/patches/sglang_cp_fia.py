@@ -53,6 +53,7 @@ comments; no source text is matched):
   (``sglang.srt.layers.utils.cp_utils``; ``sglang.srt.layers.cp.zigzag``
   where the class moved).
 """
+from npu_shim import _stats
 from npu_shim.patch import NotNeeded, Patch, TargetMismatch
 
 NAME = "sglang.cp_fia"
@@ -164,6 +165,7 @@ def make_do_cp_attn_fia():
         caches already hold the full gathered sequences. Returns
         ``[T, tp_q_head_num * v_head_dim]`` in the same token order.
         """
+        _stats.count(NAME, "calls")
         cp_meta = forward_batch.attn_cp_metadata
         num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
         q = q.reshape(-1, num_heads, layer.qk_head_dim)

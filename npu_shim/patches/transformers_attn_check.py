@@ -36,8 +36,10 @@ Window: the method exists from transformers 4.55.0 through 5.23.0 with the
 Upstream fix: none (transformers has no hook for names served by another library).
 Remove when: no supported vLLM dispatches MoonViT attention by name.
 """
+from npu_shim import _stats
 from npu_shim.patch import Patch, TargetMismatch
 
+NAME = "transformers.attn_check"
 METHOD = "get_correct_attn_implementation"
 
 # name the shim provides -> model classes that can dispatch it:
@@ -96,9 +98,11 @@ def build(module):
 
     @functools.wraps(original)
     def get_correct_attn_implementation(self, *args, **kwargs):
+        _stats.count(NAME, "calls")
         requested = _requested_name(args, kwargs)
         if isinstance(requested, str) and can_dispatch(type(self), requested):
             return requested
+        _stats.count(NAME, "upstream_calls")
         return original(self, *args, **kwargs)
 
     get_correct_attn_implementation.__npu_shim_wraps__ = original
@@ -106,7 +110,7 @@ def build(module):
 
 
 PATCH = Patch(
-    name="transformers.attn_check",
+    name=NAME,
     target="transformers.modeling_utils",
     replaces=("PreTrainedModel.%s" % METHOD,),
     requires={"transformers": ">=4.55,<6", "vllm": ">=0.8.5,<0.14"},

@@ -42,11 +42,15 @@ Remove when: the pinned vLLM is 0.14 or later.
 """
 import contextvars
 
+from npu_shim import _stats
+from npu_shim._config import MOONVIT_ATTN_CHOICES
 from npu_shim.patch import Patch, TargetMismatch
+
+NAME = "vllm.moonvit_attn"
 
 ATTENTION_NAME = "ascend_fa"
 ENV_VAR = "NPU_SHIM_MOONVIT_ATTN"
-CHOICES = ("auto", "ascend_fa", "sdpa")
+CHOICES = MOONVIT_ATTN_CHOICES   # validated at start-up with the other variables
 DEFAULT_CHOICE = "auto"
 LAYER_KERNEL_ATTR = "npu_shim_attention"
 
@@ -88,13 +92,17 @@ def ascend_fa_attention(q, k, v, q_cu_seqlens=None, k_cu_seqlens=None):
     import torch
 
     from npu_shim.kernels import VarlenAttention, host_cu_seqlens
+    from npu_shim.kernels.seqlens import is_cached
 
+    _stats.count(NAME, "calls")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError("ascend_fa expects packed q, k, v of shape (T, N, D); got %s, %s, %s"
                          % (tuple(q.shape), tuple(k.shape), tuple(v.shape)))
     cu_seqlens = q_cu_seqlens
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+    elif isinstance(cu_seqlens, torch.Tensor) and not is_cached(cu_seqlens):
+        _stats.count(NAME, "host_copies")   # the one read of this tensor's values
     if k_cu_seqlens is not None and k_cu_seqlens is not cu_seqlens:
         if host_cu_seqlens(k_cu_seqlens) != host_cu_seqlens(cu_seqlens):
             raise ValueError("ascend_fa serves self-attention: q_cu_seqlens and k_cu_seqlens must be equal")
@@ -170,7 +178,7 @@ def build(module):
 
 
 PATCH = Patch(
-    name="vllm.moonvit_attn",
+    name=NAME,
     target="vllm.model_executor.models.moonvit",
     replaces=(
         "VL_VISION_ATTENTION_FUNCTIONS['%s']" % ATTENTION_NAME,

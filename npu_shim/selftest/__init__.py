@@ -21,6 +21,7 @@ import time
 import traceback
 
 from npu_shim import _startup
+from npu_shim._table import format_table
 from npu_shim.patches import BUILTIN_PATCHES
 
 EXIT_OK, EXIT_MISMATCH, EXIT_NO_KERNELS = 0, 1, 2
@@ -58,8 +59,7 @@ def _selftest_module(patch_module):
 
 
 def run_all(device=None):
-    _startup._load_machinery()
-    machinery = _startup._State.machinery
+    machinery = _startup._machinery()
     rows_by_name = {row["name"]: row for row in machinery.status(import_targets=True)}
     provider = kernel_provider()
     device = device or ("npu" if provider == "torch_npu" else "cpu")
@@ -115,8 +115,6 @@ def table(results):
         verdict = "-" if r["ok"] is None else ("ok" if r["ok"] else "MISMATCH" if r["max_abs_err"] is not None else "ERROR")
         rows.append((r["patch"], r["target_version"], r["state"], _fmt(r["max_abs_err"], ".2e"),
                      _fmt(r["tolerance"], ".0e"), _fmt(r["host_syncs"], "d"), _fmt(r["seconds"], ".2f"), verdict))
-    from npu_shim.cli import format_table
-
     notes = ["", "notes:"] + ["  %s: %s" % (r["patch"], r["reason"]) for r in results]
     return "\n".join([format_table(headers, rows)] + notes)
 

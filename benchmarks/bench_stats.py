@@ -1,0 +1,79 @@
+"""What counting costs: the patched MoonViT attention with ``_stats.count`` live vs a no-op.
+
+Side by side in one process, interleaved: ``vllm_moonvit_attn.ascend_fa_attention``
+(the function the patch registers; one fused varlen call on the emulated
+torch_npu) over a 27-layer "forward" sharing one ``cu_seqlens``, as MoonViT runs
+it, once with the counters live and once with ``npu_shim._stats.count`` replaced
+by a function that does nothing. Small images make the host overhead as visible
+as it gets. Bound: counting adds <= 1 % of host time per forward. Also prints the
+cost of one ``count()`` call on its own (thread-safe: a lock around the add).
+
+    nox -s "bench(stats)"       (from a fresh clone: the base lane venv)
+    python benchmarks/bench_stats.py [--repeats 40] [--images 4] [--tokens 64]
+"""
+import argparse
+import statistics
+import sys
+import time
+import timeit
+
+import torch
+
+from npu_shim import _stats, emulation
+from npu_shim.patches import vllm_moonvit_attn as moonvit
+
+LAYERS = 27
+
+
+def forward(q, k, v, cu):
+    for _ in range(LAYERS):
+        moonvit.ascend_fa_attention(q, k, v, cu, cu)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=40, help="forwards per variant")
+    parser.add_argument("--images", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=64, help="patches per image")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=72)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    emulation.install()
+    total = args.images * args.tokens
+    q, k, v = (torch.randn(total, args.heads, args.head_dim) for _ in range(3))
+    cu = torch.arange(0, total + 1, args.tokens, dtype=torch.int32)
+
+    live = _stats.count
+    variants = {"counting": live, "no-op": lambda patch, event, n=1: None}
+    samples = {name: [] for name in variants}
+    forward(q, k, v, cu)   # warm-up: allocator, emulation registration
+    for i in range(args.repeats):
+        for name in (variants if i % 2 == 0 else reversed(list(variants))):
+            _stats.count = variants[name]
+            cu_fresh = cu.clone()       # a new tensor per forward, as vLLM builds one
+            started = time.perf_counter()
+            forward(q, k, v, cu_fresh)
+            samples[name].append(time.perf_counter() - started)
+    _stats.count = live
+    med = {name: statistics.median(values) for name, values in samples.items()}
+    share = (med["counting"] - med["no-op"]) / med["no-op"] * 100
+    per_call = min(timeit.repeat(lambda: live("bench.stats", "calls"), number=100000, repeat=5)) / 100000
+    _stats.reset()
+
+    print("counting overhead, %d-layer MoonViT attention forward (%d images x %d patches, %d heads x %d; "
+          "emulated torch_npu, 1 thread), median of %d interleaved forwards:"
+          % (LAYERS, args.images, args.tokens, args.heads, args.head_dim, args.repeats))
+    print("  count() live      %8.3f ms / forward" % (med["counting"] * 1e3))
+    print("  count() no-op     %8.3f ms / forward" % (med["no-op"] * 1e3))
+    print("  difference        %+8.3f ms  (%+.2f %% of host time; bound <= 1 %%, run-to-run noise included)  %s"
+          % ((med["counting"] - med["no-op"]) * 1e3, share, "OK" if share <= 1 else "OVER"))
+    print("  one count() call  %8.0f ns  (x %d per forward: calls, plus 1 host_copies)"
+          % (per_call * 1e9, LAYERS))
+    print("  counted per forward: %d calls = %d layers" % (LAYERS, LAYERS))
+    print('reproduce: nox -s "bench(stats)" -- ' + " ".join(sys.argv[1:]))
+    return 0 if share <= 1 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
