@@ -7,8 +7,11 @@ import pytest
 
 BIN = os.path.dirname(sys.executable)
 KEYS = {"name", "target", "state", "adapter", "reason", "requires", "versions"}
-PATCHES = ["transformers.attn_check", "vllm.moonvit_attn", "vllm.mm_encoder_attn", "vllm.mm_encoder_attn_310p",
-           "sglang.cp_fia"]
+from npu_shim.patches import BUILTIN_PATCHES
+
+PATCHES = [name for name, _ in BUILTIN_PATCHES]
+# Names users and checks rely on: they never change or disappear.
+STABLE_NAMES = ["transformers.attn_check", "vllm.moonvit_attn", "vllm.mm_encoder_attn", "sglang.cp_fia"]
 
 
 def cli(args, env):
@@ -20,6 +23,7 @@ def test_status_json_lists_every_patch_with_the_contract_keys(make_env):
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
     assert [r["name"] for r in rows] == PATCHES
+    assert set(STABLE_NAMES) <= set(PATCHES)
     for row in rows:
         assert KEYS <= set(row)
         assert row["state"] in {"pending", "applied", "skipped", "disabled", "failed"}
