@@ -1,9 +1,8 @@
 """Start-up hook for ``PYTHONPATH=<this checkout>``: runs the shim's own
-(npu_shim/_bootstrap/sitecustomize.py), which installs npu-shim and then runs the
+(npu_shim/_bootstrap/sitecustomize.py, imported as a module so its bytecode is
+cached where bytecode is written), which installs npu-shim and then runs the
 next ``sitecustomize`` on ``sys.path``, so none is shadowed."""
-import os
 
-_npu_shim_file = __file__
-__file__ = os.path.join(os.path.dirname(os.path.abspath(__file__)), "npu_shim", "_bootstrap", "sitecustomize.py")
-with open(__file__, "rb") as _source:
-    exec(compile(_source.read(), __file__, "exec"))
+NPU_SHIM_BOOT = True  # npu_shim/__init__: start-up installs here and never raises
+
+import npu_shim._bootstrap.sitecustomize  # noqa: E402,F401

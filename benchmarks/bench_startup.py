@@ -5,7 +5,10 @@
    with .pyc files (an installed shim, a checkout that ran once) and without
    (PYTHONDONTWRITEBYTECODE=1, as containers and CI images set it: every start
    compiles the start-up path). Interleaved, median of N runs. Bound: within
-   1 ms of bare Python in both modes.
+   1 ms of bare Python in both modes. Without .pyc, CPython's first builtin
+   compile() in a process also initialises the AST node types (``import _ast``,
+   about 2 ms here), a fixed cost of any sitecustomize without bytecode that
+   bare ``python -c pass`` never pays.
 2. A process that imports a patched framework (default: vLLM's MoonViT
    module, when vLLM is installed): the same import with the shim switched
    off (NPU_SHIM=0) and on, interleaved, plus the shim's own accounting of the

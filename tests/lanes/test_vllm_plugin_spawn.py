@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.lanes("kimi-vl-2025", "vllm-0.13")
+pytestmark = pytest.mark.lanes("kimi-vl-2025")
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys
