@@ -53,7 +53,7 @@ sglang         adapter             what differs
 =============  ==================  ==========================================
 
 (checked on every wheel from 0.5.11 to 0.5.23 by reading the syntax tree;
-run in the lanes on 0.5.13 and 0.5.23.)
+run in the lanes on 0.5.13, 0.5.16, 0.5.19 and 0.5.23.)
 """
 import ast
 import inspect

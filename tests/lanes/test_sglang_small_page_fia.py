@@ -1,4 +1,4 @@
-"""Patch ``sglang.small_page_fia`` on the real sglang wheels (lanes sglang-0.5.13, latest-sglang).
+"""Patch ``sglang.small_page_fia`` on the real sglang wheels (lanes sglang-0.5.13, 0.5.16, 0.5.19, latest-sglang).
 
 What is and is not shown here: the emulation computes what the torch_npu
 documentation says, so it cannot show the hardware bug of
