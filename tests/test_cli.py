@@ -5,9 +5,11 @@ import sys
 
 import pytest
 
+from npu_shim.patches import BUILTIN_PATCHES
+
 BIN = os.path.dirname(sys.executable)
 KEYS = {"name", "target", "state", "reason", "requires", "versions"}
-PATCHES = ["transformers.attn_check", "vllm.moonvit_attn", "vllm.mm_encoder_attn", "sglang.cp_fia"]
+PATCHES = [name for name, _ in BUILTIN_PATCHES]
 
 
 def cli(args, env):

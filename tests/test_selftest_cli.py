@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 from npu_shim import selftest
+from npu_shim.patches import BUILTIN_PATCHES
 
 CLI = os.path.join(os.path.dirname(sys.executable), "npu-shim")
 
@@ -20,8 +21,7 @@ def test_with_emulation_and_no_framework_nothing_applies(make_env):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = json.loads(proc.stdout)
-    assert {r["patch"] for r in rows} == {"transformers.attn_check", "vllm.moonvit_attn",
-                                          "vllm.mm_encoder_attn", "sglang.cp_fia"}
+    assert {r["patch"] for r in rows} == {name for name, _ in BUILTIN_PATCHES}
     assert all(r["kernels"] == "emulation" and r["ok"] is None for r in rows)
     assert all(r["state"] == "skipped" and r["reason"].startswith("not installed") for r in rows)
 

@@ -72,9 +72,11 @@ def test_upstream_prefill_cp_fails_at_the_first_cp_prefill(shim):
 
     module = importlib.import_module(BACKEND)
     spec = cp_case.Spec(extend_lens=(16, 24))     # no pad rows: fails for every length
+    # a consistent topology for rank 0 of tp 2 = attn-cp 2 (0.5.21 validates overrides)
+    topology = dict(tp_size=2, tp_rank=0, moe_tp_size=2, moe_ep_size=1, moe_dp_size=1, attn_tp_size=1,
+                    attn_tp_rank=0, attn_dp_size=1, attn_dp_rank=0, attn_cp_size=2, attn_cp_rank=0)
     with get_context().override_server_args(device="cpu", enable_prefill_cp=True, cp_strategy="zigzag",
-                                            attn_cp_size=2), \
-            get_parallel().override(attn_cp_size=2, attn_cp_rank=0):
+                                            attn_cp_size=2), get_parallel().override(**topology):
         os.environ["SGLANG_ENABLE_CP_V2"] = "1"
         os.environ["ASCEND_USE_FIA"] = "1"
         try:
