@@ -65,7 +65,6 @@ from npu_shim.patch import Patch, TargetMismatch
 NAME = "sglang.small_page_fia"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 METHOD = "forward_extend"
-SWITCH = "NPU_SHIM_SGLANG_SMALL_PAGE_FIA"
 SGLANG_FIA_SWITCH = "ASCEND_USE_FIA"
 QLENS_OP = "_npu_flash_attention_qlens"
 FIA_OP = "npu_fused_infer_attention_score"
