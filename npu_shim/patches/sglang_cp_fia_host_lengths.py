@@ -38,6 +38,7 @@ metadata's host lists to FIA directly and make no sync there):
 * ``ZigzagContextParallelMetadata`` has those fields and the host lists above.
 """
 import types
+from itertools import accumulate
 
 from npu_shim.patch import NotNeeded, Patch, TargetMismatch
 
@@ -133,8 +134,6 @@ def check(module) -> None:
 def host_lengths(meta, cu_seqlens_q, kv_lens):
     """(cumulative query lengths without the leading 0, KV lengths) as host lists,
     or None when the tensors are not the metadata's own prev/next tensors."""
-    from itertools import accumulate
-
     for cu_name, kv_name, q_list_name, kv_list_name in HALVES:
         if cu_seqlens_q is getattr(meta, cu_name) and kv_lens is getattr(meta, kv_name):
             q_list, kv_list = getattr(meta, q_list_name), getattr(meta, kv_list_name)

@@ -53,7 +53,7 @@ sglang         adapter             what differs
 =============  ==================  ==========================================
 
 (checked on every wheel from 0.5.11 to 0.5.23 by reading the syntax tree;
-run in the lanes on 0.5.13 and 0.5.23.)
+run in the lanes on 0.5.13, 0.5.16, 0.5.19 and 0.5.23.)
 """
 import ast
 import inspect
@@ -65,11 +65,13 @@ from npu_shim.patch import Patch, TargetMismatch
 NAME = "sglang.small_page_fia"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 METHOD = "forward_extend"
-SWITCH = "NPU_SHIM_SGLANG_SMALL_PAGE_FIA"
 SGLANG_FIA_SWITCH = "ASCEND_USE_FIA"
 QLENS_OP = "_npu_flash_attention_qlens"
 FIA_OP = "npu_fused_infer_attention_score"
 SMALLEST_SAFE_PAGE = 128   # PR #39905: qlens right at 128, wrong at 16/32/64
+# The wrapper reads these by position and name, as every release 0.5.11-0.5.23 declares them.
+PARAMETERS = ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "q_rope", "k_rope",
+              "topk_indices", "sinks")
 
 # Gates upstream has before the qlens call, as ``ast.unparse`` of the ``if`` tests.
 QLENS_GUARD = ("layer.qk_head_dim <= 128 and causal and (forward_batch.encoder_lens is None) "
@@ -197,6 +199,10 @@ def select_adapter(module) -> Adapter:
     method = module.AscendAttnBackend.__dict__.get(METHOD)
     if method is None:
         raise TargetMismatch("AscendAttnBackend does not define %s itself" % METHOD)
+    parameters = tuple(inspect.signature(method).parameters)
+    if parameters[:len(PARAMETERS)] != PARAMETERS:
+        raise TargetMismatch("%s takes %s, not %s first" % (METHOD, ", ".join(parameters),
+                                                            ", ".join(PARAMETERS)))
     names = code_names(method)
     for op in (QLENS_OP, FIA_OP):
         if op not in names:
@@ -246,7 +252,7 @@ def make_forward_extend(original, adapter):
 
     @functools.wraps(original)
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None,
-                       k_rope=None, topk_indices=None, sinks=None, **kwargs):
+                       k_rope=None, topk_indices=None, sinks=None, *args, **kwargs):
         if (self.page_size < SMALLEST_SAFE_PAGE and not self.use_fia and not sglang_fia_explicit()
                 and adapter.reaches_qlens(self, layer, forward_batch, topk_indices, sinks)):
             _stats.count(NAME, "calls")
@@ -254,8 +260,8 @@ def make_forward_extend(original, adapter):
         else:
             _stats.count(NAME, "upstream_calls")
             backend = self
-        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, q_rope=q_rope,
-                        k_rope=k_rope, topk_indices=topk_indices, sinks=sinks, **kwargs)
+        return original(backend, q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope,
+                        topk_indices, sinks, *args, **kwargs)
 
     forward_extend.__npu_shim_patch__ = NAME
     return forward_extend

@@ -192,3 +192,11 @@ def test_strict_raises_on_a_mismatch(run_python, make_env):
     assert strict.returncode != 0
     assert "PatchError" in strict.stderr and NAME in strict.stderr
     assert "does not pass cu_seqlens_q_next_tensor" in strict.stderr
+
+
+def test_selftest_runs_the_patched_path(module):
+    from npu_shim.selftest import sglang_cp_fia_host_lengths as selftest
+
+    result = selftest.run("cpu")
+    assert result["max_abs_err"] <= result["tolerance"], result
+    assert result["host_syncs"] == 0

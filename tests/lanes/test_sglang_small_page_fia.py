@@ -1,4 +1,4 @@
-"""Patch ``sglang.small_page_fia`` on the real sglang wheels (lanes sglang-0.5.13, latest-sglang).
+"""Patch ``sglang.small_page_fia`` on the real sglang wheels (lanes sglang-0.5.13, 0.5.16, 0.5.19, latest-sglang).
 
 What is and is not shown here: the emulation computes what the torch_npu
 documentation says, so it cannot show the hardware bug of
@@ -240,3 +240,11 @@ def test_switched_off_is_upstream_and_strict_raises_when_unreadable(modules, run
     assert strict.returncode != 0
     assert "PatchError" in strict.stderr and NAME in strict.stderr
     assert "cannot read the source of forward_extend" in strict.stderr
+
+
+def test_selftest_runs_the_patched_path(modules):
+    from npu_shim.selftest import sglang_small_page_fia as selftest
+
+    result = selftest.run("cpu")
+    assert result["max_abs_err"] <= result["tolerance"], result
+    assert "-> npu_fused_infer_attention_score;" in result["detail"]

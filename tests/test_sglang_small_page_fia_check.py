@@ -1,0 +1,103 @@
+"""The structural decisions of ``sglang.small_page_fia`` and ``sglang.cp_fia_host_lengths``
+on synthetic code (lane base: no sglang).
+
+The real releases are covered by the sglang lanes (test_sglang_small_page_fia.py,
+test_sglang_cp_fia_host_lengths.py). Here: which adapter a ``forward_extend`` of
+each gate set gets (the gates are written after the upstream ones, bodies
+reduced), that a missing gate or a changed signature is a mismatch, and how the
+0.5.23 closure maps the strategy's tensors to the metadata's host lists.
+"""
+import types
+
+import pytest
+
+from npu_shim.patch import TargetMismatch
+from npu_shim.patches import sglang_cp_fia_host_lengths as host_lengths
+from npu_shim.patches import sglang_small_page_fia as small_page
+
+
+# forward_extend shapes: only the ``if`` tests, the op names and the signature are read.
+def release_0_5_13(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None, k_rope=None,
+                   topk_indices=None, sinks=None, slopes=None):
+    if is_mla_preprocess_enabled() and self.use_mla:  # noqa: F821
+        pass
+    if self.is_dllm_model:
+        pass
+    if topk_indices is not None:
+        pass
+    if (forward_batch.forward_mode.is_target_verify() or forward_batch.forward_mode.is_draft_extend()
+            or forward_batch.forward_mode.is_draft_extend_v2()):
+        pass
+    if not self.use_mla:
+        if sinks is not None or (self.is_hybrid_swa and layer.sliding_window_size != -1):
+            pass
+        if is_cp_mode:  # noqa: F821
+            pass
+        if self.use_fia:
+            torch_npu.npu_fused_infer_attention_score()  # noqa: F821
+        else:
+            if layer.is_cross_attention or layer.attn_type == AttentionType.ENCODER_ONLY:  # noqa: F821
+                pass
+            if (layer.qk_head_dim <= 128 and causal and forward_batch.encoder_lens is None  # noqa: F821
+                    and layer.logit_cap == 0 and not getattr(self, "use_native_sdpa", False)):
+                if not self.use_alibi:
+                    torch_npu._npu_flash_attention_qlens()  # noqa: F821
+
+
+def without_alibi_gate(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None,
+                       k_rope=None, topk_indices=None, sinks=None):
+    if self.use_fia:
+        torch_npu.npu_fused_infer_attention_score()  # noqa: F821
+    else:
+        torch_npu._npu_flash_attention_qlens()  # noqa: F821
+
+
+def renamed_parameters(self, query, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None,
+                       k_rope=None, topk_indices=None, sinks=None):
+    torch_npu.npu_fused_infer_attention_score()  # noqa: F821
+    torch_npu._npu_flash_attention_qlens()  # noqa: F821
+
+
+def target_with(forward_extend):
+    backend = type("AscendAttnBackend", (), {"forward_extend": forward_extend})
+    return types.SimpleNamespace(AscendAttnBackend=backend, __name__="fake_ascend_backend")
+
+
+def test_a_release_with_0_5_13s_gates_gets_its_adapter():
+    assert small_page.select_adapter(target_with(release_0_5_13)).name == "hybrid-swa-0.5.13"
+
+
+@pytest.mark.parametrize("method, message", [
+    (without_alibi_gate, "no adapter knows"),
+    (renamed_parameters, "takes self, query"),
+])
+def test_unknown_shapes_are_mismatches(method, message):
+    with pytest.raises(TargetMismatch, match=message):
+        small_page.check(target_with(method))
+
+
+def test_adapters_are_exclusive_on_every_known_gate_set():
+    gate_sets = [adapter.gates for adapter in small_page.ADAPTERS]
+    for gates in gate_sets:
+        assert sum(adapter.matches(gates) for adapter in small_page.ADAPTERS) == 1
+
+
+def test_the_closure_finds_host_lists_by_tensor_identity():
+    import torch
+
+    meta = types.SimpleNamespace(
+        cu_seqlens_q_prev_tensor=torch.tensor([0, 3, 7], dtype=torch.int32),
+        kv_len_prev_tensor=torch.tensor([3, 9], dtype=torch.int32),
+        cu_seqlens_q_next_tensor=torch.tensor([0, 2, 6], dtype=torch.int32),
+        kv_len_next_tensor=torch.tensor([8, 14], dtype=torch.int32),
+        actual_seq_q_prev_list=[3, 4], kv_len_prev_list=[3, 9],
+        actual_seq_q_next_list=[2, 4], kv_len_next_list=[8, 14])
+    assert host_lengths.host_lengths(meta, meta.cu_seqlens_q_prev_tensor, meta.kv_len_prev_tensor) == \
+        ([3, 7], [3, 9])
+    assert host_lengths.host_lengths(meta, meta.cu_seqlens_q_next_tensor, meta.kv_len_next_tensor) == \
+        ([2, 6], [8, 14])
+    # equal values are not enough: only the metadata's own tensors are known to match its lists
+    assert host_lengths.host_lengths(meta, meta.cu_seqlens_q_prev_tensor.clone(), meta.kv_len_prev_tensor) is None
+    assert host_lengths.host_lengths(meta, meta.cu_seqlens_q_prev_tensor, meta.kv_len_next_tensor) is None
+    meta.kv_len_prev_list = None
+    assert host_lengths.host_lengths(meta, meta.cu_seqlens_q_prev_tensor, meta.kv_len_prev_tensor) is None
