@@ -48,6 +48,8 @@ LANES = {
     "kimi-vl-2025": VLLM_ENV,
     "vllm-0.13": VLLM_ENV,
     "vllm-0.15": VLLM_ENV,
+    "vllm-0.18": VLLM_ENV,
+    "vllm-0.21": VLLM_ENV,
     "vllm-0.22": VLLM_ENV,
     "sglang-0.5.12": SGLANG_ENV,
     "sglang-0.5.13": SGLANG_ENV,
