@@ -53,8 +53,9 @@ LANES = {
     "vllm-0.22": VLLM_ENV,
     "sglang-0.5.12": SGLANG_ENV,
     "sglang-0.5.13": SGLANG_ENV,
-    # "latest" is split: one venv cannot honour the pins of both vllm 0.33.0 and sglang
-    # 0.5.23 (torch, openai, compressed-tensors; see the two pin files).
+    # "latest" is split: one venv cannot honour the pins of both vllm 0.26.0 (the pair of the
+    # newest vllm-ascend wheel) and sglang 0.5.23 (torch, compressed-tensors, transformers;
+    # see the two pin files).
     "latest-vllm": VLLM_ENV,
     "latest-sglang": SGLANG_ENV,
 }

@@ -27,7 +27,13 @@ How: one adapter per release family, in :mod:`npu_shim.patches.mm_encoder`
                                   (``NPU_SHIM_MM_ENCODER_TND=1``: npu-shim's TND kernel)
   v018   0.18.0                   ``torch_npu.npu_fusion_attention`` TND
   v019   0.19.1rc1 .. 0.21.0rc1   ``DeviceOperator.npu_flash_attention``
+  v022   0.22.1rc1                ``torch_npu.npu_fused_infer_attention_score`` TND
+  v023   0.23.0rc1 .. 0.26.0rc1,  ``torch_npu.npu_fused_infer_attention_score`` TND
+         later sources that shape
   ====== ======================== =================================================
+  Graph path (v022, v023): while vllm-ascend's encoder ACL-graph capture is
+  active (``get_encoder_forward_context().capturing``), upstream's
+  ``forward_oot`` runs untouched (counted as ``upstream_calls``).
 Upstream fix: none yet for the copy of towers that pass no ``sequence_lengths``
   (0.18.0+); the scale is honoured from 0.23.0rc1.
 Remove when: vllm-ascend computes host lengths once per encoder forward for
@@ -44,6 +50,8 @@ ADAPTERS = (
     "v013",
     "v018",
     "v019",
+    "v022",
+    "v023",
 )
 
 check, build = dispatch(PATCH_NAME, CLASS_NAME, ADAPTERS)
@@ -59,5 +67,6 @@ PATCH = Patch(
     check=check,
     build=build,
     summary="host seq lens once per encoder forward (no prefix cache, no global), honour scale; "
-            "one adapter per vllm-ascend family",
+            "one adapter per vllm-ascend family; during vllm-ascend's encoder ACL-graph capture "
+            "(0.22.1rc1+) upstream's forward_oot runs untouched (counted as upstream_calls)",
 )

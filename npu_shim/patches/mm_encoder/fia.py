@@ -1,0 +1,121 @@
+"""What the fused-infer families of ``AscendMMEncoderAttention`` share (v022, v023).
+
+From 0.22.1rc1 on, vllm-ascend's ``forward_oot`` reshapes Q/K/V to TND
+(K/V repeated to the query heads with ``repeat_interleave``), then either
+
+* eager: builds host ``actual_seq_lengths`` (a device->host copy per layer
+  where the lengths live on the device), pads head dims 64 < D < 128 to 128 and
+  calls ``torch_npu.npu_fused_infer_attention_score`` TND, or
+* ACL-graph capture (``get_encoder_forward_context().capturing``, set by
+  ``vllm_ascend.worker.encoder_acl_graph.set_encoder_forward_context`` while
+  the encoder graph is captured): records the op inside
+  ``graph_task_group_begin/end`` for replay-time length updates.
+
+The adapters replace ``forward_oot`` only. While capture is active they hand
+the call to upstream's ``forward_oot`` untouched (counted as
+``upstream_calls``; the emulation has no graph ops, and replay rebinds the
+lengths from vLLM's host buffers anyway). Otherwise they make upstream's
+eager op call with upstream's arguments and module constants, changing:
+
+* where the host lengths come from: :func:`common.host_values`, at most one
+  device->host copy per encoder forward (the family's ``host_lengths``);
+* the scale where upstream ignores the model's (0.22.1rc1);
+* ``num_key_value_heads``: the head count of the K/V tensors handed over.
+  Upstream repeats K/V to ``num_heads`` yet passes ``num_kv_heads``, which
+  under GQA does not match them (the documented op takes K/V of shape
+  (T, num_key_value_heads, D); the emulation rejects upstream's call).
+"""
+from npu_shim.patch import TargetMismatch
+from npu_shim.patches.mm_encoder import common as C
+
+PATCH_NAME = "vllm.mm_encoder_attn"
+BASE_NAME = "MMEncoderAttention"
+UPSTREAM_OP = "npu_fused_infer_attention_score"
+CAPTURE_CONTEXT = "get_encoder_forward_context"
+FORWARD_PARAMS = ("self", "query", "key", "value", "cu_seqlens", "max_seqlen", "sequence_lengths")
+# Upstream's module constants the op call uses: passed as upstream has them.
+CONSTANTS = ("FIA_BLOCK_SIZE", "SWA_INT_MAX")
+# The eager/capture split of forward_oot and the op call in _run_vit_fia.
+FORWARD_USES = (CAPTURE_CONTEXT, "capturing", "_forward_capture_fia", "_forward_eager_fia")
+
+
+def check_family(cls, eager_uses, fia_uses, fia_avoids=()):
+    """The 0.22.1rc1+ shape; ``eager_uses``/``fia_uses``: names the family's
+    ``_forward_eager_fia`` / ``_run_vit_fia`` must refer to, ``fia_avoids``: names
+    ``_run_vit_fia`` must not."""
+    if not any(base.__name__ == BASE_NAME for base in cls.__mro__[1:]):
+        raise TargetMismatch("%s no longer derives from vLLM's %s" % (cls.__name__, BASE_NAME))
+    forward = C.own_function(cls, "forward_oot")
+    C.check_params(forward, FORWARD_PARAMS, ((),), cls.__name__ + ".forward_oot")
+    upstream_globals = forward.__globals__
+    for name in ("torch_npu", CAPTURE_CONTEXT) + CONSTANTS:
+        if name not in upstream_globals:
+            raise TargetMismatch("%s has no module-level %s" % (forward.__module__, name))
+    _require(cls, forward, FORWARD_USES)
+    _require(cls, C.own_function(cls, "_forward_eager_fia"), eager_uses)
+    run_fia = C.own_function(cls, "_run_vit_fia")
+    _require(cls, run_fia, (UPSTREAM_OP,) + tuple(fia_uses))
+    present = [name for name in fia_avoids if C.calls_name(run_fia, name)]
+    if present:
+        raise TargetMismatch("%s._run_vit_fia refers to %s" % (cls.__name__, ", ".join(present)))
+
+
+def _require(cls, function, names):
+    missing = [name for name in names if not C.calls_name(function, name)]
+    if missing:
+        raise TargetMismatch("%s.%s no longer refers to %s"
+                             % (cls.__name__, function.__name__, ", ".join(missing)))
+
+
+def make_state(layer):
+    pad = C.PAD_MIN < layer.head_size < C.PAD_TO
+    return C.LayerState(C.default_scale(layer), C.PAD_TO if pad else layer.head_size)
+
+
+def build_forward(cls, host_lengths, adapter_module):
+    """``{"forward_oot": f}`` around ``host_lengths(layer, upstream_globals, query,
+    tokens_q, tokens_kv, cu_seqlens, sequence_lengths) -> (lengths_q, lengths_kv)``."""
+    original_forward = vars(cls)["forward_oot"]
+    upstream_globals = original_forward.__globals__
+    block_size, no_band = (upstream_globals[name] for name in CONSTANTS)
+    # 0.26.0rc1 hands K/V over with .contiguous(), 0.23.0rc1 .. 0.25.1rc1 as they are.
+    contiguous_kv = C.calls_name(vars(cls)["_run_vit_fia"], "contiguous")
+
+    def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None, sequence_lengths=None):
+        # Looked up per call, as upstream's forward_oot does (tests may replace it).
+        if upstream_globals[CAPTURE_CONTEXT]().capturing:
+            C.count(PATCH_NAME, "upstream_calls")
+            return original_forward(self, query, key, value, cu_seqlens=cu_seqlens,
+                                    max_seqlen=max_seqlen, sequence_lengths=sequence_lengths)
+        C.count(PATCH_NAME, "calls")
+        state = C.layer_state(self, make_state)
+        heads = self.num_heads
+        q, k, v = C.repeat_kv_to_heads(query, key, value, heads, self.num_kv_heads, self.head_size)
+        lengths_q, lengths_kv = host_lengths(self, upstream_globals, query, q.shape[0], k.shape[0],
+                                             cu_seqlens, sequence_lengths)
+        q, k, v = (C.pad_head_dim(x, state.pad_to) for x in (q, k, v))
+        if contiguous_kv:
+            k, v = k.contiguous(), v.contiguous()
+        out, _ = upstream_globals["torch_npu"].npu_fused_infer_attention_score(
+            query=q, key=k, value=v, atten_mask=None, block_table=None, input_layout="TND",
+            block_size=block_size, actual_seq_lengths=lengths_q, actual_seq_lengths_kv=lengths_kv,
+            num_key_value_heads=k.shape[1], num_heads=heads, scale=state.scale, sparse_mode=0,
+            pre_tokens=no_band, next_tokens=no_band)
+        return C.to_upstream_shape(out, query, self.head_size, heads)
+
+    return {"forward_oot": C.wrap(forward_oot, original_forward, PATCH_NAME, adapter_module)}
+
+
+def host_tensor(layer, values):
+    """``values`` on the host, read at most once per encoder forward; counts the copy
+    upstream would have made in this layer."""
+    if values.device.type != "cpu":
+        C.count(PATCH_NAME, "upstream_host_copies")
+    return C.host_values(layer, values, PATCH_NAME)
+
+
+def uniform_lengths(query):
+    """Cumulative lengths of ``bsz`` sequences of ``q_len`` tokens (models that pass no
+    ``cu_seqlens``): upstream builds them with ``torch.arange`` on the host; plain ints here."""
+    bsz, q_len = query.shape[:2]
+    return list(range(q_len, (bsz + 1) * q_len, q_len))

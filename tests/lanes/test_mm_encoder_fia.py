@@ -1,0 +1,544 @@
+"""Patch ``vllm.mm_encoder_attn``, fused-infer families (lanes vllm-0.22, latest-vllm).
+
+vllm-ascend 0.22.1rc1 (adapter v022) and 0.26.0rc1 (adapter v023, which serves
+0.23.0rc1 and later) on the real wheels, with vLLM 0.22.1 / 0.26.0. The only
+stand-in is torch_npu (npu-shim's emulation of the documented ops).
+
+Layers are built the way vLLM builds them: vllm-ascend's
+``register_ascend_customop`` registers ``AscendMMEncoderAttention`` as the
+out-of-tree ``"MMEncoderAttention"``; it also imports every compiled Ascend op,
+so this module does only that one registration, with vLLM's own
+``CustomOp.register_oot`` (the named stand-in for ``register_ascend_customop``),
+and vLLM's ``MMEncoderAttention(...)`` then hands back the Ascend class.
+
+``upstream``: the same vllm-ascend file executed a second time under a module
+name the shim does not watch (untouched upstream code, same emulated op).
+Every numerical claim is checked against ``npu_shim.testing.attention_f64``.
+On this CPU-only machine ``cu_seqlens`` tensors are marked as device stand-ins
+for :func:`npu_shim.testing.count_host_syncs`.
+"""
+import importlib.util
+import inspect
+import os
+import textwrap
+import types
+
+import pytest
+
+pytestmark = pytest.mark.lanes("vllm-0.22", "latest-vllm")
+
+PATCH_NAME = "vllm.mm_encoder_attn"
+UPSTREAM_COPY = "npu_shim_tests_upstream_mm_encoder_attention_fia"
+LAYERS = 27                                   # MoonViT (Kimi-VL) / Qwen3-VL towers
+HEADS, HEAD_DIM = 16, 72                      # MoonViT: padded 72 -> 128 by upstream's rule
+IMAGES = (24, 40, 16)                         # three images packed into one sequence
+TOL = 2e-5
+
+
+def import_target_without_ops_init():
+    """``vllm_ascend.ops.mm_encoder_attention`` without ``vllm_ascend/ops/__init__.py``
+    (it imports compiled Ascend ops); see npu_shim.testing.isolation."""
+    os.environ.setdefault("VLLM_PLUGINS", "")  # the lanes use "npu_shim"; never "ascend"
+    from npu_shim.testing.isolation import import_vllm_ascend_ops_module
+
+    return import_vllm_ascend_ops_module()
+
+
+@pytest.fixture(scope="module")
+def stack():
+    import npu_shim
+    from npu_shim import emulation
+    from vllm.config import DeviceConfig, VllmConfig
+    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+
+    emulation.install()
+    npu_shim.install()
+    module = import_target_without_ops_init()
+    row = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
+    assert row["state"] == "applied", row
+    if "MMEncoderAttention" not in op_registry_oot:
+        # Stand-in for vllm_ascend.utils.register_ascend_customop (see the module docstring).
+        CustomOp.register_oot(module.AscendMMEncoderAttention, name="MMEncoderAttention")
+
+    spec = importlib.util.spec_from_file_location(UPSTREAM_COPY, module.__file__)
+    upstream_module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(upstream_module)
+    version = row["versions"]["vllm-ascend"]
+    return types.SimpleNamespace(
+        module=module, patched=module.AscendMMEncoderAttention,
+        upstream=upstream_module.AscendMMEncoderAttention, upstream_module=upstream_module,
+        config=VllmConfig(device_config=DeviceConfig(device="cpu")), status=row,
+        version=version, adapter="v022" if version.startswith("0.22") else "v023",
+        ignores_scale=version.startswith("0.22"))
+
+
+def vllm_layers(stack, n, *, heads=HEADS, head_dim=HEAD_DIM, kv_heads=None, scale=None,
+                prefix="vision_tower.encoder.blocks.%d.attn"):
+    """``n`` layers from vLLM's own constructor (which hands back the Ascend class)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+    with set_current_vllm_config(stack.config):
+        layers = [MMEncoderAttention(num_heads=heads, head_size=head_dim, scale=scale,
+                                     num_kv_heads=kv_heads, prefix=prefix % i) for i in range(n)]
+    assert all(type(layer) is stack.patched for layer in layers)
+    return layers
+
+
+def upstream_layers(stack, n, **kw):
+    from vllm.config import set_current_vllm_config
+
+    with set_current_vllm_config(stack.config):
+        return [stack.upstream(num_heads=kw.get("heads", HEADS), head_size=kw.get("head_dim", HEAD_DIM),
+                               scale=kw.get("scale"), num_kv_heads=kw.get("kv_heads"))
+                for _ in range(n)]
+
+
+def cu_tensor(lengths):
+    import torch
+    from npu_shim.testing import dense_segments
+
+    return torch.tensor(dense_segments(lengths), dtype=torch.int32)
+
+
+def moonvit_qkv(tokens, *, heads=HEADS, head_dim=HEAD_DIM, seed=0):
+    """MoonViT's ``attention_qkvpacked``: q/k/v are unbound views of one packed
+    (S, 3, N, D) tensor, each handed over as ``x.unsqueeze(0)`` (1, S, N, D)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    xqkv = torch.randn(tokens, 3, heads, head_dim, generator=gen)
+    return tuple(x.unsqueeze(0) for x in torch.unbind(xqkv, dim=-3))
+
+
+def reference(q, k, v, cu, scale=None):
+    from npu_shim.testing import attention_f64
+
+    flat = [x.reshape(-1, x.shape[-2], x.shape[-1]) for x in (q, k, v)]
+    return attention_f64(*flat, cu, scale=scale).reshape(q.shape)
+
+
+def max_err(out, ref):
+    return (out.double() - ref).abs().max().item()
+
+
+def tower(layers, q, k, v, cu, **kw):
+    """One encoder forward: every layer once, as the towers' ``for blk in self.blocks``."""
+    return [layer.forward_oot(q, k, v, cu_seqlens=cu, **kw) for layer in layers]
+
+
+# ---------------------------------------------------------------- status, shape
+
+
+def test_status_names_the_adapter_and_only_forward_oot_is_replaced(stack):
+    from npu_shim import _stats
+
+    assert stack.status["adapter"] == stack.adapter
+    assert stack.status["reason"] == "vllm-ascend %s" % stack.version
+    assert _stats.snapshot()[PATCH_NAME]["adapter"] == stack.adapter
+    ours = vars(stack.patched)["forward_oot"]
+    assert ours.__code__.co_filename.endswith(os.path.join("patches", "mm_encoder", "fia.py"))
+    assert ours.__wrapped_upstream__.__code__.co_filename == stack.module.__file__
+    assert inspect.signature(ours) == inspect.signature(vars(stack.upstream)["forward_oot"])
+    assert vars(stack.patched)["__init__"].__code__.co_filename == stack.module.__file__
+
+
+def test_each_adapter_refuses_the_other_family(stack):
+    """Decided by structure: v022 refuses 0.23+'s class and v023 refuses 0.22.1rc1's."""
+    from npu_shim.patch import TargetMismatch
+    from npu_shim.patches.mm_encoder import v022, v023
+
+    accepting, refusing = (v022, v023) if stack.adapter == "v022" else (v023, v022)
+    accepting.check(stack.upstream)
+    with pytest.raises(TargetMismatch):
+        refusing.check(stack.upstream)
+
+
+def test_structural_check_refuses_a_changed_op_call(stack):
+    """A class of this release whose ``_run_vit_fia`` calls another op: refused, with its name."""
+    from npu_shim.patch import TargetMismatch
+    from npu_shim.patches.mm_encoder import select
+    from npu_shim.patches.vllm_mm_encoder_attn import ADAPTERS
+    from npu_shim.patches.mm_encoder import load_adapters
+
+    def _run_vit_fia(self, query, key, value, *args, **kwargs):
+        return stack.upstream_module.torch_npu.npu_fusion_attention(query, key, value)
+
+    changed = type("AscendMMEncoderAttention", (stack.upstream,), {
+        "forward_oot": vars(stack.upstream)["forward_oot"],
+        "_forward_eager_fia": vars(stack.upstream)["_forward_eager_fia"],
+        "_run_vit_fia": _run_vit_fia})
+    with pytest.raises(TargetMismatch, match="%s .*_run_vit_fia no longer refers to "
+                       "npu_fused_infer_attention_score" % stack.adapter):
+        select(changed, load_adapters(ADAPTERS))
+
+
+# ------------------------------------------------------ MoonViT: copies, numbers
+
+
+def test_moonvit_27_layers_one_copy_per_forward_same_output_as_upstream(stack):
+    import torch
+    from npu_shim.testing import count_host_syncs, record_npu_calls
+
+    q, k, v = moonvit_qkv(sum(IMAGES))
+    cu = cu_tensor(IMAGES)
+    patched = vllm_layers(stack, LAYERS, scale=HEAD_DIM ** -0.5)   # MoonViT passes its scale
+    upstream = upstream_layers(stack, LAYERS, scale=HEAD_DIM ** -0.5)
+    with torch.inference_mode():
+        with count_host_syncs(device_tensors=[cu]) as ours, record_npu_calls() as our_calls:
+            outs = tower(patched, q, k, v, cu)
+        with count_host_syncs(device_tensors=[cu]) as theirs, record_npu_calls() as their_calls:
+            expected = tower(upstream, q, k, v, cu)
+    assert theirs.count == LAYERS, theirs.summary()    # upstream: one copy per layer
+    assert ours.count == 1, ours.summary()
+    ref = reference(q, k, v, cu)
+    for out, exp in zip(outs, expected):
+        assert out.shape == exp.shape == q.shape and out.is_contiguous()
+        assert torch.equal(out, exp)
+        assert max_err(out, ref) < TOL
+    # The op call is upstream's: same op, same arguments, once per layer.
+    assert [c.name for c in our_calls] == [c.name for c in their_calls] == \
+        ["npu_fused_infer_attention_score"] * LAYERS
+    for ours_call, theirs_call in zip(our_calls, their_calls):
+        assert ours_call.kwargs.keys() == theirs_call.kwargs.keys()
+        for name, value in theirs_call.kwargs.items():
+            mine = ours_call.kwargs[name]
+            if isinstance(value, torch.Tensor):
+                assert mine.shape == value.shape and torch.equal(mine, value), name
+            else:
+                assert mine == value, name
+    call = our_calls[0].kwargs
+    assert call["input_layout"] == "TND" and call["sparse_mode"] == 0 and call["block_size"] == 128
+    assert call["actual_seq_lengths"] == call["actual_seq_lengths_kv"] == [24, 64, 80]
+
+
+def test_non_default_scale(stack):
+    """The model's scale is honoured; upstream 0.22.1rc1 uses head_size ** -0.5 instead."""
+    import torch
+
+    scale = 0.05
+    q, k, v = moonvit_qkv(sum(IMAGES), seed=1)
+    cu = cu_tensor(IMAGES)
+    ref = reference(q, k, v, cu, scale=scale)
+    with torch.inference_mode():
+        out = vllm_layers(stack, 1, scale=scale)[0].forward_oot(q, k, v, cu_seqlens=cu)
+        expected = upstream_layers(stack, 1, scale=scale)[0].forward_oot(q, k, v, cu_seqlens=cu)
+    assert max_err(out, ref) < TOL
+    if stack.ignores_scale:
+        assert max_err(expected, ref) > 0.5      # the upstream bug, reproduced
+    else:
+        assert max_err(expected, ref) < TOL
+
+
+@pytest.mark.parametrize("head_dim", [64, 80, 128])
+def test_head_dims_and_3d_inputs(stack, head_dim):
+    import torch
+
+    heads, tokens = 4, sum(IMAGES)
+    gen = torch.Generator().manual_seed(head_dim)
+    q, k, v = (torch.randn(1, tokens, heads * head_dim, generator=gen) for _ in range(3))
+    cu = cu_tensor(IMAGES)
+    with torch.inference_mode():
+        out = vllm_layers(stack, 1, heads=heads, head_dim=head_dim)[0].forward_oot(q, k, v, cu)
+        expected = upstream_layers(stack, 1, heads=heads, head_dim=head_dim)[0].forward_oot(q, k, v, cu)
+    assert out.shape == expected.shape == (1, tokens, heads * head_dim)
+    assert torch.equal(out, expected)
+    ref = reference(q.view(1, tokens, heads, head_dim), k.view(1, tokens, heads, head_dim),
+                    v.view(1, tokens, heads, head_dim), cu).reshape(out.shape)
+    assert max_err(out, ref) < TOL
+
+
+def test_bfloat16_keeps_dtype(stack):
+    import torch
+
+    q, k, v = (x.to(torch.bfloat16) for x in moonvit_qkv(sum(IMAGES), seed=2))
+    cu = cu_tensor(IMAGES)
+    with torch.inference_mode():
+        out = vllm_layers(stack, 1)[0].forward_oot(q, k, v, cu)
+    assert out.dtype == torch.bfloat16
+    assert max_err(out, reference(q, k, v, cu)) < 2e-2
+
+
+def test_gqa_kv_heads_match_the_tensors(stack):
+    """Upstream repeats K/V to num_heads but passes num_key_value_heads=num_kv_heads: the
+    documented op takes K/V of (T, num_key_value_heads, D), and the emulation rejects that
+    call. The adapter passes the head count of the K/V it hands over."""
+    import torch
+    from npu_shim.testing import record_npu_calls
+
+    heads, kv_heads, head_dim = 8, 2, 64
+    tokens = sum(IMAGES)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, tokens, heads, head_dim, generator=gen)
+    k, v = (torch.randn(1, tokens, kv_heads, head_dim, generator=gen) for _ in range(2))
+    cu = cu_tensor(IMAGES)
+    with torch.inference_mode(), record_npu_calls() as calls:
+        out = vllm_layers(stack, 1, heads=heads, head_dim=head_dim, kv_heads=kv_heads)[0] \
+            .forward_oot(q, k, v, cu)
+    assert calls[0].kwargs["num_key_value_heads"] == calls[0].kwargs["key"].shape[1] == heads
+    assert max_err(out, reference(q, k, v, cu)) < TOL
+    upstream = upstream_layers(stack, 1, heads=heads, head_dim=head_dim, kv_heads=kv_heads)[0]
+    with pytest.raises(ValueError, match="TND key/value must be"):
+        upstream.forward_oot(q, k, v, cu)
+
+
+def test_no_cu_seqlens_uniform_lengths_no_copy(stack):
+    """Models passing cu_seqlens=None (Hunyuan-OCR): equal lengths built on the host, as
+    upstream does; with q/k/v on the device nothing is read back."""
+    import torch
+    from npu_shim.testing import count_host_syncs
+
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(3, 7, 4, 64, generator=gen) for _ in range(3))
+    layer = vllm_layers(stack, 1, heads=4, head_dim=64)[0]
+    with torch.inference_mode(), count_host_syncs(device_tensors=[q, k, v]) as syncs:
+        out = layer.forward_oot(q, k, v, None)
+    assert syncs.count == 0, syncs.summary()
+    assert max_err(out, reference(q, k, v, [0, 7, 14, 21])) < TOL
+
+
+# ------------------------------------------------ the towers' own length inputs
+
+
+@pytest.fixture
+def no_pinned_memory(monkeypatch):
+    """vLLM 0.26's ``async_tensor_h2d`` pins host memory when its platform says it can; this
+    machine has no accelerator to pin for (pinning raises), so the copy stays unpinned."""
+    import vllm.utils.torch_utils as torch_utils
+
+    if hasattr(torch_utils, "PIN_MEMORY"):
+        monkeypatch.setattr(torch_utils, "PIN_MEMORY", False)
+
+
+def vllm_lengths(layer, lengths):
+    """What vLLM's towers hand the layers: host ``sequence_lengths`` from
+    ``MMEncoderAttention.maybe_compute_seq_lens`` (None where the class no longer has
+    one) and the device ``cu_seqlens`` from ``maybe_recompute_cu_seqlens``."""
+    import numpy as np
+    import torch
+    from npu_shim.testing import dense_segments
+    from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+    cu_np = np.array(dense_segments(lengths), dtype=np.int32)
+    device = torch.device("cpu")
+    seq = MMEncoderAttention.maybe_compute_seq_lens(layer.attn_backend, cu_np, device)
+    cu = MMEncoderAttention.maybe_recompute_cu_seqlens(layer.attn_backend, cu_np,
+                                                       layer.num_heads * layer.head_size, 1, device)
+    return cu, seq
+
+
+def test_qwen3_vl_with_vllms_sequence_lengths(stack, no_pinned_memory):
+    import torch
+    from npu_shim.testing import count_host_syncs
+
+    patched = vllm_layers(stack, LAYERS, head_dim=64)
+    upstream = upstream_layers(stack, LAYERS, head_dim=64)
+    cu, seq = vllm_lengths(patched[0], IMAGES)
+    assert (seq is not None) == stack.ignores_scale   # 0.22.1rc1 has maybe_compute_seq_lens
+    if seq is not None:
+        assert seq.device.type == "cpu" and seq.tolist() == list(IMAGES)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, sum(IMAGES), HEADS, 64, generator=gen) for _ in range(3))
+    with torch.inference_mode():
+        with count_host_syncs(device_tensors=[cu]) as ours:
+            outs = tower(patched, q, k, v, cu, sequence_lengths=seq)
+        with count_host_syncs(device_tensors=[cu]) as theirs:
+            expected = tower(upstream, q, k, v, cu, sequence_lengths=seq)
+    # 0.22.1rc1: host lengths from vLLM, no copy either way; 0.23+: upstream ignores them.
+    assert theirs.count == (0 if seq is not None else LAYERS), theirs.summary()
+    assert ours.count == (0 if seq is not None else 1), ours.summary()
+    ref = reference(q, k, v, cu)
+    assert all(torch.equal(o, e) for o, e in zip(outs, expected))
+    assert max_err(outs[-1], ref) < TOL
+
+
+def test_qwen25_vl_full_and_window_layers_at_most_two_copies(stack, no_pinned_memory):
+    """Qwen2.5-VL: 32 blocks, full attention in 7/15/23/31 (cu_seqlens), windowed elsewhere
+    (cu_window_seqlens): two tensors, at most two copies per forward."""
+    import torch
+    from npu_shim.testing import count_host_syncs
+
+    full_blocks = {7, 15, 23, 31}
+    layers = vllm_layers(stack, 32, heads=4, head_dim=80, prefix="visual.blocks.%d.attn.attn")
+    full, window = (64, 36), (16, 16, 16, 16, 9, 9, 9, 9)
+    cu_full, seq_full = vllm_lengths(layers[0], full)
+    cu_window, seq_window = vllm_lengths(layers[0], window)
+    gen = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, 100, 4, 80, generator=gen) for _ in range(3))
+    outs = {}
+    with torch.inference_mode(), count_host_syncs(device_tensors=[cu_full, cu_window]) as syncs:
+        for i, layer in enumerate(layers):
+            cu, seq = (cu_full, seq_full) if i in full_blocks else (cu_window, seq_window)
+            outs[i] = layer.forward_oot(q, k, v, cu_seqlens=cu, sequence_lengths=seq)
+    assert syncs.count == (0 if seq_full is not None else 2), syncs.summary()
+    assert max_err(outs[31], reference(q, k, v, cu_full)) < TOL
+    assert max_err(outs[30], reference(q, k, v, cu_window)) < TOL
+
+
+# ----------------------------------------------------- per-forward host lengths
+
+
+def test_second_forward_with_new_lengths(stack):
+    import torch
+    from npu_shim.testing import count_host_syncs
+
+    layers = vllm_layers(stack, 4, heads=4, head_dim=64)
+    for lengths in (IMAGES, (10, 30, 20, 20)):
+        cu = cu_tensor(lengths)
+        gen = torch.Generator().manual_seed(len(lengths))
+        q, k, v = (torch.randn(1, sum(lengths), 4, 64, generator=gen) for _ in range(3))
+        with torch.inference_mode(), count_host_syncs(device_tensors=[cu]) as syncs:
+            outs = tower(layers, q, k, v, cu)
+        assert syncs.count == 1, syncs.summary()
+        assert max(max_err(o, reference(q, k, v, cu)) for o in outs) < TOL
+
+
+def test_cu_seqlens_buffer_rewritten_in_place_between_forwards(stack):
+    """Under inference mode tensors have no version counter: a buffer vLLM reuses and rewrites
+    in place must still be read again by the next forward."""
+    import torch
+
+    layers = vllm_layers(stack, 4, heads=4, head_dim=64)
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 80, 4, 64, generator=gen) for _ in range(3))
+    with torch.inference_mode():
+        buffer = cu_tensor(IMAGES)
+        first = tower(layers, q, k, v, buffer)
+        buffer.copy_(cu_tensor((60, 4, 16)))
+        second = tower(layers, q, k, v, buffer)
+    assert max(max_err(o, reference(q, k, v, cu_tensor(IMAGES))) for o in first) < TOL
+    assert max(max_err(o, reference(q, k, v, cu_tensor((60, 4, 16)))) for o in second) < TOL
+
+
+def test_two_towers_alternating(stack):
+    import torch
+    from npu_shim.testing import count_host_syncs
+
+    a = vllm_layers(stack, 3, heads=4, head_dim=64, prefix="visual.blocks.%d.attn")
+    b = vllm_layers(stack, 3, heads=4, head_dim=64, prefix="visual.blocks.%d.attn")  # same prefixes
+    cu_a, cu_b = cu_tensor(IMAGES), cu_tensor((20, 60))
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 80, 4, 64, generator=gen) for _ in range(3))
+    outs = []
+    with torch.inference_mode(), count_host_syncs(device_tensors=[cu_a, cu_b]) as syncs:
+        for _ in range(2):
+            for layer_a, layer_b in zip(a, b):
+                outs.append((layer_a.forward_oot(q, k, v, cu_a), layer_b.forward_oot(q, k, v, cu_b)))
+    assert syncs.count == 4, syncs.summary()   # one per tower per forward
+    ref_a, ref_b = reference(q, k, v, cu_a), reference(q, k, v, cu_b)
+    assert max(max(max_err(out_a, ref_a), max_err(out_b, ref_b)) for out_a, out_b in outs) < TOL
+
+
+def test_layer_made_with_new(stack):
+    """As vllm-ascend's own unit tests make layers: ``__new__`` plus the attributes."""
+    import torch
+
+    layer = stack.patched.__new__(stack.patched)
+    torch.nn.Module.__init__(layer)
+    layer.num_heads, layer.num_kv_heads, layer.head_size, layer.scale = 4, 4, 72, 0.1
+    q, k, v = moonvit_qkv(sum(IMAGES), heads=4, seed=9)
+    cu = cu_tensor(IMAGES)
+    with torch.inference_mode():
+        out = layer.forward_oot(q, k, v, cu)
+    assert max_err(out, reference(q, k, v, cu, scale=0.1)) < TOL
+
+
+# ----------------------------------------------------------------- graph path
+
+
+def test_capture_hands_the_call_to_upstream_untouched(stack, monkeypatch):
+    """While vllm-ascend's encoder ACL-graph capture is active, upstream's forward_oot runs
+    (its _forward_capture_fia records the graph ops, which the emulation does not have)."""
+    import torch
+    from npu_shim import _stats
+    from vllm_ascend.worker.encoder_acl_graph import set_encoder_forward_context
+
+    seen = []
+
+    def capture_fia(self, query, key, value, **kwargs):
+        seen.append((query.shape, kwargs))
+        return "upstream capture result"
+
+    monkeypatch.setattr(stack.patched, "_forward_capture_fia", capture_fia)
+    layer = vllm_layers(stack, 1, heads=4, head_dim=64)[0]
+    q, k, v = (torch.zeros(1, 8, 4, 64) for _ in range(3))
+    before = dict(_stats.snapshot()[PATCH_NAME])
+    with set_encoder_forward_context(2048, True):
+        result = layer.forward_oot(q, k, v, cu_seqlens=cu_tensor((8,)))
+    after = _stats.snapshot()[PATCH_NAME]
+    assert result == "upstream capture result"
+    assert seen and seen[0][0] == (8, 4, 64) and seen[0][1]["cu_seqlens"].tolist() == [0, 8]
+    assert after["upstream_calls"] == before["upstream_calls"] + 1
+    assert after["calls"] == before["calls"]
+    with torch.inference_mode():    # capture over: the shim's eager path again
+        layer.forward_oot(q, k, v, cu_seqlens=cu_tensor((8,)))
+    assert _stats.snapshot()[PATCH_NAME]["calls"] == after["calls"] + 1
+
+
+def test_selftest_runs_this_adapter(stack):
+    from npu_shim.selftest import vllm_mm_encoder_attn as selftest
+
+    result = selftest.run(device="cpu")
+    assert result["max_abs_err"] <= result["tolerance"]
+    assert result["host_syncs"] == 1
+    assert "adapter %s" % stack.adapter in result["detail"]
+    assert "npu_fused_infer_attention_score" in result["detail"]
+
+
+# ------------------------------------------------------ disabled, uninstall
+
+
+SUBPROCESS_BODY = r'''
+import json, torch, npu_shim
+from npu_shim import emulation
+emulation.install()
+module = import_target_without_ops_init()
+row = next(r for r in npu_shim.status() if r["name"] == "vllm.mm_encoder_attn")
+cls = module.AscendMMEncoderAttention
+from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu"))):
+    layer = cls(num_heads=4, head_size=72, scale=0.05)
+gen = torch.Generator().manual_seed(0)
+q, k, v = (torch.randn(1, 18, 4, 72, generator=gen) for _ in range(3))
+with torch.inference_mode():
+    out = layer.forward_oot(q, k, v, torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32))
+torch.save(out, OUT)
+print(json.dumps({"state": row["state"], "forward_file": cls.forward_oot.__code__.co_filename,
+                  "module_file": module.__file__}))
+'''
+
+
+def test_disabled_is_exactly_upstream(stack, run_python, make_env, tmp_path):
+    import json
+
+    import torch
+
+    out = tmp_path / "out.pt"
+    code = "\n".join(["import os", "OUT = %r" % str(out),
+                      textwrap.dedent(inspect.getsource(import_target_without_ops_init)),
+                      SUBPROCESS_BODY])
+    proc = run_python(code, env=make_env(VLLM_PLUGINS="", NPU_SHIM_DISABLE=PATCH_NAME), timeout=300)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["state"] == "disabled", result
+    assert result["forward_file"] == result["module_file"]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 18, 4, 72, generator=gen) for _ in range(3))
+    with torch.inference_mode():
+        expected = upstream_layers(stack, 1, heads=4, head_dim=72, scale=0.05)[0].forward_oot(
+            q, k, v, torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32))
+    assert torch.equal(torch.load(out), expected)
+
+
+def test_uninstall_restores_and_install_reapplies(stack):
+    import npu_shim
+
+    original = vars(stack.patched)["forward_oot"].__wrapped_upstream__
+    npu_shim.uninstall()
+    try:
+        assert vars(stack.patched)["forward_oot"] is original
+        assert vars(stack.patched)["forward_oot"].__code__.co_filename == stack.module.__file__
+    finally:
+        npu_shim.install()
+    row = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
+    assert row["state"] == "applied" and row["adapter"] == stack.adapter
+    assert vars(stack.patched)["forward_oot"] is not original
