@@ -89,8 +89,13 @@ def registered_as_mm_encoder_attention(cls):
     """Stand-in for vllm-ascend's register_ascend_customop (which imports every compiled
     Ascend op): register ``cls`` as the out-of-tree "MMEncoderAttention", as it does when
     is_310p(); unregistered on the way out so that both classes can be built in turn."""
-    from vllm.model_executor.custom_op import CustomOp, op_registry_oot
+    from vllm.model_executor import custom_op
+    from vllm.model_executor.custom_op import CustomOp
 
+    # vLLM 0.14 keeps the registry on the class, later releases in the module.
+    op_registry_oot = vars(custom_op).get("op_registry_oot", None)
+    if op_registry_oot is None:
+        op_registry_oot = CustomOp.op_registry_oot
     assert "MMEncoderAttention" not in op_registry_oot
     CustomOp.register_oot(_decorated_op_cls=cls, name="MMEncoderAttention")
     try:
