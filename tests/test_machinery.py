@@ -221,7 +221,8 @@ def test_unknown_patch_name_warns_with_valid_names_and_strict_raises(toy, run_py
     out = run_python(code, env=make_env(NPU_SHIM_DISABLE="vllm.moonvit"))
     assert out.stdout.strip() == "applied"
     assert "NPU_SHIM_DISABLE names unknown patch 'vllm.moonvit'" in out.stderr
-    assert "valid names: sglang.cp_fia, toy.patch, transformers.attn_check, vllm.mm_encoder_attn, vllm.moonvit_attn" in out.stderr
+    assert ("valid names: sglang.cp_fia, toy.patch, transformers.attn_check, vllm.mm_encoder_attn, "
+            "vllm.mm_encoder_attn_310p, vllm.moonvit_attn") in out.stderr
 
     strict = run_python(code, env=make_env(NPU_SHIM_DISABLE="vllm.moonvit", NPU_SHIM_STRICT="1"), check=False)
     assert strict.returncode != 0 and "ConfigError" in strict.stderr and "vllm.moonvit" in strict.stderr
