@@ -167,7 +167,7 @@ def lane_table(summary):
         table.append(
             (
                 row["name"],
-                row["state"],
+                row["state"] + (" (%s)" % row["adapter"] if row.get("adapter") else ""),
                 row["reason"] or "-",
                 _fmt_versions(row.get("versions") or {}),
                 "%d/%d" % (tests["passed"], tests["total"]) if tests["total"] else "-",
@@ -269,7 +269,7 @@ def cmd_summary(args):
                 (
                     summary["lane"],
                     row["name"],
-                    row["state"],
+                    row["state"] + (" (%s)" % row["adapter"] if row.get("adapter") else ""),
                     row["reason"] or "-",
                     "%d/%d" % (tests["passed"], tests["total"]) if tests["total"] else "-",
                 )

@@ -283,3 +283,33 @@ def test_version_guard_reason_carries_the_patch_note():
     assert _machinery.guard_failure(patch, {"vllm": "0.13.0"}) is None
     with pytest.raises(ValueError, match="outside_window names \\['torch'\\]"):
         Patch(name="x", target="m", replaces=("f",), outside_window={"torch": "no"})
+
+
+def test_adapted_build_applies_a_subset_and_names_the_adapter(toy, run_python):
+    """A build returning Adapted(name, values) may replace a subset of ``replaces``; status()
+    and _stats name the adapter; uninstall restores and clears it."""
+    out = run_python(script(toy, '''
+        from npu_shim import _stats
+        from npu_shim.patch import Adapted
+        import toy_target
+        applied = row()
+        assert toy_target.greet() == "patched" and toy_target.Widget().size() == 1
+        npu_shim.uninstall()
+        assert toy_target.greet() == "upstream"
+        print(json.dumps([applied, row(), _stats.snapshot()["toy.patch"]["adapter"]]))
+    ''', build='lambda m: Adapted("v1", {"greet": lambda: "patched"})'))
+    applied, after, noted = json.loads(out.stdout)
+    assert (applied["state"], applied["adapter"]) == ("applied", "v1")
+    assert (after["state"], after["adapter"]) == ("disabled", None)
+    assert noted == "v1"
+
+
+def test_adapted_build_naming_an_undeclared_attribute_fails(toy, run_python):
+    out = run_python(script(toy, '''
+        from npu_shim.patch import Adapted
+        import toy_target
+        assert toy_target.greet() == "upstream"
+        print(json.dumps(row()))
+    ''', build='lambda m: Adapted("v1", {"greet": lambda: "x", "other": 1})'))
+    r = json.loads(out.stdout)
+    assert r["state"] == "failed" and "a subset is allowed" in r["reason"], r

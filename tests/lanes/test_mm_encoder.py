@@ -515,11 +515,21 @@ def test_selftest_module(stack):
 
 
 SUBPROCESS_BODY = r'''
-import json, torch, npu_shim
+import json, torch, npu_shim, wrapt
 from npu_shim import emulation
-from npu_shim.testing import attention_f64, count_host_syncs
+from npu_shim.testing import attention_f64, count_host_syncs, record_npu_calls
+if os.environ.get("TEST_CHANGE_SHAPE"):
+    # A release inside the window whose class has another shape (the 0.18+ hook): runs
+    # before the shim's post-import hook (hooks run in registration order).
+    def change_shape(module):
+        module.AscendMMEncoderAttention.maybe_compute_seq_lens = classmethod(lambda cls: None)
+    wrapt.register_post_import_hook(change_shape, TARGET)
 emulation.install()
-module = import_target_without_ops_init()
+try:
+    module = import_target_without_ops_init()
+except Exception as exc:
+    print(json.dumps({"raised": type(exc).__name__, "message": str(exc)}))
+    raise SystemExit(0)
 row = next(r for r in npu_shim.status() if r["name"] == "vllm.mm_encoder_attn")
 cls = module.AscendMMEncoderAttention
 from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
@@ -529,15 +539,19 @@ with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device="cpu")
 gen = torch.Generator().manual_seed(0)
 q, k, v = (torch.randn(1, 18, 4, 72, generator=gen) for _ in range(3))
 cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
-with count_host_syncs(device_tensors=[cu]) as syncs:
+with count_host_syncs(device_tensors=[cu]) as syncs, record_npu_calls() as calls:
     outs = [layer.forward_oot(q, k, v, cu) for layer in layers]
 flat = lambda x: x.reshape(18, 4, 72)
 err = lambda scale: max((o.double() - attention_f64(flat(q), flat(k), flat(v), cu, scale=scale)
                          .reshape(o.shape)).abs().max().item() for o in outs)
 torch.save(outs[0], OUT)
-print(json.dumps({"state": row["state"], "reason": row["reason"], "syncs": syncs.count,
+forward_file = cls.forward_oot.__code__.co_filename
+npu_shim.uninstall()
+print(json.dumps({"state": row["state"], "reason": row["reason"], "adapter": row["adapter"],
+                  "syncs": syncs.count, "ops": sorted({c.name for c in calls}),
                   "init_file": cls.__init__.__code__.co_filename,
-                  "forward_file": cls.forward_oot.__code__.co_filename,
+                  "forward_file": forward_file,
+                  "forward_file_after_uninstall": cls.forward_oot.__code__.co_filename,
                   "module_file": module.__file__,
                   "err_asked_scale": err(0.05), "err_default_scale": err(72 ** -0.5)}))
 '''
@@ -577,12 +591,72 @@ def test_disabled_is_exactly_upstream(stack, run_python, make_env, tmp_path):
     assert torch.equal(torch.load(out), upstream.forward_oot(q, k, v, cu))
 
 
-def test_enabled_in_a_fresh_interpreter(stack, run_python, make_env, tmp_path):
+def test_enabled_in_a_fresh_interpreter_and_uninstall_restores(stack, run_python, make_env, tmp_path):
     result, _ = _run_in_fresh_interpreter(run_python, make_env, tmp_path)
-    assert result["state"] == "applied", result
+    assert result["state"] == "applied" and result["adapter"] == "v013", result
     assert result["forward_file"] != result["module_file"]
+    assert result["forward_file_after_uninstall"] == result["module_file"]
+    assert result["syncs"] == 1
+    assert result["ops"] == ["_npu_flash_attention_unpad"]
+    assert result["err_asked_scale"] < 2e-5
+
+
+def test_tnd_switch_uses_the_shims_fusion_kernel(stack, run_python, make_env, tmp_path):
+    """NPU_SHIM_MM_ENCODER_TND=1: npu-shim's TND npu_fusion_attention instead of upstream's op."""
+    result, _ = _run_in_fresh_interpreter(run_python, make_env, tmp_path, NPU_SHIM_MM_ENCODER_TND="1")
+    assert result["state"] == "applied", result
+    assert result["ops"] == ["npu_fusion_attention"]
     assert result["syncs"] == 1
     assert result["err_asked_scale"] < 2e-5
+
+
+def test_strict_mode_raises_on_a_mismatch_inside_the_window(stack, run_python, make_env, tmp_path):
+    result, _ = _run_in_fresh_interpreter(run_python, make_env, tmp_path, TEST_CHANGE_SHAPE="1",
+                                          NPU_SHIM_STRICT="1")
+    assert result["raised"] == "PatchError", result
+    assert "v013" in result["message"] and "maybe_compute_seq_lens" in result["message"]
+
+
+# -------------------------------------------------- defects 2 and 3 (issue 10)
+
+
+def test_layer_made_with_new_works(stack):
+    """A layer the patched __init__ did not build (vllm-ascend's unit tests make them with
+    __new__): the patched forward builds its state from the layer's own attributes."""
+    import torch
+
+    def bare(cls):
+        layer = cls.__new__(cls)
+        torch.nn.Module.__init__(layer)
+        layer.num_heads, layer.num_kv_heads, layer.head_size, layer.scale = 4, 4, 80, 0.1
+        return layer
+
+    bsz, seq, cu, ref_cu = lengths_case("device")
+    q, k, v = make_qkv("4d", bsz, seq, 4, 4, 80, seed=71)
+    out = bare(stack.patched).forward_oot(q, k, v, cu)
+    ref = reference(q, k, v, ref_cu, heads=4, kv_heads=4, head_dim=80, scale=0.1)
+    assert max_err(out, ref) < 2e-5
+
+
+def test_inference_buffer_rewritten_in_place_between_forwards(stack):
+    """Under torch.inference_mode() a tensor has no version counter: a cu_seqlens buffer
+    rewritten in place between two forwards must still give the new lengths (one read per
+    forward, by the first layer that reads it again)."""
+    import torch
+    from npu_shim.testing import count_host_syncs, dense_segments
+
+    layers = _stack_of(stack, stack.patched, "visual.blocks.{}.attn")
+    q, k, v = make_qkv("4d", 1, 18, 4, 4, 80, seed=72)
+    with torch.inference_mode():
+        cu = torch.tensor(dense_segments([5, 1, 9, 3]), dtype=torch.int32)
+        for lengths in ([5, 1, 9, 3], [2, 10, 3, 3]):
+            cu.copy_(torch.tensor(dense_segments(lengths), dtype=torch.int32))
+            with count_host_syncs(device_tensors=[cu]) as syncs:
+                outs = _forward(layers, q, k, v, cu)
+            ref = reference(q, k, v, dense_segments(lengths), heads=4, kv_heads=4, head_dim=80)
+            assert syncs.count == 1, syncs.summary()
+            assert max(max_err(o, ref) for o in outs) < 2e-5
+    assert cu.is_inference()
 
 
 # ------------------------------------------------ 5. vllm-ascend 0.15.0rc1 only

@@ -189,6 +189,27 @@ def test_moonvit_27_layers_upstream_copies_per_layer_patched_once(stack):
     assert outs[0].shape == (1, int(cu[-1]), HEADS, HEAD_DIM) and outs[0].is_contiguous()
 
 
+def test_float16_takes_upstreams_op_of_this_release(stack):
+    """float16 (what the towers run in): 0.18.0 calls npu_fusion_attention TND; 0.19.1rc1+
+    DeviceOperator.npu_flash_attention -> _npu_flash_attention_unpad on A2/A3 (its float32
+    branch goes to TND). Patched and upstream make the same call and agree bit for bit."""
+    import torch
+    from npu_shim.testing import record_npu_calls
+
+    with torch.inference_mode():
+        cu = moonvit_cu_seqlens([(3, 4), (2, 5)])
+        q, k, v = (x.half() for x in moonvit_qkv(int(cu[-1]), seed=10))
+        with record_npu_calls() as ours:
+            out = vllm_layer(stack).forward_oot(q, k, v, cu_seqlens=cu)
+        with record_npu_calls() as theirs:
+            expected = upstream_layer(stack).forward_oot(q, k, v, cu_seqlens=cu)
+    op = "npu_fusion_attention" if expected_adapter(stack.version) == "v018" else "_npu_flash_attention_unpad"
+    assert [c.name for c in ours] == [c.name for c in theirs] == [op]
+    assert out.dtype == torch.float16
+    assert torch.equal(out, expected)
+    assert max_err(out, reference(q.float(), k.float(), v.float(), cu)) < 3e-3
+
+
 def test_non_default_scale_honoured_where_upstream_ignores_it(stack):
     import torch
 
