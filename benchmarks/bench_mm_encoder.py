@@ -46,7 +46,7 @@ import time
 LAYERS = 27
 HEADS, HEAD_DIM = 16, 80
 TARGET = "vllm_ascend.ops.mm_encoder_attention"
-NPU_OPS = ("npu_fusion_attention", "_npu_flash_attention_unpad")
+NPU_OPS = ("npu_fusion_attention", "_npu_flash_attention_unpad", "npu_fused_infer_attention_score")
 REPRODUCE = ("NPU_SHIM_EMULATE=1 VLLM_PLUGINS= .nox/lane-<lane>/bin/python "
              "benchmarks/bench_mm_encoder.py")
 

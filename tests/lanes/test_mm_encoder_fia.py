@@ -331,14 +331,14 @@ def test_qwen3_vl_with_vllms_sequence_lengths(stack, no_pinned_memory):
     import torch
     from npu_shim.testing import count_host_syncs
 
-    patched = vllm_layers(stack, LAYERS, head_dim=64)
-    upstream = upstream_layers(stack, LAYERS, head_dim=64)
+    patched = vllm_layers(stack, LAYERS, heads=4, head_dim=64)
+    upstream = upstream_layers(stack, LAYERS, heads=4, head_dim=64)
     cu, seq = vllm_lengths(patched[0], IMAGES)
     assert (seq is not None) == stack.ignores_scale   # 0.22.1rc1 has maybe_compute_seq_lens
     if seq is not None:
         assert seq.device.type == "cpu" and seq.tolist() == list(IMAGES)
     gen = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, sum(IMAGES), HEADS, 64, generator=gen) for _ in range(3))
+    q, k, v = (torch.randn(1, sum(IMAGES), 4, 64, generator=gen) for _ in range(3))
     with torch.inference_mode():
         with count_host_syncs(device_tensors=[cu]) as ours:
             outs = tower(patched, q, k, v, cu, sequence_lengths=seq)
