@@ -50,6 +50,7 @@ LANES = {
     "base": {},
     "kimi-vl-2025": VLLM_ENV,
     "vllm-0.13": VLLM_ENV,
+    "vllm-0.14": VLLM_ENV,
     "vllm-0.15": VLLM_ENV,
     "vllm-0.18": VLLM_ENV,
     "vllm-0.21": VLLM_ENV,
