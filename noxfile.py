@@ -101,14 +101,16 @@ def lanes(session):
     session.run(sys.executable, os.path.join("lanes", "report.py"), "summary", REPORTS, *LANES, external=True)
 
 
-# benchmark -> (lane whose venv it runs in, extra environment). The venv is the lane's own
-# (.nox/lane-<lane>, made by `nox -s "lane(<lane>)"`); a bench session makes it if missing.
+# benchmark -> (lane or lanes whose venv it runs in, extra environment). The venv is the
+# lane's own (.nox/lane-<lane>, made by `nox -s "lane(<lane>)"`); a bench session makes it if
+# missing. bench_mm_encoder prints one table per vllm-ascend release: it runs in each.
 BENCHMARKS = {
     "startup": ("kimi-vl-2025", {"VLLM_PLUGINS": ""}),
     "stats": ("base", {}),
     "varlen_memory": ("base", {}),
     "moonvit": ("kimi-vl-2025", {"NPU_SHIM_EMULATE": "1", "VLLM_PLUGINS": "npu_shim"}),
-    "mm_encoder": ("vllm-0.13", {"NPU_SHIM_EMULATE": "1", "VLLM_PLUGINS": ""}),
+    "mm_encoder": (("vllm-0.13", "vllm-0.14", "vllm-0.15", "vllm-0.18", "vllm-0.21", "vllm-0.22",
+                    "latest-vllm"), {"NPU_SHIM_EMULATE": "1", "VLLM_PLUGINS": ""}),
     "cp_fia": ("sglang-0.5.13", {"NPU_SHIM_EMULATE": "1", "PYTHONPATH": PLACEHOLDERS}),
 }
 
@@ -121,9 +123,17 @@ def lane_venv(lane):
 @nox.session(python=False, default=False)
 @nox.parametrize("name", [nox.param(name, id=name) for name in BENCHMARKS])
 def bench(session, name):
-    """One benchmark, one command from a fresh clone: reuses (or makes) its lane's venv,
+    """One benchmark, one command from a fresh clone: reuses (or makes) its lanes' venvs,
     installs this checkout into it, runs benchmarks/bench_<name>.py (extra args after --)."""
-    lane, env = BENCHMARKS[name]
+    lanes, env = BENCHMARKS[name]
+    for lane in (lanes,) if isinstance(lanes, str) else lanes:
+        python = _lane_python(session, lane)
+        session.run(python, os.path.join("benchmarks", "bench_%s.py" % name), *session.posargs,
+                    env=env, external=True)
+
+
+def _lane_python(session, lane):
+    """The python of the lane's venv, made if missing, holding the pins and this checkout."""
     venv = lane_venv(lane)
     python = os.path.join(venv, "bin", "python")
     if not os.path.exists(python):
@@ -135,6 +145,5 @@ def bench(session, name):
     session.run(python, "-m", "pip", "install", "--quiet", "--no-deps", "-r",
                 os.path.join("lanes", lane + ".txt"), external=True)
     session.run(python, "-m", "pip", "install", "--quiet", "--no-deps", ".", external=True)
-    session.run(python, os.path.join("benchmarks", "bench_%s.py" % name), *session.posargs,
-                env=env, external=True)
+    return python
 

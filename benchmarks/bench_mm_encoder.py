@@ -10,9 +10,12 @@ what the host does around them). Inputs: the images packed into one sequence
 with a ``cu_seqlens`` tensor (MoonViT style), the same with host
 ``sequence_lengths`` from ``maybe_compute_seq_lens`` where the release has it
 (Qwen3-VL style), and a uniform batch with ``cu_seqlens=None`` (Hunyuan-OCR
-style). Device classes: A2, and 310P where this class serves 310P (vllm-ascend
-0.13.0 and 0.15.0rc1-0.17.0rc1; from 0.18.0 vllm-ascend registers its separate
-310P class there). Both towers call the same op in every release (upstream's).
+style). Device classes: A2/A3 through ``AscendMMEncoderAttention``; 310P through
+the same class where it serves 310P (vllm-ascend 0.13.0, 0.15.0rc1-0.17.0rc1) and
+through the separate ``AscendMMEncoderAttention310`` (patch
+``vllm.mm_encoder_attn_310p``) where vllm-ascend registers it (0.14.0rc1, 0.18.0+),
+with the emulated SoC Ascend310P3. Both towers call the same op in every release
+(upstream's).
 
 Run it in each lane (the lane's python); it ends with one ``ROW`` line per
 device class and input, for the release x device class table.
@@ -30,9 +33,9 @@ The CPU run cannot show the larger cost of an NPU sync -- a device->host copy
 waits until all queued device work has finished, idling the NPU between layers
 -- so the ratio here is what the host saves even before that.
 
-Run in a lane's venv, e.g. vllm-0.18 (vllm 0.18.0 + vllm-ascend 0.18.0, emulated torch_npu):
+From a fresh clone, in every vllm-ascend lane's venv one after another (made if missing):
 
-    NPU_SHIM_EMULATE=1 VLLM_PLUGINS= .nox/lane-vllm-0-18/bin/python benchmarks/bench_mm_encoder.py
+    nox -s "bench(mm_encoder)"
 """
 import argparse
 import contextlib
@@ -46,16 +49,26 @@ import time
 LAYERS = 27
 HEADS, HEAD_DIM = 16, 80
 TARGET = "vllm_ascend.ops.mm_encoder_attention"
+TARGET_310P = "vllm_ascend._310p.ops.mm_encoder_attention"
 NPU_OPS = ("npu_fusion_attention", "_npu_flash_attention_unpad", "npu_fused_infer_attention_score")
-REPRODUCE = ("NPU_SHIM_EMULATE=1 VLLM_PLUGINS= .nox/lane-<lane>/bin/python "
-             "benchmarks/bench_mm_encoder.py")
+REPRODUCE = 'nox -s "bench(mm_encoder)"'   # every vllm-ascend lane, one after another
+
+
+# (patch, target module, class): the main class, and the separate 310P class of
+# vllm-ascend 0.14.0rc1 and 0.18.0+ (measured with the emulated SoC Ascend310P3).
+CLASSES = (
+    ("vllm.mm_encoder_attn", TARGET, "AscendMMEncoderAttention"),
+    ("vllm.mm_encoder_attn_310p", TARGET_310P, "AscendMMEncoderAttention310"),
+)
 
 
 def load_modules():
-    """The patched target and an untouched upstream copy of the same file.
+    """``[(row, patched class, upstream class)]`` for each class whose patch applied here.
 
-    ``vllm_ascend/ops/__init__.py`` imports compiled Ascend ops; it is not run: an
-    empty package module with the real ``__path__`` stands for ``vllm_ascend.ops``.
+    Upstream: the same file loaded a second time under another module name, which the
+    shim does not watch. ``vllm_ascend/ops/__init__.py`` imports compiled Ascend ops;
+    it is not run: an empty package module with the real ``__path__`` stands for
+    ``vllm_ascend.ops`` (npu_shim.testing.isolation).
     """
     os.environ["VLLM_PLUGINS"] = ""
     import npu_shim
@@ -63,17 +76,26 @@ def load_modules():
 
     emulation.install()
     npu_shim.install()
-    from npu_shim.testing.isolation import import_vllm_ascend_ops_module
+    from npu_shim.testing.isolation import import_vllm_ascend_module
 
-    patched = import_vllm_ascend_ops_module()
-    row = next(r for r in npu_shim.status() if r["name"] == "vllm.mm_encoder_attn")
-    if row["state"] != "applied":
-        raise SystemExit("vllm.mm_encoder_attn is %s here: %s" % (row["state"], row["reason"]))
-    spec = importlib.util.spec_from_file_location("bench_upstream_mm_encoder_attention",
-                                                  patched.__file__)
-    upstream = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(upstream)
-    return patched, upstream, row
+    found = []
+    for patch, target, class_name in CLASSES:
+        try:
+            patched = import_vllm_ascend_module(target)
+        except ImportError:
+            continue            # no 310P module in this release
+        row = next(r for r in npu_shim.status() if r["name"] == patch)
+        if row["state"] != "applied":
+            print("%s: %s (%s)" % (patch, row["state"], row["reason"]))
+            continue
+        spec = importlib.util.spec_from_file_location(
+            "bench_upstream_" + target.replace(".", "_"), patched.__file__)
+        upstream = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(upstream)
+        found.append((row, getattr(patched, class_name), getattr(upstream, class_name)))
+    if not found:
+        raise SystemExit("no MMEncoderAttention patch applies here")
+    return found
 
 
 class KernelClock:
@@ -214,52 +236,57 @@ def main(argv=None):
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     args = parser.parse_args(argv)
 
-    patched_module, upstream_module, row = load_modules()
-    release = row["versions"]["vllm-ascend"]
+    found = load_modules()
+    release = found[0][0]["versions"]["vllm-ascend"]
     import torch
 
     torch.set_num_threads(args.threads)
     images = [int(x) for x in args.images.split(",")]
-    print("bench_mm_encoder: one vision-encoder forward, %d x AscendMMEncoderAttention "
+    print("bench_mm_encoder: one vision-encoder forward, %d x MMEncoderAttention "
           "(%d heads x %d), images of %s tokens, float32, %d thread(s)"
           % (LAYERS, HEADS, HEAD_DIM, "/".join(map(str, images)), args.threads))
-    print("stack: vllm-ascend %s, adapter %s, emulated torch_npu on CPU; median of %d forwards"
-          % (release, row["adapter"], args.repeats))
+    print("stack: vllm-ascend %s, %s, emulated torch_npu on CPU; median of %d forwards"
+          % (release, ", ".join("%s adapter %s" % (row["name"], row["adapter"]) for row, _, _ in found),
+             args.repeats))
     header = "%-30s %-34s %9s %10s %11s %10s" % ("inputs", "SoC: tower (NPU op)", "syncs/fwd",
                                                "cpu ms/fwd", "host ms/fwd", "host ratio")
     print()
     print(header)
     print("-" * len(header))
     ratios, rows = [], []
-    cls = upstream_module.AscendMMEncoderAttention
-    uniform_on_device = "device=query.device" in inspect.getsource(cls.forward_oot)
-    socs = ["Ascend910B1"]
-    if row["adapter"] == "v013" and not release.startswith("0.14"):
-        socs.append("Ascend310P3")   # 0.14.0rc1 and 0.18.0+ register a separate 310P class
-    for soc in socs:
-        os.environ["NPU_SHIM_EMULATE_SOC"] = soc
-        upstream_tower = build_tower(upstream_module.AscendMMEncoderAttention)
-        patched_tower = build_tower(patched_module.AscendMMEncoderAttention)
-        towers = {"upstream": upstream_tower, "patched": patched_tower}
-        for label, q, k, v, cum, make_cu in scenarios(images, torch, cls):
-            check_outputs(patched_tower, upstream_tower, q, k, v, cum, make_cu())
-            kernels = {name: op_names(tower, q, k, v, make_cu()) for name, tower in towers.items()}
-            measure(towers, q, k, v, make_cu, 3)  # warm-up
-            timings = measure(towers, q, k, v, make_cu, args.repeats)
-            ratio = timings["patched"][1] / timings["upstream"][1]
-            ratios.append((soc, label, ratio))
-            syncs = {}
-            for name, tower in towers.items():
-                total, host = timings[name]
-                syncs[name] = count_syncs(tower, q, k, v, make_cu, uniform_on_device)
-                print("%-30s %-34s %9d %10.2f %11.2f %10s" % (
-                    label, "%s: %s (%s)" % (soc[6:], name, kernels[name]),
-                    syncs[name], total * 1e3, host * 1e3,
-                    "%.2fx" % ratio if name == "patched" else "1.00x"))
-            rows.append("ROW vllm-ascend %s | %s | adapter %s | %s | copies per %d-layer forward "
-                        "upstream/patched %d/%d | host time patched/upstream %.2fx"
-                        % (release, "310P" if "310P" in soc else "A2/A3", row["adapter"], label,
-                           LAYERS, syncs["upstream"], syncs["patched"], ratio))
+    for row, patched_cls, cls in found:
+        uniform_on_device = "device=query.device" in inspect.getsource(cls.forward_oot)
+        if row["name"] == "vllm.mm_encoder_attn_310p":
+            socs = ["Ascend310P3"]
+        elif row["adapter"] == "v013" and not release.startswith("0.14"):
+            socs = ["Ascend910B1", "Ascend310P3"]  # no separate 310P class in 0.13, 0.15-0.17
+        else:
+            socs = ["Ascend910B1"]
+        for soc in socs:
+            os.environ["NPU_SHIM_EMULATE_SOC"] = soc
+            upstream_tower = build_tower(cls)
+            patched_tower = build_tower(patched_cls)
+            towers = {"upstream": upstream_tower, "patched": patched_tower}
+            for label, q, k, v, cum, make_cu in scenarios(images, torch, cls):
+                check_outputs(patched_tower, upstream_tower, q, k, v, cum, make_cu())
+                kernels = {name: op_names(tower, q, k, v, make_cu()) for name, tower in towers.items()}
+                measure(towers, q, k, v, make_cu, 3)  # warm-up
+                timings = measure(towers, q, k, v, make_cu, args.repeats)
+                ratio = timings["patched"][1] / timings["upstream"][1]
+                ratios.append((soc, label, ratio))
+                syncs = {}
+                for name, tower in towers.items():
+                    total, host = timings[name]
+                    syncs[name] = count_syncs(tower, q, k, v, make_cu, uniform_on_device)
+                    print("%-30s %-34s %9d %10.2f %11.2f %10s" % (
+                        label, "%s: %s (%s)" % (soc[6:], name, kernels[name]),
+                        syncs[name], total * 1e3, host * 1e3,
+                        "%.2fx" % ratio if name == "patched" else "1.00x"))
+                rows.append("ROW vllm-ascend %s | %s | %s adapter %s | %s | copies per %d-layer "
+                            "forward upstream/patched %d/%d | host time patched/upstream %.2fx"
+                            % (release, "310P" if "310P" in soc else "A2/A3", row["name"],
+                               row["adapter"], label, LAYERS, syncs["upstream"], syncs["patched"],
+                               ratio))
     os.environ.pop("NPU_SHIM_EMULATE_SOC", None)
     print()
     print("host ratio = patched host ms / upstream host ms (reported; on CPU a copy of a host "
