@@ -7,11 +7,13 @@ padded to 128), runs one encoder forward over three images of different sizes
 packed into one sequence, and reports the largest deviation from the float64
 reference, the host syncs of that forward (one: the single copy of
 ``cu_seqlens``, whatever the depth), the time it took, and the adapter and NPU
-op that ran.
+op that ran. The 310P patch's selftest runs the same stack on its class
+(:func:`run_encoder_stack`).
 """
 import time
 
 PATCH_NAME = "vllm.mm_encoder_attn"
+CLASS_NAME = "AscendMMEncoderAttention"
 LAYERS = 4
 HEADS, HEAD_DIM = 16, 80
 IMAGE_TOKENS = (64, 16, 100)
@@ -19,26 +21,31 @@ SCALE = 0.1  # a model-given scale: upstream 0.13-0.17 would ignore it
 TOLERANCE = {"float32": 1e-4, "float16": 5e-3}
 
 
-def _patched_class():
+def _patched_class(patch_name, class_name):
     from npu_shim import status
     from npu_shim.selftest import applied_target
 
-    cls = applied_target(PATCH_NAME).AscendMMEncoderAttention
+    cls = getattr(applied_target(patch_name), class_name)
     if not hasattr(cls.forward_oot, "__wrapped_upstream__"):
         raise RuntimeError("%s reports applied but %s.forward_oot is not the shim's"
-                           % (PATCH_NAME, cls.__qualname__))
-    adapter = next(r for r in status() if r["name"] == PATCH_NAME)["adapter"]
+                           % (patch_name, cls.__qualname__))
+    adapter = next(r for r in status() if r["name"] == patch_name)["adapter"]
     return cls, adapter
 
 
 def run(device=None):
+    return run_encoder_stack(PATCH_NAME, CLASS_NAME, device)
+
+
+def run_encoder_stack(patch_name, class_name, device=None):
+    """One packed encoder forward through ``LAYERS`` patched ``class_name`` layers."""
     import torch
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
 
     from npu_shim.testing import attention_f64, count_host_syncs, dense_segments, record_npu_calls
 
     device = device or "cpu"
-    cls, adapter = _patched_class()
+    cls, adapter = _patched_class(patch_name, class_name)
     dtype = torch.float32 if device == "cpu" else torch.float16
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=device))):
         layers = [cls(num_heads=HEADS, head_size=HEAD_DIM, scale=SCALE,
@@ -61,15 +68,15 @@ def run(device=None):
 
     flat = [x.reshape(total, HEADS, HEAD_DIM) for x in (q, k, v)]
     ref = attention_f64(*flat, cum, scale=SCALE).reshape(1, total, HEADS, HEAD_DIM)
-    err = max((out.double().cpu() - ref).abs().max().item() for out in outs)
+    err = max((out.double().cpu().reshape(ref.shape) - ref).abs().max().item() for out in outs)
     return {
         "max_abs_err": err,
         "tolerance": TOLERANCE[str(dtype).replace("torch.", "")],
         "host_syncs": syncs.count,
         "seconds": seconds,
-        "detail": "%d AscendMMEncoderAttention layers (adapter %s), %d heads x %d, scale %g, "
+        "detail": "%d %s layers (adapter %s), %d heads x %d, scale %g, "
                   "images of %s tokens packed, %s on %s, NPU op %s"
-                  % (LAYERS, adapter, HEADS, HEAD_DIM, SCALE, "/".join(map(str, IMAGE_TOKENS)),
+                  % (LAYERS, class_name, adapter, HEADS, HEAD_DIM, SCALE, "/".join(map(str, IMAGE_TOKENS)),
                      str(dtype).replace("torch.", ""), device,
                      "/".join(sorted({c.name for c in calls})) or "none"),
     }

@@ -11,68 +11,11 @@ float64 reference, the host syncs of that forward (one: the single copy of
 op that ran. The class exists whatever the SoC; on an NPU box the op runs
 there (upstream 0.13-0.17 call the same op on A2/A3 too).
 """
-import time
+from npu_shim.selftest.vllm_mm_encoder_attn import run_encoder_stack
 
 PATCH_NAME = "vllm.mm_encoder_attn_310p"
 CLASS_NAME = "AscendMMEncoderAttention310"
-LAYERS = 4
-HEADS, HEAD_DIM = 16, 80
-IMAGE_TOKENS = (64, 16, 100)
-SCALE = 0.1  # a model-given scale: upstream's 310P class would ignore it
-TOLERANCE = {"float32": 1e-4, "float16": 5e-3}
-
-
-def _patched_class():
-    from npu_shim import status
-    from npu_shim.selftest import applied_target
-
-    cls = getattr(applied_target(PATCH_NAME), CLASS_NAME)
-    if not hasattr(cls.forward_oot, "__wrapped_upstream__"):
-        raise RuntimeError("%s reports applied but %s.forward_oot is not the shim's"
-                           % (PATCH_NAME, cls.__qualname__))
-    adapter = next(r for r in status() if r["name"] == PATCH_NAME)["adapter"]
-    return cls, adapter
 
 
 def run(device=None):
-    import torch
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-
-    from npu_shim.testing import attention_f64, count_host_syncs, dense_segments, record_npu_calls
-
-    device = device or "cpu"
-    cls, adapter = _patched_class()
-    dtype = torch.float32 if device == "cpu" else torch.float16
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=device))):
-        layers = [cls(num_heads=HEADS, head_size=HEAD_DIM, scale=SCALE,
-                      prefix="visual.blocks.%d.attn" % i) for i in range(LAYERS)]
-
-    total = sum(IMAGE_TOKENS)
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, total, HEADS, HEAD_DIM, generator=gen).to(device, dtype)
-               for _ in range(3))
-    cum = dense_segments(IMAGE_TOKENS)
-    cu_seqlens = torch.tensor(cum, dtype=torch.int32).to(device)
-
-    started = time.perf_counter()
-    # On a CPU-only machine cu_seqlens stands in for a device tensor.
-    with count_host_syncs(device_tensors=[cu_seqlens]) as syncs, record_npu_calls() as calls:
-        outs = [layer.forward_oot(q, k, v, cu_seqlens) for layer in layers]
-    if device != "cpu":
-        torch.npu.synchronize()
-    seconds = time.perf_counter() - started
-
-    flat = [x.reshape(total, HEADS, HEAD_DIM) for x in (q, k, v)]
-    ref = attention_f64(*flat, cum, scale=SCALE).reshape(1, total, HEADS, HEAD_DIM)
-    err = max((out.double().cpu().reshape(ref.shape) - ref).abs().max().item() for out in outs)
-    return {
-        "max_abs_err": err,
-        "tolerance": TOLERANCE[str(dtype).replace("torch.", "")],
-        "host_syncs": syncs.count,
-        "seconds": seconds,
-        "detail": "%d %s layers (adapter %s), %d heads x %d, scale %g, images of %s tokens "
-                  "packed, %s on %s, NPU op %s"
-                  % (LAYERS, CLASS_NAME, adapter, HEADS, HEAD_DIM, SCALE,
-                     "/".join(map(str, IMAGE_TOKENS)), str(dtype).replace("torch.", ""), device,
-                     "/".join(sorted({c.name for c in calls})) or "none"),
-    }
+    return run_encoder_stack(PATCH_NAME, CLASS_NAME, device)
