@@ -17,8 +17,10 @@ filled from the zigzag definition rather than by
 ``prepare_context_parallel_metadata``, which needs sglang's global server
 arguments, which this process does not have.
 """
-import random
 import time
+
+from npu_shim.selftest._cp_case import (random_batch, shuffled_paged_cache, zigzag_block_sizes,
+                                      zigzag_layout)
 
 PATCH_NAME = "sglang.cp_fia"
 CP_SIZE = 2
@@ -40,17 +42,12 @@ def _patched_module():
     return module
 
 
-def _block_sizes(length):
-    segments = 2 * CP_SIZE
-    return [length // segments + (1 if i < length % segments else 0) for i in range(segments)]
-
-
 def _metadata(cls, rank):
     """Rank ``rank``'s per-sequence CP metadata, from the zigzag definition."""
     prev_block, next_block = rank, 2 * CP_SIZE - 1 - rank
     q_prev, q_next, kv_prev, kv_next = [], [], [], []
     for length, prefix in zip(EXTEND_LENS, PREFIX_LENS):
-        sizes = _block_sizes(length)
+        sizes = zigzag_block_sizes(length, CP_SIZE)
         q_prev.append(sizes[prev_block])
         q_next.append(sizes[next_block])
         kv_prev.append(prefix + sum(sizes[:prev_block + 1]))
@@ -58,16 +55,6 @@ def _metadata(cls, rank):
     return cls(total_q_prev_tokens=sum(q_prev), total_q_next_tokens=sum(q_next),
                actual_seq_q_prev_list=q_prev, actual_seq_q_next_list=q_next,
                kv_len_prev_list=kv_prev, kv_len_next_list=kv_next, bs=len(EXTEND_LENS))
-
-
-def _layout(rank):
-    """(sequence, new-token index) of each of ``rank``'s local tokens."""
-    layout = []
-    for block in (rank, 2 * CP_SIZE - 1 - rank):
-        for s, length in enumerate(EXTEND_LENS):
-            sizes = _block_sizes(length)
-            layout.extend((s, sum(sizes[:block]) + i) for i in range(sizes[block]))
-    return layout
 
 
 def _metadata_class():
@@ -97,24 +84,8 @@ def run(device=None):
     dtype = torch.float32 if device == "cpu" else torch.float16
     gen = torch.Generator().manual_seed(0)
     seq_lens = [p + n for p, n in zip(PREFIX_LENS, EXTEND_LENS)]
-    q = [torch.randn(n, HEADS, HEAD_DIM, generator=gen) for n in EXTEND_LENS]
-    k = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
-    v = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
-
-    # Paged cache with shuffled pages; unowned slots hold garbage.
-    pages = [-(-n // PAGE_SIZE) for n in seq_lens]
-    free = list(range(1, sum(pages) + 3))
-    random.Random(0).shuffle(free)
-    slots_total = (len(free) + 1) * PAGE_SIZE
-    k_cache = 1e3 * torch.randn(slots_total, KV_HEADS, HEAD_DIM, generator=gen)
-    v_cache = 1e3 * torch.randn(slots_total, KV_HEADS, HEAD_DIM, generator=gen)
-    block_table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
-    for s, n in enumerate(seq_lens):
-        owned = [free.pop() for _ in range(pages[s])]
-        block_table[s, :len(owned)] = torch.tensor(owned, dtype=torch.int32)
-        positions = torch.arange(n)
-        slots = torch.tensor(owned)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
-        k_cache[slots], v_cache[slots] = k[s], v[s]
+    q, k, v = random_batch(EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, gen)
+    k_cache, v_cache, block_table = shuffled_paged_cache(k, v, PAGE_SIZE, gen)
 
     layer = RadixAttention(num_heads=HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM ** -0.5,
                            num_kv_heads=KV_HEADS, layer_id=0)
@@ -130,7 +101,7 @@ def run(device=None):
 
     err, syncs, seconds = 0.0, 0, 0.0
     for rank in range(CP_SIZE):
-        layout = _layout(rank)
+        layout = zigzag_layout(EXTEND_LENS, rank, CP_SIZE)
         local_q = torch.stack([q[s][i] for s, i in layout]).reshape(len(layout), -1).to(device, dtype)
         forward_batch = ForwardBatch(
             forward_mode=ForwardMode.EXTEND, batch_size=len(EXTEND_LENS),

@@ -17,8 +17,9 @@ The backend is made with ``object.__new__`` and given what the method reads
 (``page_size``, ``device``, ``forward_metadata.block_tables``, ``fia_mask``):
 its ``__init__`` needs a whole ``ModelRunner``.
 """
-import random
 import time
+
+from npu_shim.selftest._cp_case import random_batch, shuffled_paged_cache, zigzag_layout
 
 PATCH_NAME = "sglang.cp_fia_host_lengths"
 CP_SIZE = 2
@@ -39,37 +40,6 @@ def _patched_module():
     return module
 
 
-def _paged(k, v, device, dtype, gen):
-    """A KV cache with shuffled pages holding the sequences, and its block table."""
-    import torch
-
-    pages = [-(-t.shape[0] // PAGE_SIZE) for t in k]
-    free = list(range(1, sum(pages) + 3))
-    random.Random(0).shuffle(free)
-    slots = (len(free) + 1) * PAGE_SIZE
-    k_cache = 1e3 * torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen)
-    v_cache = 1e3 * torch.randn(slots, KV_HEADS, HEAD_DIM, generator=gen)
-    block_table = torch.zeros(len(k), max(pages), dtype=torch.int32)
-    for s, (ks, vs) in enumerate(zip(k, v)):
-        owned = [free.pop() for _ in range(pages[s])]
-        block_table[s, :len(owned)] = torch.tensor(owned, dtype=torch.int32)
-        positions = torch.arange(ks.shape[0])
-        where = torch.tensor(owned)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
-        k_cache[where], v_cache[where] = ks, vs
-    return k_cache.to(device, dtype), v_cache.to(device, dtype), block_table.to(device)
-
-
-def _layout(rank):
-    """(sequence, new-token index) of each logical local token of ``rank`` (zigzag definition)."""
-    segments = 2 * CP_SIZE
-    layout = []
-    for block in (rank, segments - 1 - rank):
-        for s, n in enumerate(EXTEND_LENS):
-            sizes = [n // segments + (1 if i < n % segments else 0) for i in range(segments)]
-            layout.extend((s, sum(sizes[:block]) + i) for i in range(sizes[block]))
-    return layout
-
-
 def run(device=None):
     import torch
     from sglang.srt.layers.cp import base
@@ -85,10 +55,9 @@ def run(device=None):
     dtype = torch.float32 if device == "cpu" else torch.float16
     gen = torch.Generator().manual_seed(0)
     seq_lens = [p + n for p, n in zip(PREFIX_LENS, EXTEND_LENS)]
-    q = [torch.randn(n, HEADS, HEAD_DIM, generator=gen) for n in EXTEND_LENS]
-    k = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
-    v = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
-    k_cache, v_cache, block_table = _paged(k, v, device, dtype, gen)
+    q, k, v = random_batch(EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, gen)
+    k_cache, v_cache, block_table = shuffled_paged_cache(k, v, PAGE_SIZE, gen)
+    k_cache, v_cache, block_table = k_cache.to(device, dtype), v_cache.to(device, dtype), block_table.to(device)
     layer = RadixAttention(num_heads=HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM ** -0.5,
                            num_kv_heads=KV_HEADS, layer_id=0)
     backend = object.__new__(module.AscendAttnBackend)
@@ -128,7 +97,7 @@ def run(device=None):
                 torch.npu.synchronize()
             seconds += time.perf_counter() - started
         syncs = max(syncs, counter.count)
-        layout = _layout(rank)
+        layout = zigzag_layout(EXTEND_LENS, rank, CP_SIZE)
         rows = len(layout)
         expected = torch.stack([reference[s][i] for s, i in layout]).reshape(rows, -1)
         err = max(err, (out[:rows].detach().to("cpu", torch.float64) - expected).abs().max().item())

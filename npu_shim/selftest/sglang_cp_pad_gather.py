@@ -12,8 +12,9 @@ a collective across CP ranks; it runs in the lanes' two-process test, not here.
 sglang's test hooks ``override_server_args`` and ``get_parallel().override``
 stand in for a running server's configuration and CP topology.
 """
-import random
 import time
+
+from npu_shim.selftest._cp_case import random_batch, shuffled_paged_cache, zigzag_layout
 
 PATCH_NAME = "sglang.cp_pad_gather"
 CP_SIZE = 2
@@ -22,17 +23,6 @@ PREFIX_LENS = (0, 9)
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 PAGE_SIZE = 128
 TOLERANCE = {"float32": 2e-5, "float16": 4e-3}
-
-
-def _layout(lengths, rank):
-    """(sequence, new-token index) of each of ``rank``'s real local tokens (zigzag definition)."""
-    segments = 2 * CP_SIZE
-    layout = []
-    for block in (rank, segments - 1 - rank):
-        for s, n in enumerate(lengths):
-            sizes = [n // segments + (1 if i < n % segments else 0) for i in range(segments)]
-            layout.extend((s, sum(sizes[:block]) + i) for i in range(sizes[block]))
-    return layout
 
 
 def run(device=None):
@@ -51,22 +41,8 @@ def run(device=None):
     dtype = torch.float32 if device == "cpu" else torch.float16
     gen = torch.Generator().manual_seed(0)
     seq_lens = [p + n for p, n in zip(PREFIX_LENS, EXTEND_LENS)]
-    q = [torch.randn(n, HEADS, HEAD_DIM, generator=gen) for n in EXTEND_LENS]
-    k = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
-    v = [torch.randn(n, KV_HEADS, HEAD_DIM, generator=gen) for n in seq_lens]
-
-    pages = [-(-n // PAGE_SIZE) for n in seq_lens]
-    free = list(range(1, sum(pages) + 3))
-    random.Random(0).shuffle(free)
-    k_cache = 1e3 * torch.randn((len(free) + 1) * PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
-    v_cache = 1e3 * torch.randn((len(free) + 1) * PAGE_SIZE, KV_HEADS, HEAD_DIM, generator=gen)
-    block_table = torch.zeros(len(seq_lens), max(pages), dtype=torch.int32)
-    for s, n in enumerate(seq_lens):
-        owned = [free.pop() for _ in range(pages[s])]
-        block_table[s, :len(owned)] = torch.tensor(owned, dtype=torch.int32)
-        positions = torch.arange(n)
-        slots = torch.tensor(owned)[positions // PAGE_SIZE] * PAGE_SIZE + positions % PAGE_SIZE
-        k_cache[slots], v_cache[slots] = k[s], v[s]
+    q, k, v = random_batch(EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, gen)
+    k_cache, v_cache, block_table = shuffled_paged_cache(k, v, PAGE_SIZE, gen)
 
     layer = RadixAttention(num_heads=HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM ** -0.5,
                            num_kv_heads=KV_HEADS, layer_id=0)
@@ -88,7 +64,7 @@ def run(device=None):
                 metadata = ZigzagCPStrategy(cp_size=CP_SIZE).build_metadata(
                     num_tokens=sum(EXTEND_LENS), seqs_len=seq_lens, extend_seqs_len=list(EXTEND_LENS))
                 pad_logical_token_to_physical(metadata)
-            layout = _layout(EXTEND_LENS, rank)
+            layout = zigzag_layout(EXTEND_LENS, rank, CP_SIZE)
             physical = metadata.per_rank_actual_token[rank]
             local_q = torch.zeros(physical, HEADS * HEAD_DIM)
             local_q[:len(layout)] = torch.stack([q[s][i] for s, i in layout]).reshape(len(layout), -1)
