@@ -73,7 +73,11 @@ LANES = {
 def lane(session, lane):
     """One pinned stack: fresh venv, exact wheels, the lane's tests, the lane table."""
     started = time.monotonic()
-    session.install("--no-deps", "-r", os.path.join("lanes", lane + ".txt"))
+    # --no-compile: pip would byte-compile every module of torch, vLLM and sglang (30-60 s a
+    # lane on 2 cores); the tests import a fraction of them, compiled on first import and
+    # written then (PYTHONDONTWRITEBYTECODE is cleared for the lane's tests below: without
+    # bytecode, each of their subprocesses would compile vLLM again).
+    session.install("--no-deps", "--no-compile", "-r", os.path.join("lanes", lane + ".txt"))
     session.install("--no-deps", ".")
     install_seconds = time.monotonic() - started
     session.log("lane %s: installed in %.0f s", lane, install_seconds)
@@ -91,7 +95,7 @@ def lane(session, lane):
         "-q",
         "-p",
         "no:cacheprovider",
-        env=LANES[lane],
+        env=dict(LANES[lane], PYTHONDONTWRITEBYTECODE=""),
     )
 
 
@@ -128,8 +132,9 @@ def bench(session, name):
     lanes, env = BENCHMARKS[name]
     for lane in (lanes,) if isinstance(lanes, str) else lanes:
         python = _lane_python(session, lane)
+        # Bytecode written on first import, as in the lanes (the venvs are installed without it).
         session.run(python, os.path.join("benchmarks", "bench_%s.py" % name), *session.posargs,
-                    env=env, external=True)
+                    env=dict(env, PYTHONDONTWRITEBYTECODE=""), external=True)
 
 
 def _lane_python(session, lane):
@@ -142,7 +147,7 @@ def _lane_python(session, lane):
             session.error("python%s not found on PATH; the lanes need CPython %s" % (PYTHON, PYTHON))
         session.run(interpreter, "-m", "venv", venv, external=True)
     # Pinned, --no-deps: a venv that already holds the pins is checked in seconds.
-    session.run(python, "-m", "pip", "install", "--quiet", "--no-deps", "-r",
+    session.run(python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "-r",
                 os.path.join("lanes", lane + ".txt"), external=True)
     session.run(python, "-m", "pip", "install", "--quiet", "--no-deps", ".", external=True)
     return python
