@@ -107,7 +107,8 @@ def lanes(session):
 
 # benchmark -> (lane or lanes whose venv it runs in, extra environment). The venv is the
 # lane's own (.nox/lane-<lane>, made by `nox -s "lane(<lane>)"`); a bench session makes it if
-# missing. bench_mm_encoder prints one table per vllm-ascend release: it runs in each.
+# missing. bench_mm_encoder prints one table per vllm-ascend release: it runs in each;
+# bench_cp_fia measures 0.5.13's fixed method and 0.5.23's strategy closure.
 BENCHMARKS = {
     "startup": ("kimi-vl-2025", {"VLLM_PLUGINS": ""}),
     "stats": ("base", {}),
@@ -115,7 +116,7 @@ BENCHMARKS = {
     "moonvit": ("kimi-vl-2025", {"NPU_SHIM_EMULATE": "1", "VLLM_PLUGINS": "npu_shim"}),
     "mm_encoder": (("vllm-0.13", "vllm-0.14", "vllm-0.15", "vllm-0.18", "vllm-0.21", "vllm-0.22",
                     "latest-vllm"), {"NPU_SHIM_EMULATE": "1", "VLLM_PLUGINS": ""}),
-    "cp_fia": ("sglang-0.5.13", {"NPU_SHIM_EMULATE": "1", "PYTHONPATH": PLACEHOLDERS}),
+    "cp_fia": (("sglang-0.5.13", "latest-sglang"), {"NPU_SHIM_EMULATE": "1", "PYTHONPATH": PLACEHOLDERS}),
 }
 
 

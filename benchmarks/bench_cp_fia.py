@@ -12,8 +12,7 @@ stand-ins) and host time (as below). On a CPU a ``.tolist()`` of a CPU tensor
 costs microseconds; on an NPU each one waits for the device queue to drain,
 which this machine cannot show: the sync count is the figure that carries over.
 
-    NPU_SHIM_EMULATE=1 PYTHONPATH=tests/placeholders \\
-        .nox/lane-latest-sglang/bin/python benchmarks/bench_cp_fia.py
+    nox -s "bench(cp_fia)"     (runs in the sglang-0.5.13 and latest-sglang venvs)
 
 On sglang 0.5.13:
 
@@ -50,7 +49,7 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
-REPRODUCE = 'nox -s "bench(cp_fia)"'   # the sglang-0.5.13 lane venv, emulated torch_npu
+REPRODUCE = 'nox -s "bench(cp_fia)"'   # the sglang-0.5.13 and latest-sglang venvs, emulated torch_npu
 BATCHES = {1: (64,), 4: (40, 17, 33, 22), 16: tuple(12 + (7 * i) % 29 for i in range(16))}
 
 
@@ -168,8 +167,7 @@ def main_strategy(module, args):
                 total, host = figures[name]
                 print("%-4d %-5d %-16s %16d %14.3f %14.3f %8s" % (
                     bs, rank, name, syncs[name], 1e3 * total, 1e3 * host, "%.2fx" % (host / base)))
-    print("reproduce: NPU_SHIM_EMULATE=1 PYTHONPATH=tests/placeholders "
-          ".nox/lane-latest-sglang/bin/python benchmarks/bench_cp_fia.py")
+    print("reproduce: %s" % REPRODUCE)
 
 
 def main(argv=None):
