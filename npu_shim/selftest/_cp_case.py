@@ -1,12 +1,50 @@
 """Inputs the sglang context-parallel selftests share: a batch of sequences with
 cached prefixes, a paged KV cache with shuffled pages, and the zigzag split.
 
-Everything is built on the host in float32 from one ``torch.Generator``; the
-selftests move what they need to the device.
+The inputs are drawn on the host in float32 from one ``torch.Generator``;
+``ascend_layer_case`` moves the cache to the device and builds the layer, the
+backend and the float64 reference the selftests compare against.
 """
 import random
+from types import SimpleNamespace
 
-__all__ = ["random_batch", "shuffled_paged_cache", "zigzag_block_sizes", "zigzag_layout"]
+__all__ = ["ascend_layer_case", "random_batch", "shuffled_paged_cache", "zigzag_block_sizes",
+           "zigzag_layout"]
+
+
+def ascend_layer_case(module, extend_lens, prefix_lens, heads, kv_heads, head_dim, page_size,
+                      device, dtype):
+    """One attention layer on sglang's ``AscendAttnBackend`` (of ``module``) over a random
+    batch: host ``q`` (per sequence), ``seq_lens``, the paged ``k_cache``/``v_cache`` and
+    ``block_table`` on ``device``, a ``RadixAttention`` ``layer``, the ``backend`` and the
+    float64 causal ``reference`` output of each sequence's new tokens.
+
+    The backend is made with ``object.__new__`` and given what the CP FIA methods read
+    (``page_size``, ``device``, ``forward_metadata.block_tables``, ``fia_mask``): its
+    ``__init__`` needs a whole ``ModelRunner``.
+    """
+    import torch
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from npu_shim.testing import attention_f64
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = random_batch(extend_lens, prefix_lens, heads, kv_heads, head_dim, gen)
+    k_cache, v_cache, block_table = shuffled_paged_cache(k, v, page_size, gen)
+    layer = RadixAttention(num_heads=heads, head_dim=head_dim, scaling=head_dim ** -0.5,
+                           num_kv_heads=kv_heads, layer_id=0)
+    block_table = block_table.to(device)
+    backend = object.__new__(module.AscendAttnBackend)
+    backend.page_size, backend.device = page_size, device
+    backend.forward_metadata = module.ForwardMetadata(block_tables=block_table)
+    backend.fia_mask = module.AscendAttnMaskBuilder.generate_mask_flag(2048).to(device)
+    reference = [attention_f64(qs.to(dtype), ks.to(dtype), vs.to(dtype), [0, qs.shape[0]],
+                               [0, ks.shape[0]], scale=layer.scaling, causal=True)
+                 for qs, ks, vs in zip(q, k, v)]
+    return SimpleNamespace(
+        q=q, seq_lens=[p + n for p, n in zip(prefix_lens, extend_lens)], layer=layer,
+        backend=backend, k_cache=k_cache.to(device, dtype), v_cache=v_cache.to(device, dtype),
+        block_table=block_table, reference=reference)
 
 
 def random_batch(extend_lens, prefix_lens, heads, kv_heads, head_dim, gen):

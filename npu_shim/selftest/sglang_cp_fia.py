@@ -19,8 +19,7 @@ arguments, which this process does not have.
 """
 import time
 
-from npu_shim.selftest._cp_case import (random_batch, shuffled_paged_cache, zigzag_block_sizes,
-                                      zigzag_layout)
+from npu_shim.selftest._cp_case import ascend_layer_case, zigzag_block_sizes, zigzag_layout
 
 PATCH_NAME = "sglang.cp_fia"
 CP_SIZE = 2
@@ -74,30 +73,18 @@ def _metadata_class():
 
 def run(device=None):
     import torch
-    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
-    from npu_shim.testing import attention_f64, count_host_syncs
+    from npu_shim.testing import count_host_syncs
 
     device = device or "cpu"
     module = _patched_module()
     dtype = torch.float32 if device == "cpu" else torch.float16
-    gen = torch.Generator().manual_seed(0)
-    seq_lens = [p + n for p, n in zip(PREFIX_LENS, EXTEND_LENS)]
-    q, k, v = random_batch(EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, gen)
-    k_cache, v_cache, block_table = shuffled_paged_cache(k, v, PAGE_SIZE, gen)
-
-    layer = RadixAttention(num_heads=HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM ** -0.5,
-                           num_kv_heads=KV_HEADS, layer_id=0)
-    backend = object.__new__(module.AscendAttnBackend)
-    backend.page_size = PAGE_SIZE
-    backend.forward_metadata = module.ForwardMetadata(block_tables=block_table.to(device))
-    backend.fia_mask = module.AscendAttnMaskBuilder.generate_mask_flag(2048).to(device)
-    k_dev, v_dev = k_cache.to(device, dtype), v_cache.to(device, dtype)
+    case = ascend_layer_case(module, EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE,
+                             device, dtype)
+    q, seq_lens, layer, backend, reference = case.q, case.seq_lens, case.layer, case.backend, case.reference
+    k_dev, v_dev = case.k_cache, case.v_cache
     metadata_cls = _metadata_class()
-    reference = [attention_f64(qs.to(dtype), ks.to(dtype), vs.to(dtype), [0, qs.shape[0]],
-                               [0, ks.shape[0]], scale=layer.scaling, causal=True)
-                 for qs, ks, vs in zip(q, k, v)]
 
     err, syncs, seconds = 0.0, 0, 0.0
     for rank in range(CP_SIZE):

@@ -19,7 +19,7 @@ its ``__init__`` needs a whole ``ModelRunner``.
 """
 import time
 
-from npu_shim.selftest._cp_case import random_batch, shuffled_paged_cache, zigzag_layout
+from npu_shim.selftest._cp_case import ascend_layer_case, zigzag_layout
 
 PATCH_NAME = "sglang.cp_fia_host_lengths"
 CP_SIZE = 2
@@ -44,29 +44,18 @@ def run(device=None):
     import torch
     from sglang.srt.layers.cp import base
     from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
-    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.runtime_context import get_parallel
 
-    from npu_shim.testing import attention_f64, count_host_syncs
+    from npu_shim.testing import count_host_syncs
 
     device = device or "cpu"
     module = _patched_module()
     dtype = torch.float32 if device == "cpu" else torch.float16
-    gen = torch.Generator().manual_seed(0)
-    seq_lens = [p + n for p, n in zip(PREFIX_LENS, EXTEND_LENS)]
-    q, k, v = random_batch(EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, gen)
-    k_cache, v_cache, block_table = shuffled_paged_cache(k, v, PAGE_SIZE, gen)
-    k_cache, v_cache, block_table = k_cache.to(device, dtype), v_cache.to(device, dtype), block_table.to(device)
-    layer = RadixAttention(num_heads=HEADS, head_dim=HEAD_DIM, scaling=HEAD_DIM ** -0.5,
-                           num_kv_heads=KV_HEADS, layer_id=0)
-    backend = object.__new__(module.AscendAttnBackend)
-    backend.page_size, backend.device = PAGE_SIZE, device
-    backend.forward_metadata = module.ForwardMetadata(block_tables=block_table)
-    backend.fia_mask = module.AscendAttnMaskBuilder.generate_mask_flag(2048).to(device)
-    reference = [attention_f64(qs.to(dtype), ks.to(dtype), vs.to(dtype), [0, qs.shape[0]],
-                               [0, ks.shape[0]], scale=layer.scaling, causal=True)
-                 for qs, ks, vs in zip(q, k, v)]
+    case = ascend_layer_case(module, EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE,
+                             device, dtype)
+    q, seq_lens, layer, backend, reference = case.q, case.seq_lens, case.layer, case.backend, case.reference
+    k_cache, v_cache, block_table = case.k_cache, case.v_cache, case.block_table
     packed_q = torch.cat(q).reshape(sum(EXTEND_LENS), -1).to(device, dtype)
 
     err, syncs, seconds = 0.0, 0, 0.0
