@@ -182,6 +182,15 @@ def test_status_row_and_cp_fia_skip(module):
     assert module.AscendAttnBackend.do_cp_attn_fia.__npu_shim_patch__ == patch.NAME
 
 
+def test_selftest_runs_the_patched_path_over_pad_rows(module):
+    from npu_shim.selftest import sglang_cp_pad_gather as selftest
+
+    result = selftest.run("cpu")
+    assert result["max_abs_err"] <= result["tolerance"], result
+    assert result["host_syncs"] == 0
+    assert "7 pad rows in all" in result["detail"], result["detail"]   # the case the patch is for
+
+
 def test_disabled_leaves_upstream_objects(run_python, make_env):
     code = """
 import importlib, json, npu_shim
