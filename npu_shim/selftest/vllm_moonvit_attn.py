@@ -18,6 +18,7 @@ weights, inputs, sync classification) are shared with
 ``tests/lanes/test_moonvit*.py`` and ``benchmarks/bench_moonvit.py`` so that the
 three exercise the same upstream code the same way.
 """
+import atexit
 import contextlib
 import os
 import tempfile
@@ -109,11 +110,18 @@ def vllm_layer_context(module, device="cpu"):
             init_file = tempfile.NamedTemporaryFile(prefix="npu_shim_moonvit_", delete=False)
             init_file.close()
             os.unlink(init_file.name)
+            # gloo's file store lives as long as the process group, i.e. the process.
+            atexit.register(_remove_if_present, init_file.name)
             parallel_state.init_distributed_environment(
                 world_size=1, rank=0, local_rank=0,
                 distributed_init_method="file://" + init_file.name, backend="gloo")
             parallel_state.ensure_model_parallel_initialized(1, 1)
         yield
+
+
+def _remove_if_present(path):
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 # --------------------------------------------------------------------------- models and inputs
