@@ -6,9 +6,10 @@ The inputs are drawn on the host in float32 from one ``torch.Generator``;
 backend and the float64 reference the selftests compare against.
 """
 import random
+import time
 from types import SimpleNamespace
 
-__all__ = ["ascend_layer_case", "random_batch", "shuffled_paged_cache", "zigzag_block_sizes",
+__all__ = ["ascend_layer_case", "extend_forward_batch", "run_cp_fia", "random_batch", "shuffled_paged_cache", "zigzag_block_sizes",
            "zigzag_layout"]
 
 
@@ -42,9 +43,42 @@ def ascend_layer_case(module, extend_lens, prefix_lens, heads, kv_heads, head_di
                                [0, ks.shape[0]], scale=layer.scaling, causal=True)
                  for qs, ks, vs in zip(q, k, v)]
     return SimpleNamespace(
-        q=q, seq_lens=[p + n for p, n in zip(prefix_lens, extend_lens)], layer=layer,
+        device=device, q=q, seq_lens=[p + n for p, n in zip(prefix_lens, extend_lens)], layer=layer,
         backend=backend, k_cache=k_cache.to(device, dtype), v_cache=v_cache.to(device, dtype),
         block_table=block_table, reference=reference)
+
+
+def extend_forward_batch(extend_lens, seq_lens, metadata):
+    """sglang's ``ForwardBatch`` of one extend (prefill) step over the batch, carrying the
+    CP ``metadata``; nothing is written to a cache (no ``out_cache_loc``)."""
+    import torch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    return ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=len(extend_lens),
+        input_ids=torch.zeros(sum(extend_lens), dtype=torch.int64),
+        req_pool_indices=torch.arange(len(extend_lens)), seq_lens=torch.tensor(seq_lens),
+        out_cache_loc=torch.zeros(0, dtype=torch.int64), seq_lens_sum=sum(seq_lens),
+        attn_cp_metadata=metadata)
+
+
+def run_cp_fia(module, case, local_q, forward_batch, more_device_tensors=()):
+    """One ``AscendAttnBackend.do_cp_attn_fia`` call on ``case``: ``(out, host syncs, seconds)``.
+
+    The syncs are counted with q, the caches, the block table, the mask and
+    ``more_device_tensors`` treated as device tensors."""
+    import torch
+
+    from npu_shim.testing import count_host_syncs
+
+    device_tensors = [local_q, case.k_cache, case.v_cache, case.block_table, case.backend.fia_mask]
+    started = time.perf_counter()
+    with count_host_syncs(device_tensors=device_tensors + list(more_device_tensors)) as counter:
+        out = module.AscendAttnBackend.do_cp_attn_fia(case.backend, local_q, case.k_cache, case.v_cache,
+                                                      case.layer, forward_batch)
+    if case.device != "cpu":
+        torch.npu.synchronize()
+    return out, counter.count, time.perf_counter() - started
 
 
 def random_batch(extend_lens, prefix_lens, heads, kv_heads, head_dim, gen):

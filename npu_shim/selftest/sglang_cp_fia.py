@@ -17,9 +17,9 @@ filled from the zigzag definition rather than by
 ``prepare_context_parallel_metadata``, which needs sglang's global server
 arguments, which this process does not have.
 """
-import time
 
-from npu_shim.selftest._cp_case import ascend_layer_case, zigzag_block_sizes, zigzag_layout
+from npu_shim.selftest._cp_case import (ascend_layer_case, extend_forward_batch, run_cp_fia,
+                                      zigzag_block_sizes, zigzag_layout)
 
 PATCH_NAME = "sglang.cp_fia"
 CP_SIZE = 2
@@ -73,38 +73,23 @@ def _metadata_class():
 
 def run(device=None):
     import torch
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-
-    from npu_shim.testing import count_host_syncs
 
     device = device or "cpu"
     module = _patched_module()
     dtype = torch.float32 if device == "cpu" else torch.float16
     case = ascend_layer_case(module, EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE,
                              device, dtype)
-    q, seq_lens, layer, backend, reference = case.q, case.seq_lens, case.layer, case.backend, case.reference
-    k_dev, v_dev = case.k_cache, case.v_cache
+    q, seq_lens, reference = case.q, case.seq_lens, case.reference
     metadata_cls = _metadata_class()
 
     err, syncs, seconds = 0.0, 0, 0.0
     for rank in range(CP_SIZE):
         layout = zigzag_layout(EXTEND_LENS, rank, CP_SIZE)
         local_q = torch.stack([q[s][i] for s, i in layout]).reshape(len(layout), -1).to(device, dtype)
-        forward_batch = ForwardBatch(
-            forward_mode=ForwardMode.EXTEND, batch_size=len(EXTEND_LENS),
-            input_ids=torch.zeros(sum(EXTEND_LENS), dtype=torch.int64),
-            req_pool_indices=torch.arange(len(EXTEND_LENS)),
-            seq_lens=torch.tensor(seq_lens), out_cache_loc=torch.zeros(0, dtype=torch.int64),
-            seq_lens_sum=sum(seq_lens), attn_cp_metadata=_metadata(metadata_cls, rank))
-        device_tensors = [local_q, k_dev, v_dev, backend.forward_metadata.block_tables, backend.fia_mask]
-        started = time.perf_counter()
-        with count_host_syncs(device_tensors=device_tensors) as counter:
-            out = module.AscendAttnBackend.do_cp_attn_fia(backend, local_q, k_dev, v_dev, layer,
-                                                          forward_batch)
-        if device != "cpu":
-            torch.npu.synchronize()
-        seconds += time.perf_counter() - started
-        syncs = max(syncs, counter.count)
+        forward_batch = extend_forward_batch(EXTEND_LENS, seq_lens, _metadata(metadata_cls, rank))
+        out, call_syncs, call_seconds = run_cp_fia(module, case, local_q, forward_batch)
+        seconds += call_seconds
+        syncs = max(syncs, call_syncs)
         expected = torch.stack([reference[s][i] for s, i in layout]).reshape(len(layout), -1)
         err = max(err, (out.detach().to("cpu", torch.float64) - expected).abs().max().item())
 

@@ -17,9 +17,9 @@ The backend is made with ``object.__new__`` and given what the method reads
 (``page_size``, ``device``, ``forward_metadata.block_tables``, ``fia_mask``):
 its ``__init__`` needs a whole ``ModelRunner``.
 """
-import time
 
-from npu_shim.selftest._cp_case import ascend_layer_case, zigzag_layout
+from npu_shim.selftest._cp_case import (ascend_layer_case, extend_forward_batch, run_cp_fia,
+                                      zigzag_layout)
 
 PATCH_NAME = "sglang.cp_fia_host_lengths"
 CP_SIZE = 2
@@ -44,18 +44,14 @@ def run(device=None):
     import torch
     from sglang.srt.layers.cp import base
     from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.runtime_context import get_parallel
-
-    from npu_shim.testing import count_host_syncs
 
     device = device or "cpu"
     module = _patched_module()
     dtype = torch.float32 if device == "cpu" else torch.float16
     case = ascend_layer_case(module, EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE,
                              device, dtype)
-    q, seq_lens, layer, backend, reference = case.q, case.seq_lens, case.layer, case.backend, case.reference
-    k_cache, v_cache, block_table = case.k_cache, case.v_cache, case.block_table
+    q, seq_lens, reference = case.q, case.seq_lens, case.reference
     packed_q = torch.cat(q).reshape(sum(EXTEND_LENS), -1).to(device, dtype)
 
     err, syncs, seconds = 0.0, 0, 0.0
@@ -69,23 +65,12 @@ def run(device=None):
             strategy = base.get_cp_strategy()
             meta = strategy.build_metadata(sum(EXTEND_LENS), seq_lens, list(EXTEND_LENS))
             pad_logical_token_to_physical(meta)
-            forward_batch = ForwardBatch(
-                forward_mode=ForwardMode.EXTEND, batch_size=len(EXTEND_LENS),
-                input_ids=torch.zeros(sum(EXTEND_LENS), dtype=torch.int64),
-                req_pool_indices=torch.arange(len(EXTEND_LENS)), seq_lens=torch.tensor(seq_lens),
-                out_cache_loc=torch.zeros(0, dtype=torch.int64), seq_lens_sum=sum(seq_lens),
-                attn_cp_metadata=meta)
+            forward_batch = extend_forward_batch(EXTEND_LENS, seq_lens, meta)
             local_q = strategy.shard_hidden_states(packed_q, forward_batch)
-            stand_ins = [local_q, k_cache, v_cache, block_table, backend.fia_mask]
-            stand_ins += [t for t in vars(meta).values() if isinstance(t, torch.Tensor)]
-            started = time.perf_counter()
-            with count_host_syncs(device_tensors=stand_ins) as counter:
-                out = module.AscendAttnBackend.do_cp_attn_fia(backend, local_q, k_cache, v_cache, layer,
-                                                              forward_batch)
-            if device != "cpu":
-                torch.npu.synchronize()
-            seconds += time.perf_counter() - started
-        syncs = max(syncs, counter.count)
+            meta_tensors = [t for t in vars(meta).values() if isinstance(t, torch.Tensor)]
+            out, call_syncs, call_seconds = run_cp_fia(module, case, local_q, forward_batch, meta_tensors)
+            seconds += call_seconds
+        syncs = max(syncs, call_syncs)
         layout = zigzag_layout(EXTEND_LENS, rank, CP_SIZE)
         rows = len(layout)
         expected = torch.stack([reference[s][i] for s, i in layout]).reshape(rows, -1)

@@ -12,9 +12,9 @@ a collective across CP ranks; it runs in the lanes' two-process test, not here.
 sglang's test hooks ``override_server_args`` and ``get_parallel().override``
 stand in for a running server's configuration and CP topology.
 """
-import time
 
-from npu_shim.selftest._cp_case import ascend_layer_case, zigzag_layout
+from npu_shim.selftest._cp_case import (ascend_layer_case, extend_forward_batch, run_cp_fia,
+                                      zigzag_layout)
 
 PATCH_NAME = "sglang.cp_pad_gather"
 CP_SIZE = 2
@@ -29,19 +29,16 @@ def run(device=None):
     import torch
     from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
     from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
     from sglang.srt.runtime_context import get_context, get_parallel
 
     from npu_shim.selftest import applied_target
-    from npu_shim.testing import count_host_syncs
 
     device = device or "cpu"
     module = applied_target(PATCH_NAME)
     dtype = torch.float32 if device == "cpu" else torch.float16
     case = ascend_layer_case(module, EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE,
                              device, dtype)
-    q, seq_lens, layer, backend, reference = case.q, case.seq_lens, case.layer, case.backend, case.reference
-    k_dev, v_dev = case.k_cache, case.v_cache
+    q, seq_lens, reference = case.q, case.seq_lens, case.reference
 
     err, pad_max, pad_rows, syncs, seconds = 0.0, 0.0, 0, 0, 0.0
     with get_context().override_server_args(enable_prefill_cp=True, cp_strategy="zigzag",
@@ -57,21 +54,10 @@ def run(device=None):
             local_q = torch.zeros(physical, HEADS * HEAD_DIM)
             local_q[:len(layout)] = torch.stack([q[s][i] for s, i in layout]).reshape(len(layout), -1)
             local_q = local_q.to(device, dtype)
-            forward_batch = ForwardBatch(
-                forward_mode=ForwardMode.EXTEND, batch_size=len(EXTEND_LENS),
-                input_ids=torch.zeros(sum(EXTEND_LENS), dtype=torch.int64),
-                req_pool_indices=torch.arange(len(EXTEND_LENS)),
-                seq_lens=torch.tensor(seq_lens), out_cache_loc=torch.zeros(0, dtype=torch.int64),
-                seq_lens_sum=sum(seq_lens), attn_cp_metadata=metadata)
-            device_tensors = [local_q, k_dev, v_dev, backend.forward_metadata.block_tables, backend.fia_mask]
-            started = time.perf_counter()
-            with count_host_syncs(device_tensors=device_tensors) as counter:
-                out = module.AscendAttnBackend.do_cp_attn_fia(backend, local_q, k_dev, v_dev, layer,
-                                                              forward_batch)
-            if device != "cpu":
-                torch.npu.synchronize()
-            seconds += time.perf_counter() - started
-            syncs = max(syncs, counter.count)
+            forward_batch = extend_forward_batch(EXTEND_LENS, seq_lens, metadata)
+            out, call_syncs, call_seconds = run_cp_fia(module, case, local_q, forward_batch)
+            seconds += call_seconds
+            syncs = max(syncs, call_syncs)
             expected = torch.stack([reference[s][i] for s, i in layout]).reshape(len(layout), -1)
             out = out.detach().to("cpu", torch.float64)
             err = max(err, (out[:len(layout)] - expected).abs().max().item())
