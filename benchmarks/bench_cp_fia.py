@@ -128,7 +128,7 @@ def main_strategy(module, args):
     import torch
 
     import npu_shim
-    from npu_shim.patches import sglang_cp_fia_host_lengths as patch
+    from npu_shim.patches.sglang import cp_fia_host_lengths as patch
     from npu_shim.testing import count_host_syncs
 
     cp_case, cp_strategy_case = load_support()
@@ -184,7 +184,7 @@ def main(argv=None):
     module = importlib.import_module(TARGET)
     import torch
 
-    from npu_shim.patches import sglang_cp_fia
+    from npu_shim.patches.sglang import cp_fia as sglang_cp_fia
     from npu_shim.testing import count_host_syncs
 
     torch.set_num_threads(args.threads)

@@ -22,7 +22,7 @@ import timeit
 import torch
 
 from npu_shim import _stats, emulation
-from npu_shim.patches import vllm_moonvit_attn as moonvit
+from npu_shim.patches.vllm import moonvit_attn as moonvit
 
 LAYERS = 27
 

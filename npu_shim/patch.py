@@ -70,6 +70,9 @@ class Patch:
     check: Optional[Callable[[ModuleType], None]] = None
     build: Optional[Callable[[ModuleType], Mapping[str, Any]]] = None
     summary: str = ""
+    # Dotted module whose ``run(device)`` checks the patched path against float64
+    # (``npu-shim selftest``); "" where the patch has none.
+    selftest: str = ""
 
     def __post_init__(self):
         if isinstance(self.replaces, str):

@@ -12,8 +12,8 @@ import types
 import pytest
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches import sglang_cp_fia_host_lengths as host_lengths
-from npu_shim.patches import sglang_small_page_fia as small_page
+from npu_shim.patches.sglang import cp_fia_host_lengths as host_lengths
+from npu_shim.patches.sglang import small_page_fia as small_page
 
 
 # forward_extend shapes: only the ``if`` tests, the op names and the signature are read.

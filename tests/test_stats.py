@@ -123,7 +123,7 @@ def test_exit_summary_one_line_per_applied_patch_per_process(toy, run_python, ma
 
 def test_moonvit_patch_counts_calls_and_one_host_copy_per_cu_seqlens(monkeypatch):
     from npu_shim import emulation
-    from npu_shim.patches import vllm_moonvit_attn as moonvit
+    from npu_shim.patches.vllm import moonvit_attn as moonvit
 
     emulation.install()
     _stats.reset()

@@ -51,11 +51,10 @@ def kernel_provider():
     return "emulation" if emulation.is_emulated() else "torch_npu"
 
 
-def _selftest_module(patch_module):
-    name = "npu_shim.selftest." + patch_module.rsplit(".", 1)[1]
-    if importlib.util.find_spec(name) is None:
-        return None
-    return importlib.import_module(name)
+def _selftest_module(patch_name):
+    """The selftest module the patch declares (``Patch.selftest``), or None."""
+    declared = _startup._machinery()._records[patch_name].patch.selftest
+    return importlib.import_module(declared) if declared else None
 
 
 def run_all(device=None):
@@ -82,9 +81,9 @@ def run_all(device=None):
         results.append(result)
         if row["state"] != "applied":
             continue
-        module = _selftest_module(patch_module)
+        module = _selftest_module(name)
         if module is None:
-            result.update(ok=False, reason="applied, but no selftest module npu_shim.selftest.%s" % patch_module.rsplit(".", 1)[1])
+            result.update(ok=False, reason="applied, but the patch declares no selftest")
             continue
         started = time.perf_counter()
         try:

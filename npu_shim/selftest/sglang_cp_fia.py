@@ -59,7 +59,7 @@ def _metadata(cls, rank):
 def _metadata_class():
     import importlib
 
-    from npu_shim.patches.sglang_cp_fia import METADATA_MODULES
+    from npu_shim.patches.sglang.cp_fia import METADATA_MODULES
 
     for name in METADATA_MODULES:
         try:

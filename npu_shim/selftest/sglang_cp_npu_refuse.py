@@ -27,7 +27,7 @@ def _outcome(cp, npu):
 
 
 def run(device=None):
-    from npu_shim.patches.sglang_cp_npu_refuse import MESSAGE
+    from npu_shim.patches.sglang.cp_npu_refuse import MESSAGE
     from npu_shim.selftest import applied_target
 
     applied_target(PATCH_NAME)

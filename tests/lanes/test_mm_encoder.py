@@ -488,7 +488,7 @@ def test_any_prefix_works(stack, prefix):
 
 
 def test_status_and_replaced_methods(stack):
-    from npu_shim.patches.vllm_mm_encoder_attn import PATCH
+    from npu_shim.patches.vllm_ascend.mm_encoder_attn import PATCH
 
     assert stack.status["reason"] == "vllm-ascend %s" % stack.vllm_ascend_version
     assert stack.status["adapter"] == "v013"

@@ -150,7 +150,7 @@ def test_applied_with_the_adapter_of_this_release(stack):
     # Only forward_oot is replaced; __init__ is upstream's (it parses nothing here).
     assert vars(stack.patched)["__init__"].__code__.co_filename == stack.module.__file__
     ours, original = vars(stack.patched)["forward_oot"], vars(stack.upstream)["forward_oot"]
-    assert "npu_shim.patches.mm_encoder.%s" % stack.status["adapter"] in ours.__doc__
+    assert "npu_shim.patches.vllm_ascend.mm_encoder.%s" % stack.status["adapter"] in ours.__doc__
     assert inspect.signature(ours) == inspect.signature(original)
 
 

@@ -167,7 +167,7 @@ def test_status_names_the_adapter(stack):
     assert stack.status["reason"] == "vllm-ascend %s" % stack.version
     ours, original = vars(stack.patched)["forward_oot"], vars(stack.upstream)["forward_oot"]
     assert os.path.join("npu_shim", "patches", "mm_encoder", "v0") in ours.__code__.co_filename
-    assert "npu_shim.patches.mm_encoder.%s" % stack.status["adapter"] in ours.__doc__
+    assert "npu_shim.patches.vllm_ascend.mm_encoder.%s" % stack.status["adapter"] in ours.__doc__
     assert ours.__wrapped_upstream__.__code__.co_filename == stack.module.__file__
     assert inspect.signature(ours) == inspect.signature(original)
     assert "__init__" not in vars(stack.patched) or vars(stack.patched)["__init__"].__code__.co_filename \
@@ -517,7 +517,7 @@ def test_uninstall_restores_upstream_and_install_applies_again(stack):
 
 def test_a_shape_no_adapter_knows_is_skipped_with_every_reason(stack):
     from npu_shim.patch import TargetMismatch
-    from npu_shim.patches.vllm_mm_encoder_attn_310p import PATCH
+    from npu_shim.patches.vllm_ascend.mm_encoder_attn_310p import PATCH
 
     class Reshaped(stack.upstream):
         def forward_oot(self, query, key, value, cu_seqlens=None):

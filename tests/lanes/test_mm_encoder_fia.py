@@ -146,7 +146,7 @@ def test_status_names_the_adapter_and_only_forward_oot_is_replaced(stack):
 def test_each_adapter_refuses_the_other_family(stack):
     """Decided by structure: v022 refuses 0.23+'s class and v023 refuses 0.22.1rc1's."""
     from npu_shim.patch import TargetMismatch
-    from npu_shim.patches.mm_encoder import v022, v023
+    from npu_shim.patches.vllm_ascend.mm_encoder import v022, v023
 
     accepting, refusing = (v022, v023) if stack.adapter == "v022" else (v023, v022)
     accepting.check(stack.upstream)
@@ -157,9 +157,9 @@ def test_each_adapter_refuses_the_other_family(stack):
 def test_structural_check_refuses_a_changed_op_call(stack):
     """A class of this release whose ``_run_vit_fia`` calls another op: refused, with its name."""
     from npu_shim.patch import TargetMismatch
-    from npu_shim.patches.mm_encoder import select
-    from npu_shim.patches.vllm_mm_encoder_attn import ADAPTERS
-    from npu_shim.patches.mm_encoder import load_adapters
+    from npu_shim.patches.vllm_ascend.mm_encoder import select
+    from npu_shim.patches.vllm_ascend.mm_encoder_attn import ADAPTERS
+    from npu_shim.patches.vllm_ascend.mm_encoder import load_adapters
 
     def _run_vit_fia(self, query, key, value, *args, **kwargs):
         return stack.upstream_module.torch_npu.npu_fusion_attention(query, key, value)

@@ -92,7 +92,7 @@ def test_both_patches_applied_on_the_pinned_stack(moonvit):
     rows = {r["name"]: r for r in npu_shim.status()}
     assert rows["vllm.moonvit_attn"]["versions"]["vllm"] == PINS[lane]["vllm"]
     assert rows["transformers.attn_check"]["versions"] == PINS[lane]
-    assert moonvit.VL_VISION_ATTENTION_FUNCTIONS["ascend_fa"].__module__ == "npu_shim.patches.vllm_moonvit_attn"
+    assert moonvit.VL_VISION_ATTENTION_FUNCTIONS["ascend_fa"].__module__ == "npu_shim.patches.vllm.moonvit_attn"
     for method in ("__init__", "attention_qkvpacked"):
         wrapper = moonvit.MoonVitEncoderLayer.__dict__[method]
         assert wrapper.__code__.co_filename.endswith(os.path.join("patches", "vllm_moonvit_attn.py"))

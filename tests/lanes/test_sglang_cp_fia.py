@@ -94,7 +94,7 @@ def module():
 
 @pytest.fixture(scope="module")
 def replacement():
-    from npu_shim.patches import sglang_cp_fia
+    from npu_shim.patches.sglang import cp_fia as sglang_cp_fia
 
     return sglang_cp_fia.make_do_cp_attn_fia()
 
@@ -109,7 +109,7 @@ def upstream(module):
 def test_installed_build_is_skipped_as_fixed_upstream(module):
     import npu_shim
     from npu_shim.patch import NotNeeded
-    from npu_shim.patches import sglang_cp_fia
+    from npu_shim.patches.sglang import cp_fia as sglang_cp_fia
 
     row = next(r for r in npu_shim.status() if r["name"] == sglang_cp_fia.NAME)
     assert row["versions"] == {"sglang": "0.5.13"}

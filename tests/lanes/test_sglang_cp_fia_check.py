@@ -16,7 +16,7 @@ from typing import List
 import pytest
 
 from npu_shim.patch import NotNeeded, TargetMismatch
-from npu_shim.patches import sglang_cp_fia as patch
+from npu_shim.patches.sglang import cp_fia as patch
 
 
 # Method shapes. Bodies are never run: the check reads their code objects only.
@@ -183,7 +183,7 @@ def test_declaration():
 
 
 def test_patch_module_imports_no_torch(run_python, make_env):
-    proc = run_python("import sys, npu_shim.patches.sglang_cp_fia as p; "
+    proc = run_python("import sys, npu_shim.patches.sglang.cp_fia as p; "
                       "print(sorted(m for m in ('torch', 'numpy', 'sglang') if m in sys.modules))",
                       env=make_env())
     assert proc.stdout.strip() == "[]"

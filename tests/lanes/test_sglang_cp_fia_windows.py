@@ -23,7 +23,7 @@ TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 
 
 def expected_reason(version):
-    from npu_shim.patches import sglang_cp_fia as patch
+    from npu_shim.patches.sglang import cp_fia as patch
 
     reasons = {"0.5.12": patch.SINGLE_SEQUENCE_ONLY, "0.5.13": patch.FIXED_UPSTREAM,
                "0.5.23": patch.STRATEGY_REWRITE}
@@ -44,7 +44,7 @@ def module():
 def test_patch_is_skipped_with_the_reason_for_this_release(module):
     import npu_shim
     from npu_shim.patch import NotNeeded
-    from npu_shim.patches import sglang_cp_fia as patch
+    from npu_shim.patches.sglang import cp_fia as patch
 
     row = next(r for r in npu_shim.status() if r["name"] == patch.NAME)
     version = row["versions"]["sglang"]
@@ -63,7 +63,7 @@ def test_patch_is_skipped_with_the_reason_for_this_release(module):
 def test_the_check_reads_what_this_release_has(module):
     """The facts behind each reason, read from the installed code."""
     import npu_shim
-    from npu_shim.patches import sglang_cp_fia as patch
+    from npu_shim.patches.sglang import cp_fia as patch
 
     version = next(r for r in npu_shim.status() if r["name"] == patch.NAME)["versions"]["sglang"]
     names = patch.code_names(module.AscendAttnBackend.do_cp_attn_fia)

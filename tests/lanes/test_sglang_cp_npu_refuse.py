@@ -99,7 +99,7 @@ def test_upstream_prefill_cp_fails_at_the_first_cp_prefill(shim):
 
 
 def test_patch_applies_and_refuses_npu_prefill_cp_at_resolution(shim):
-    from npu_shim.patches import sglang_cp_npu_refuse as patch
+    from npu_shim.patches.sglang import cp_npu_refuse as patch
 
     row = next(r for r in shim.status() if r["name"] == patch.NAME)
     hook = importlib.import_module(HOOK)

@@ -172,7 +172,7 @@ def test_upstream_metadata_pads_seven_of_eight_lengths(module):
 
 def test_status_row_and_cp_fia_skip(module):
     import npu_shim
-    from npu_shim.patches import sglang_cp_fia, sglang_cp_pad_gather as patch
+    from npu_shim.patches.sglang import cp_fia as sglang_cp_fia, cp_pad_gather as patch
 
     rows = {r["name"]: r for r in npu_shim.status()}
     assert rows[patch.NAME]["state"] == "applied", rows[patch.NAME]

@@ -179,7 +179,7 @@ def test_calls_it_does_not_route_reach_upstream_unchanged(modules, methods):
     spec = dataclasses.replace(SMALL[0], qk_head_dim=192, v_head_dim=192)
     batch = cp_case.make_batch(spec)
     backend, layer, forward_batch, q, k, v = prefill_case.prefill_inputs(*modules, batch)
-    from npu_shim.patches import sglang_small_page_fia as patch
+    from npu_shim.patches.sglang import small_page_fia as patch
 
     adapter = next(a for a in patch.ADAPTERS if a.name == ADAPTERS[_version()])
     assert not adapter.reaches_qlens(backend, layer, forward_batch, None, None)

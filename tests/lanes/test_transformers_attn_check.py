@@ -165,7 +165,7 @@ def test_skipped_where_no_shim_attention_name_can_be_requested(stack):
 def test_wrapper_fits_and_is_transparent_on_this_transformers(stack, name):
     """The method shape this transformers has passes the patch's check, and the wrapper
     it would install answers exactly like transformers (no MoonViT dispatches ascend_fa here)."""
-    from npu_shim.patches import transformers_attn_check as patch_module
+    from npu_shim.patches.transformers import attn_check as patch_module
 
     modeling_utils, _, _ = stack
     patch_module.check(modeling_utils)

@@ -140,7 +140,7 @@ def main(wheel_path):
     module = importlib.import_module(TARGET)
     import cp_case
 
-    from npu_shim.patches import sglang_cp_fia
+    from npu_shim.patches.sglang import cp_fia as sglang_cp_fia
 
     row = next(r for r in npu_shim.status() if r["name"] == sglang_cp_fia.NAME)
     result = {"state": row["state"], "reason": row["reason"], "origin": module.__file__}

@@ -161,7 +161,7 @@ def main(rank, world, port, cases_json, out_path):
 
     module = importlib.import_module("sglang.srt.hardware_backend.npu.attention.ascend_backend")
     import cp_case
-    from npu_shim.patches import sglang_cp_pad_gather as patch
+    from npu_shim.patches.sglang import cp_pad_gather as patch
     from sglang.srt.layers.utils import cp_utils
     from sglang.srt.runtime_context import get_context, get_parallel
 

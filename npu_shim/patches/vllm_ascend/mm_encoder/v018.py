@@ -11,7 +11,7 @@ cumulative lengths as a list of 0-d tensors and ``scale=self.scale_value``,
 which is ``head_size ** -0.5`` whatever ``scale`` the model gave.
 
 Replaced: ``forward_oot`` only. The same op call and layout; the lengths from
-:func:`~npu_shim.patches.mm_encoder.common.host_values` (at most one copy per
+:func:`~npu_shim.patches.vllm_ascend.mm_encoder.common.host_values` (at most one copy per
 forward, none for host ``sequence_lengths`` / host ``cu_seqlens``); the
 model's ``scale``. ``__init__`` stays upstream's (it parses nothing);
 ``enable_pad`` / ``scale_value`` are not needed (a layer made with ``__new__``
@@ -22,8 +22,8 @@ import inspect
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.mm_encoder import Adapter
-from npu_shim.patches.mm_encoder import common as C
+from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
+from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 BASE_NAME = "MMEncoderAttention"

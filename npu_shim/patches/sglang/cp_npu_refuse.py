@@ -41,7 +41,7 @@ MESSAGE = (
 def check(module) -> None:
     import importlib
 
-    from npu_shim.patches.sglang_cp_fia import code_names
+    from npu_shim.patches.sglang.cp_fia import code_names
 
     cp_utils = importlib.import_module(CP_UTILS)
     gather = getattr(cp_utils, "cp_all_gather_rerange_kv_cache", None)
@@ -92,4 +92,5 @@ PATCH = Patch(
     check=check,
     build=build,
     summary="refuse --enable-prefill-cp on NPU at start-up (the NPU KV gather is a stub)",
+    selftest="npu_shim.selftest.sglang_cp_npu_refuse",
 )

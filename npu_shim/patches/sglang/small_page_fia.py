@@ -286,4 +286,5 @@ PATCH = Patch(
     check=check,
     build=build,
     summary="prefill with page size < 128 goes through sglang's FIA path, not the legacy qlens op",
+    selftest="npu_shim.selftest.sglang_small_page_fia",
 )

@@ -213,4 +213,5 @@ PATCH = Patch(
     check=check,
     build=build,
     summary="split Q at total_q_prev_tokens; per-sequence CP lengths (bs >= 1, GQA, diff-KV)",
+    selftest="npu_shim.selftest.sglang_cp_fia",
 )

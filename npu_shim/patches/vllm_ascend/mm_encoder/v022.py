@@ -17,8 +17,8 @@ the tensor read at most once per encoder forward; the model's ``scale``
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.mm_encoder import Adapter
-from npu_shim.patches.mm_encoder import fia
+from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
+from npu_shim.patches.vllm_ascend.mm_encoder import fia
 
 SEQ_LENS_HOOK = "maybe_compute_seq_lens"
 LENGTHS_METHOD = "_maybe_compute_actual_seq_lengths"

@@ -24,9 +24,9 @@ import inspect
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.mm_encoder import Adapter
-from npu_shim.patches.mm_encoder import common as C
-from npu_shim.patches.mm_encoder import v018_310p as F
+from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
+from npu_shim.patches.vllm_ascend.mm_encoder import common as C
+from npu_shim.patches.vllm_ascend.mm_encoder import v018_310p as F
 
 FORWARD_PARAMS = ("self", "query", "key", "value", "cu_seqlens", "max_seqlen", "kwargs")
 SEQ_LEN_DTYPE = torch.int32        # upstream: .to("cpu", dtype=torch.int32)

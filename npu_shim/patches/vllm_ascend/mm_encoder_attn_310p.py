@@ -9,7 +9,7 @@ Why: on Atlas inference cards (310P) vllm-ascend registers its own
   27-layer forward; ``sequence_lengths`` from vLLM is ignored) and passes
   ``head_size ** -0.5`` to the kernel, ignoring a ``scale`` the model gave
   (max error 1.18 at ``scale=0.05``, measured on 0.18.0, 0.22.1rc1, 0.26.0rc1).
-How: one adapter per 310P release family in :mod:`npu_shim.patches.mm_encoder`
+How: one adapter per 310P release family in :mod:`npu_shim.patches.vllm_ascend.mm_encoder`
   (the interface and the shared pieces are documented there), fenced by
   version and accepted by the structure of the installed class; ``npu-shim
   status`` names the one that applied. Each replaces ``forward_oot`` only and
@@ -17,7 +17,7 @@ How: one adapter per 310P release family in :mod:`npu_shim.patches.mm_encoder`
   query heads, upstream's padding rule, per-segment host lengths in upstream's
   dtype, ``out=``), changing only where the lengths come from -- read from the
   device at most once per encoder forward, none for a host ``cu_seqlens`` or
-  none given (see :mod:`npu_shim.patches.mm_encoder.common` for what "one
+  none given (see :mod:`npu_shim.patches.vllm_ascend.mm_encoder.common` for what "one
   forward" is) -- the scale (the model's), and, under GQA, the head count
   passed with the repeated K/V. A layer's state is built from its own
   attributes on first use (layers made with ``__new__`` work).
@@ -35,12 +35,12 @@ Remove when: vllm-ascend's 310P class reads host lengths once per encoder
   forward and passes the model's scale.
 """
 from npu_shim.patch import Patch
-from npu_shim.patches.mm_encoder import dispatch
+from npu_shim.patches.vllm_ascend.mm_encoder import dispatch
 
 PATCH_NAME = "vllm.mm_encoder_attn_310p"
 CLASS_NAME = "AscendMMEncoderAttention310"
 
-# Adapter modules in npu_shim.patches.mm_encoder, oldest family first: add a family here.
+# Adapter modules in npu_shim.patches.vllm_ascend.mm_encoder, oldest family first: add a family here.
 ADAPTERS = (
     "v014_310p",
     "v018_310p",
@@ -61,4 +61,5 @@ PATCH = Patch(
     build=build,
     summary="310P encoder attention: host seq lens once per encoder forward, honour scale; "
             "one adapter per vllm-ascend family",
+    selftest="npu_shim.selftest.vllm_mm_encoder_attn_310p",
 )

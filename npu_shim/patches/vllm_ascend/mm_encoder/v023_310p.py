@@ -23,8 +23,8 @@ off the NPU upstream and the patch both take the ``_npu_flash_attention_unpad``
 branch.
 """
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.mm_encoder import Adapter
-from npu_shim.patches.mm_encoder import v018_310p as F
+from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
+from npu_shim.patches.vllm_ascend.mm_encoder import v018_310p as F
 
 APPROXIMATE_EXP_KERNEL = 2                 # upstream's kernel_type: ATB KERNELTYPE_EXP_M8V2
 CAPABILITY_ATTR = "support_approximate_calculation"

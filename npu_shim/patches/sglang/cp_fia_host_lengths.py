@@ -214,4 +214,5 @@ PATCH = Patch(
     check=check,
     build=build,
     summary="CP prefill FIA closure reads the zigzag metadata's host lists: 0 device->host syncs per layer",
+    selftest="npu_shim.selftest.sglang_cp_fia_host_lengths",
 )

@@ -66,7 +66,7 @@ def check(module) -> None:
     import dataclasses
     import importlib
 
-    from npu_shim.patches.sglang_cp_fia import code_names
+    from npu_shim.patches.sglang.cp_fia import code_names
 
     save_kv = getattr(module, SAVE_KV, None)
     if save_kv is None or GATHER not in code_names(save_kv):
@@ -173,4 +173,5 @@ PATCH = Patch(
     check=check,
     build=build,
     summary="NPU CP KV gather keeps each rank's real rows; pad rows never reach FIA",
+    selftest="npu_shim.selftest.sglang_cp_pad_gather",
 )

@@ -18,7 +18,7 @@ Replaced: ``forward_oot`` only (upstream's ``__init__`` parses nothing). The
 same op call with upstream's layout and padding; ``seq_len`` is the difference
 of the host ``cu_seqlens``, in ``cu_seqlens``' dtype as upstream's, read from
 the device at most once per encoder forward
-(:func:`~npu_shim.patches.mm_encoder.common.host_values`); the model's
+(:func:`~npu_shim.patches.vllm_ascend.mm_encoder.common.host_values`); the model's
 ``scale``. Under GQA the op gets the head count of the repeated K/V (upstream
 passes ``num_kv_heads``, which does not match them). ``sequence_lengths`` stays
 ignored, as upstream: vLLM asks the registered class's
@@ -32,8 +32,8 @@ The pieces every 310P adapter shares (``state_maker``, ``host_seq_len``,
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.mm_encoder import Adapter
-from npu_shim.patches.mm_encoder import common as C
+from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
+from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 PATCH_NAME = "vllm.mm_encoder_attn_310p"
 # The 310P layer's state, apart from the main class's: 0.14.0rc1's 310P class derives
@@ -70,7 +70,7 @@ UNPAD_CALL = OpCall(UNPAD)
 
 
 def state_maker(pads, choose_op=None):
-    """``make(layer)`` for :func:`~npu_shim.patches.mm_encoder.common.layer_state`.
+    """``make(layer)`` for :func:`~npu_shim.patches.vllm_ascend.mm_encoder.common.layer_state`.
 
     ``pads``: the release pads 64 < D < 128 to 128. ``choose_op(layer)``: the
     :class:`OpCall` (default: ``_npu_flash_attention_unpad``).

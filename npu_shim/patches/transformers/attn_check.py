@@ -122,4 +122,5 @@ PATCH = Patch(
     check=check,
     build=build,
     summary="accept attn_implementation='ascend_fa' for vLLM's MoonViT while vllm.moonvit_attn serves it",
+    selftest="npu_shim.selftest.transformers_attn_check",
 )

@@ -26,7 +26,7 @@ eager op call with upstream's arguments and module constants, changing:
   (T, num_key_value_heads, D); the emulation rejects upstream's call).
 """
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.mm_encoder import common as C
+from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 BASE_NAME = "MMEncoderAttention"

@@ -191,4 +191,5 @@ PATCH = Patch(
     check=check,
     build=build,
     summary="register ascend_fa (one fused varlen call per layer, no S x S mask) and select it on NPU",
+    selftest="npu_shim.selftest.vllm_moonvit_attn",
 )

@@ -10,13 +10,13 @@ Why: vllm-ascend's ``AscendMMEncoderAttention.forward_oot`` (the attention of
   ``scale`` the model gave. 0.15.0rc1 (with any vLLM but 0.15.0) parses the
   prefix digits into a layer index and shares a module-global lengths cache
   between every encoder in the process.
-How: one adapter per release family, in :mod:`npu_shim.patches.mm_encoder`
+How: one adapter per release family, in :mod:`npu_shim.patches.vllm_ascend.mm_encoder`
   (the interface is documented there), each fenced by a vllm-ascend version
   range and accepted by the structure of the installed class; the one that
   applies is shown by ``npu-shim status``. Each keeps upstream's op call and
   argument layout of its release and changes only where the host lengths come
   from (read once per encoder forward, see
-  :mod:`npu_shim.patches.mm_encoder.common`) and the scale. A layer's state
+  :mod:`npu_shim.patches.vllm_ascend.mm_encoder.common`) and the scale. A layer's state
   is built from its own attributes on first use (layers made with
   ``__new__``, before install, or unpickled work).
 
@@ -40,12 +40,12 @@ Remove when: vllm-ascend computes host lengths once per encoder forward for
   every tower.
 """
 from npu_shim.patch import Patch
-from npu_shim.patches.mm_encoder import dispatch
+from npu_shim.patches.vllm_ascend.mm_encoder import dispatch
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 CLASS_NAME = "AscendMMEncoderAttention"
 
-# Adapter modules in npu_shim.patches.mm_encoder, oldest family first: add a family here.
+# Adapter modules in npu_shim.patches.vllm_ascend.mm_encoder, oldest family first: add a family here.
 ADAPTERS = (
     "v013",
     "v018",
@@ -69,4 +69,5 @@ PATCH = Patch(
     summary="host seq lens once per encoder forward (no prefix cache, no global), honour scale; "
             "one adapter per vllm-ascend family; during vllm-ascend's encoder ACL-graph capture "
             "(0.22.1rc1+) upstream's forward_oot runs untouched (counted as upstream_calls)",
+    selftest="npu_shim.selftest.vllm_mm_encoder_attn",
 )

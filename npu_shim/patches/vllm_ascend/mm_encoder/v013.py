@@ -15,7 +15,7 @@ ignore it.
 Replaced: ``__init__`` (the base ``MMEncoderAttention.__init__`` with the same
 arguments, no prefix parsing) and ``forward_oot``: the same op call with
 upstream's layout and padding rule, lengths from
-:func:`~npu_shim.patches.mm_encoder.common.host_values` (one copy per
+:func:`~npu_shim.patches.vllm_ascend.mm_encoder.common.host_values` (one copy per
 forward), the model's ``scale``. Under GQA the op gets the head count of the
 repeated K/V (upstream passes ``num_kv_heads``, which does not match them).
 ``NPU_SHIM_MM_ENCODER_TND=1`` switches to npu-shim's TND
@@ -29,8 +29,8 @@ import torch
 
 from npu_shim import _config
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.mm_encoder import Adapter
-from npu_shim.patches.mm_encoder import common as C
+from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
+from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 BASE_NAME = "MMEncoderAttention"

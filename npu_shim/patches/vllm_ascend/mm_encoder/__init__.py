@@ -8,7 +8,7 @@ target module has been imported.
 
 The adapter interface
 ---------------------
-An adapter is a module ``npu_shim.patches.mm_encoder.<name>`` that defines
+An adapter is a module ``npu_shim.patches.vllm_ascend.mm_encoder.<name>`` that defines
 ``ADAPTER = Adapter(...)``:
 
 ``name``      short name shown by ``npu-shim status`` (column "adapter") and by
@@ -26,7 +26,7 @@ An adapter is a module ``npu_shim.patches.mm_encoder.<name>`` that defines
 ``build``     ``build(cls)``: ``{attribute name: replacement}`` for attributes
               of ``cls`` (e.g. ``{"forward_oot": f}``); every name must be in
               the patch's ``replaces`` as ``"<Class>.<name>"``. Build the
-              replacements with :func:`npu_shim.patches.mm_encoder.common.wrap`
+              replacements with :func:`npu_shim.patches.vllm_ascend.mm_encoder.common.wrap`
               (upstream's signature) and the shared per-forward host lengths,
               lazy layer state and counters of ``common``.
 

@@ -22,8 +22,8 @@ one of another shape is refused by the structural check).
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.mm_encoder import Adapter
-from npu_shim.patches.mm_encoder import fia
+from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
+from npu_shim.patches.vllm_ascend.mm_encoder import fia
 
 LENGTHS_FUNCTION = "maybe_compute_actual_seq_lengths"
 CU_METHOD = "_maybe_compute_cu_seqlens"

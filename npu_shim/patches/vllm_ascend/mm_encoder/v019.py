@@ -12,8 +12,8 @@ Replaced: ``forward_oot`` (see :mod:`.v018`), calling the same
 and, under GQA, the head count of the repeated K/V as ``num_kv_heads``
 (upstream passes ``num_kv_heads``, which does not match them).
 """
-from npu_shim.patches.mm_encoder import Adapter
-from npu_shim.patches.mm_encoder import v018
+from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
+from npu_shim.patches.vllm_ascend.mm_encoder import v018
 
 UPSTREAM_OP = "npu_flash_attention"
 OP_OWNER = "DeviceOperator"
