@@ -4,7 +4,7 @@ Side by side in one process: 27 layers of vllm-ascend's real
 ``AscendMMEncoderAttention`` (a Qwen2.5/3-VL-sized tower: 16 heads of 80), once
 as upstream ships it (the upstream file loaded under a second module name, so
 the shim does not touch it) and once patched by ``vllm.mm_encoder_attn`` with
-the adapter that applies to the installed release, on host-bound sizes (a few
+the family that applies to the installed release, on host-bound sizes (a few
 small images: the kernels have almost nothing to do, so what is measured is
 what the host does around them). Inputs: the images packed into one sequence
 with a ``cu_seqlens`` tensor (MoonViT style), the same with host
@@ -246,7 +246,7 @@ def main(argv=None):
           "(%d heads x %d), images of %s tokens, float32, %d thread(s)"
           % (LAYERS, HEADS, HEAD_DIM, "/".join(map(str, images)), args.threads))
     print("stack: vllm-ascend %s, %s, emulated torch_npu on CPU; median of %d forwards"
-          % (release, ", ".join("%s adapter %s" % (row["name"], row["adapter"]) for row, _, _ in found),
+          % (release, ", ".join("%s family %s" % (row["name"], row["family"]) for row, _, _ in found),
              args.repeats))
     header = "%-30s %-34s %9s %10s %11s %10s" % ("inputs", "SoC: tower (NPU op)", "syncs/fwd",
                                                "cpu ms/fwd", "host ms/fwd", "host ratio")
@@ -258,7 +258,7 @@ def main(argv=None):
         uniform_on_device = "device=query.device" in inspect.getsource(cls.forward_oot)
         if row["name"] == "vllm.mm_encoder_attn_310p":
             socs = ["Ascend310P3"]
-        elif row["adapter"] == "v013" and not release.startswith("0.14"):
+        elif row["family"] == "0.13.0-0.17.0rc1" and not release.startswith("0.14"):
             socs = ["Ascend910B1", "Ascend310P3"]  # no separate 310P class in 0.13, 0.15-0.17
         else:
             socs = ["Ascend910B1"]
@@ -282,10 +282,10 @@ def main(argv=None):
                         label, "%s: %s (%s)" % (soc[6:], name, kernels[name]),
                         syncs[name], total * 1e3, host * 1e3,
                         "%.2fx" % ratio if name == "patched" else "1.00x"))
-                rows.append("ROW vllm-ascend %s | %s | %s adapter %s | %s | copies per %d-layer "
+                rows.append("ROW vllm-ascend %s | %s | %s family %s | %s | copies per %d-layer "
                             "forward upstream/patched %d/%d | host time patched/upstream %.2fx"
                             % (release, "310P" if "310P" in soc else "A2/A3", row["name"],
-                               row["adapter"], label, LAYERS, syncs["upstream"], syncs["patched"],
+                               row["family"], label, LAYERS, syncs["upstream"], syncs["patched"],
                                ratio))
     os.environ.pop("NPU_SHIM_EMULATE_SOC", None)
     print()

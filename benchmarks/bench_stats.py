@@ -1,9 +1,9 @@
-"""What counting costs: the patched MoonViT attention with ``_stats.count`` live vs a no-op.
+"""What counting costs: the patched MoonViT attention with ``counters.count`` live vs a no-op.
 
 Side by side in one process, interleaved: ``vllm_moonvit_attn.ascend_fa_attention``
 (the function the patch registers; one fused varlen call on the emulated
 torch_npu) over a 27-layer "forward" sharing one ``cu_seqlens``, as MoonViT runs
-it, once with the counters live and once with ``npu_shim._stats.count`` replaced
+it, once with the counters live and once with ``npu_shim.counters.count`` replaced
 by a function that does nothing. Small images make the host overhead as visible
 as it gets. The interleaved difference is within run-to-run noise on a shared
 CPU, so the bound (counting adds <= 1 % of host time per forward) is checked on
@@ -21,7 +21,8 @@ import timeit
 
 import torch
 
-from npu_shim import _stats, emulation
+from npu_shim import emulation
+from npu_shim.engine import counters
 from npu_shim.patches.vllm import moonvit_attn as moonvit
 
 LAYERS = 27
@@ -46,22 +47,22 @@ def main():
     q, k, v = (torch.randn(total, args.heads, args.head_dim) for _ in range(3))
     cu = torch.arange(0, total + 1, args.tokens, dtype=torch.int32)
 
-    live = _stats.count
+    live = counters.count
     variants = {"counting": live, "no-op": lambda patch, event, n=1: None}
     samples = {name: [] for name in variants}
     forward(q, k, v, cu)   # warm-up: allocator, emulation registration
     for i in range(args.repeats):
         for name in (variants if i % 2 == 0 else reversed(list(variants))):
-            _stats.count = variants[name]
+            counters.count = variants[name]
             cu_fresh = cu.clone()       # a new tensor per forward, as vLLM builds one
             started = time.perf_counter()
             forward(q, k, v, cu_fresh)
             samples[name].append(time.perf_counter() - started)
-    _stats.count = live
+    counters.count = live
     med = {name: statistics.median(values) for name, values in samples.items()}
     share = (med["counting"] - med["no-op"]) / med["no-op"] * 100
     per_call = min(timeit.repeat(lambda: live("bench.stats", "calls"), number=100000, repeat=5)) / 100000
-    _stats.reset()
+    counters.reset()
 
     print("counting overhead, %d-layer MoonViT attention forward (%d images x %d patches, %d heads x %d; "
           "emulated torch_npu, 1 thread), median of %d interleaved forwards:"

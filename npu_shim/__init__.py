@@ -14,9 +14,9 @@ __all__ = ["ConfigError", "install", "register", "stats", "status", "uninstall",
 def __getattr__(name):
     if name not in __all__:
         raise AttributeError("module 'npu_shim' has no attribute %r" % name)
-    from npu_shim import _startup
+    from npu_shim import api
 
-    return _startup.api(name)
+    return getattr(api, name)
 
 
 # The shim's sitecustomize files (marked NPU_SHIM_BOOT) install at start-up and

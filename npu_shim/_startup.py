@@ -1,12 +1,14 @@
-"""Install, uninstall, status and register: the shim's Python API.
+"""The shim in this process: install and uninstall, the import watch, children.
 
-The start-up path itself is ``npu_shim/_bootstrap/sitecustomize.py`` (a finder
-that hands over to this module, the bootstrap directory exported for children,
-the next sitecustomize run). This module loads when a process configures the
-shim (an ``NPU_SHIM*`` variable), imports ``npu_shim`` or calls the API, or
-when a watched framework (``vllm``, ``transformers``, ...) starts importing. It
-then loads the real machinery (``_machinery``: wrapt post-import hooks,
-``packaging``, ``importlib.metadata``, ``logging``) once.
+Standard library only. The start-up hook (``npu_shim/_bootstrap/sitecustomize.py``:
+a finder, the bootstrap directory exported for children, the next sitecustomize
+run) hands over to this module when a watched framework (``vllm``,
+``transformers``, ...) starts importing, or at once when an ``NPU_SHIM*``
+variable asks for validation; ``import npu_shim`` and the API come here too.
+It owns the process state (lock, settings, generation) and loads the engine
+(:mod:`npu_shim.engine`: wrapt post-import hooks, ``packaging``,
+``importlib.metadata``, ``logging``) once, handing it that state. The public
+functions are :mod:`npu_shim.api`.
 """
 import os
 import sys
@@ -26,10 +28,10 @@ class _State:
     generation = 0                # bumped by uninstall(); stale hooks compare against it
     settings = None               # _config.Settings, made when first needed
     finder = None
-    machinery = None              # the _machinery module once loaded
-    unavailable = None            # why the machinery cannot load here (a missing dependency)
+    engine = None                 # npu_shim.engine.registry once loaded
+    unavailable = None            # why the engine cannot load here (a missing dependency)
     watched = set(WATCHED_PACKAGES)
-    extra_patches = []            # registered through register() before the machinery loaded
+    extra_patches = []            # registered through register() before the engine loaded
     exported_path = None          # what was added to PYTHONPATH, for uninstall()
     booted_by = []                # sitecustomize files of ours that ran in this process
 
@@ -41,14 +43,14 @@ os.register_at_fork(before=_State.lock.acquire, after_in_parent=_State.lock.rele
 
 
 class _WatchFinder:
-    """Finds nothing itself; the first import of a watched package loads the machinery.
+    """Finds nothing itself; the first import of a watched package loads the engine.
 
     It stays in sys.meta_path after firing: removing an entry while the import
     system iterates over the list would make it skip the next finder.
     """
 
     def find_spec(self, fullname, path=None, target=None):
-        if fullname in _State.watched and _State.machinery is None and _State.installed \
+        if fullname in _State.watched and _State.engine is None and _State.installed \
                 and _State.unavailable is None:
             return on_watched_import(self, fullname, path, target)
         return None
@@ -90,15 +92,6 @@ def take_over(start_finder, fullname, path, target):
 _adopt_start_finder()
 
 
-def api(name):
-    """``npu_shim.<name>`` for the public names, loaded on first use."""
-    if name == "ConfigError":
-        return _config.ConfigError
-    if name in ("install", "register", "stats", "status", "uninstall"):
-        return globals()[name]
-    raise AttributeError("module 'npu_shim' has no attribute %r" % name)
-
-
 def settings():
     """The validated settings of this process (made once, on first use)."""
     with _State.lock:
@@ -129,10 +122,10 @@ def install():
 
             emulation.install()
         already = [name for name in _State.watched if name in sys.modules]
-    if already and _State.machinery is None:
-        _load_machinery()
-    elif _State.machinery is not None:
-        _State.machinery.arm()
+    if already and _State.engine is None:
+        _load_engine()
+    elif _State.engine is not None:
+        _State.engine.arm()
 
 
 def install_on_import():
@@ -177,40 +170,11 @@ def uninstall():
     with _State.lock:
         if _State.finder in sys.meta_path:
             sys.meta_path.remove(_State.finder)
-        if _State.machinery is not None:
-            _State.machinery.disarm()
+        if _State.engine is not None:
+            _State.engine.disarm()
         _State.generation += 1
         _State.installed = False
         _unexport_for_children()
-
-
-def status():
-    """One dict per patch: name, target, state, reason, requires, versions.
-
-    Evaluates version guards for patches whose target is not imported yet
-    (state ``pending``); a target package that is not installed reads
-    ``skipped`` / ``not installed``.
-    """
-    return _machinery().status()
-
-
-def stats():
-    """What each patch did in this process: state, reason, adapter and its counters.
-
-    ``{patch name: {"state", "reason", "adapter", "calls", "upstream_calls",
-    "host_copies", "upstream_host_copies"}}``. Counters start at 0 in every
-    process (a forked child starts from 0 too).
-    """
-    machinery = _machinery()
-    from npu_shim import _stats
-
-    counted = _stats.snapshot()
-    out = {}
-    for row in machinery.status():
-        entry = {"state": row["state"], "reason": row["reason"]}
-        entry.update(counted.get(row["name"]) or _stats.empty_row())
-        out[row["name"]] = entry
-    return out
 
 
 def register(patch):
@@ -218,30 +182,31 @@ def register(patch):
     with _State.lock:
         top = patch.target.partition(".")[0]
         _State.watched.add(top)
-        if _State.machinery is None:
+        if _State.engine is None:
             _State.extra_patches.append(patch)
             loaded = top in sys.modules
         else:
-            _State.machinery.register(patch)
+            _State.engine.register(patch)
             return
     if loaded and _State.installed:
-        _load_machinery()
+        _load_engine()
 
 
-def _machinery():
-    _load_machinery()
-    if _State.machinery is None:
+def engine():
+    """The engine (``npu_shim.engine.registry``), loaded on first use."""
+    _load_engine()
+    if _State.engine is None:
         raise ImportError("npu-shim cannot run here: %s" % _State.unavailable)
-    return _State.machinery
+    return _State.engine
 
 
 def on_watched_import(finder, fullname, path, target):
-    """The first import of a watched package: load the machinery, then let its
+    """The first import of a watched package: load the engine, then let its
     post-import finder (now in front of ours) see this very import."""
     if _State.unavailable is not None:
         return None
-    _load_machinery()
-    if _State.machinery is None:
+    _load_engine()
+    if _State.engine is None:
         return None
     for other in list(sys.meta_path):
         if other is finder:
@@ -252,12 +217,12 @@ def on_watched_import(finder, fullname, path, target):
     return None
 
 
-def _load_machinery():
+def _load_engine():
     with _State.lock:
-        if _State.machinery is not None or _State.unavailable is not None:
+        if _State.engine is not None or _State.unavailable is not None:
             return
         try:
-            from npu_shim import _machinery
+            from npu_shim.engine import registry
         except ImportError as exc:
             # A child interpreter that inherited the shim through PYTHONPATH but
             # not its dependencies (another venv, a system Python): say so once,
@@ -267,10 +232,10 @@ def _load_machinery():
             sys.stderr.write("npu-shim: %s; nothing is patched in this process\n" % _State.unavailable)
             return
         settings()
-        _machinery.load(_State)
-        _State.machinery = _machinery
+        registry.load(_State)
+        _State.engine = registry
         if _State.installed:
-            _machinery.arm()
+            registry.arm()
 
 
 def _pythonpath_entries():

@@ -20,12 +20,12 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for a writer cut o
 
 def _status_table(rows):
     return format_table(
-        ("patch", "state", "adapter", "reason", "versions"),
+        ("patch", "state", "family", "reason", "versions"),
         [
             (
                 row["name"],
                 row["state"],
-                row.get("adapter") or "-",
+                row.get("family") or "-",
                 row["reason"],
                 ", ".join("%s %s" % (d, v or "-") for d, v in row["versions"].items()) or "-",
             )
@@ -35,10 +35,10 @@ def _status_table(rows):
 
 
 def cmd_status(args):
-    machinery = _startup._machinery()
+    engine = _startup.engine()
     # Frameworks log to stdout while they import (vLLM does): keep stdout for our output.
     with contextlib.redirect_stdout(sys.stderr):
-        rows = machinery.status(import_targets=args.import_targets)
+        rows = engine.status(import_targets=args.import_targets)
     if args.json:
         print(json.dumps(rows, indent=2, sort_keys=True))
     else:

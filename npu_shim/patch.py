@@ -2,17 +2,15 @@
 
 A patch is data: a stable name, the module whose import triggers it, the
 attributes it replaces, the distributions and versions it needs (PEP 440), and
-whether it calls an NPU kernel. Two functions complete it: ``check(module)``
-looks at the imported target and raises :class:`NotNeeded` or
-:class:`TargetMismatch` when the patch should not go on; ``build(module)``
-returns the new values for exactly the declared attributes, without touching
-the module. The machinery sets them all or none and keeps the originals so
-that :func:`npu_shim.uninstall` can put back the very same objects.
-
-A patch served by several adapters (one per upstream release family) lets
-``build`` return :class:`Adapted`: the adapter's name, which ``npu-shim status``
-shows, and the values it replaces, which may be any non-empty subset of the
-declared ``replaces`` (each family replaces what its release needs).
+whether it calls an NPU kernel. Its release families
+(:class:`Family`, one per shape of the upstream code) complete it: each says
+which releases it serves, its version fence, the op call it keeps, and where
+its ``check`` and ``build`` live. The engine (:mod:`npu_shim.engine`) picks the
+family whose fence and check accept the installed code, records it (``npu-shim
+status`` shows it), sets the values its ``build`` returns all or none, and keeps
+the originals so that :func:`npu_shim.uninstall` can put back the very same
+objects. This module imports nothing heavy: declarations are read when the
+engine loads, implementations only once their target is imported.
 
 Attribute paths are dotted names inside the target module (``Class.method``),
 optionally ending in a string key of a dict (``TABLE['key']``), for entries a
@@ -39,22 +37,75 @@ class PatchError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class Adapted:
-    """What ``build`` returns when one of several adapters built the replacements."""
+class Family:
+    """One release family of a patch: the upstream releases it serves, as data.
 
-    adapter: str                  # shown by ``npu-shim status`` / ``status()`` as "adapter"
-    values: Mapping[str, Any]     # a non-empty subset of ``Patch.replaces``
-
-
-def unpack_build(result):
-    """``(values, adapter name or None, exact)`` of what ``build`` returned.
-
-    ``exact``: the values must cover every declared attribute (plain mappings);
-    an :class:`Adapted` result may cover a subset.
+    ``releases``  the upstream releases read (and, where a lane exists, run) for
+                  this family, oldest first. They name the family:
+                  ``"0.13.0-0.17.0rc1"``, ``"0.18.0"``, or ``"0.23.0rc1+"`` when
+                  ``fence`` has no upper bound (later releases of the same shape
+                  are served too); ``"unreleased"`` for builds between releases.
+    ``implementation``  where ``check`` and ``build`` live, imported only once
+                  the target module is: ``"package.module"`` (module-level
+                  functions) or ``"package.module:attribute"`` (an object with
+                  ``check``/``build`` methods). ``check(subject)`` raises
+                  :class:`TargetMismatch` (another shape) or :class:`NotNeeded`
+                  (fixed upstream) unless the installed code has the shape the
+                  family was written for; it looks at structure only, the fence
+                  does versions. ``build(subject)`` returns ``{attribute path
+                  relative to the subject: replacement}``, a non-empty subset of
+                  the patch's ``replaces``.
+    ``keeps``     the upstream op call the family keeps (shown in the reference).
+    ``fence``     PEP 440 range of ``dist`` the family may apply to
+                  (pre-releases count as inside); "" = the patch's own window.
+    ``dist``      the distribution ``fence`` reads; default: the patch's first
+                  ``requires`` entry.
     """
-    if isinstance(result, Adapted):
-        return result.values, result.adapter, False
-    return result, None, True
+
+    releases: Tuple[str, ...]
+    implementation: Any      # "module" / "module:attribute", or the object itself
+    keeps: str
+    fence: str = ""
+    dist: str = ""
+
+    def __post_init__(self):
+        if isinstance(self.releases, str):
+            raise TypeError("Family.releases must be a tuple of release versions, not a string")
+
+    @property
+    def open_ended(self) -> bool:
+        return bool(self.fence) and "<" not in self.fence and "==" not in self.fence
+
+    @property
+    def name(self) -> str:
+        if not self.releases:
+            return "unreleased"
+        if self.open_ended:
+            return self.releases[0] + "+"
+        if len(self.releases) == 1:
+            return self.releases[0]
+        return "%s-%s" % (self.releases[0], self.releases[-1])
+
+    def load(self):
+        """The object holding ``check`` and ``build`` (imports the implementation)."""
+        import importlib
+
+        if not isinstance(self.implementation, str):
+            return self.implementation
+        module_name, _, attribute = self.implementation.partition(":")
+        found = importlib.import_module(module_name)
+        return getattr(found, attribute) if attribute else found
+
+
+class _Inline:
+    """The family of a patch declared with ``check``/``build`` directly."""
+
+    def __init__(self, check, build):
+        self._check, self.build = check, build
+
+    def check(self, module):
+        if self._check is not None:
+            self._check(module)
 
 
 @dataclass(frozen=True)
@@ -67,6 +118,14 @@ class Patch:
     # {"vllm": "0.14+ dispatches MoonViT through MMEncoderAttention"}.
     outside_window: Mapping[str, str] = field(default_factory=dict)
     needs_npu: bool = False
+    # The release families, oldest first; the engine applies the first whose fence
+    # holds and whose check accepts the installed code.
+    families: Tuple[Family, ...] = ()
+    # Dotted path inside ``target`` of the object the families check and build on
+    # (e.g. the class they patch); "" = the target module itself.
+    subject: str = ""
+    # Shorthand for a patch of your own with one unnamed family and no fence:
+    # ``check(module)`` and ``build(module)`` (the built-in patches declare families).
     check: Optional[Callable[[ModuleType], None]] = None
     build: Optional[Callable[[ModuleType], Mapping[str, Any]]] = None
     summary: str = ""
@@ -82,10 +141,36 @@ class Patch:
         stray = set(self.outside_window) - set(self.requires)
         if stray:
             raise ValueError("outside_window names %s, which requires does not" % sorted(stray))
+        if isinstance(self.families, Family):
+            raise TypeError("Patch.families must be a tuple of Family, not one Family")
+        if self.check is not None or self.build is not None:
+            if self.families:
+                raise TypeError("%s: declare families or check/build, not both" % self.name)
+            object.__setattr__(self, "families", (Family((), _Inline(self.check, self.build), keeps=""),))
+        names = [family.name for family in self.families]
+        if len(set(names)) != len(names):
+            raise ValueError("%s: two families share a name: %s" % (self.name, names))
+        if any(family.fence and not family.dist for family in self.families) and not self.requires:
+            raise ValueError("%s: a fenced family without dist needs the patch to require a distribution"
+                             % self.name)
+
+    @property
+    def named_families(self) -> bool:
+        """False for the check/build shorthand (one unnamed family)."""
+        return not any(isinstance(f.implementation, _Inline) for f in self.families)
 
     @property
     def implemented(self) -> bool:
-        return self.build is not None
+        if not self.named_families:
+            return self.build is not None
+        return bool(self.families)
+
+    def family_dist(self, family: Family) -> str:
+        return family.dist or next(iter(self.requires))
+
+    def relative_path(self, path: str) -> str:
+        """``path`` (relative to the subject) as a path relative to the target module."""
+        return "%s.%s" % (self.subject, path) if self.subject else path
 
 
 _PATH = re.compile(r"^(?P<attrs>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\[(?P<q>['\"])(?P<key>[^'\"]+)(?P=q)\])?$")
@@ -97,80 +182,3 @@ def parse_path(path: str) -> Tuple[Tuple[str, ...], Optional[str]]:
     if not match:
         raise ValueError("bad attribute path %r: use dotted names, optionally ending in ['key']" % path)
     return tuple(match.group("attrs").split(".")), match.group("key")
-
-
-_MISSING = object()
-
-
-class Slot:
-    """One place a patch writes to: an attribute of an object or a key of a dict."""
-
-    __slots__ = ("path", "owner", "key", "is_item")
-
-    def __init__(self, module: ModuleType, path: str):
-        attrs, key = parse_path(path)
-        owner = module
-        walked = [module.__name__]
-        for name in attrs[:-1] if key is None else attrs:
-            walked.append(name)
-            try:
-                owner = getattr(owner, name)
-            except AttributeError:
-                raise TargetMismatch("%s not found" % ".".join(walked)) from None
-        self.path = path
-        self.owner = owner
-        self.is_item = key is not None
-        self.key = key if self.is_item else attrs[-1]
-        if self.is_item and not isinstance(owner, dict):
-            raise TargetMismatch("%s.%s is a %s, not a dict" % (module.__name__, ".".join(attrs), type(owner).__name__))
-
-    def exists(self) -> bool:
-        if self.is_item:
-            return self.key in self.owner
-        return hasattr(self.owner, self.key)
-
-    def read_own(self):
-        """The value stored here (not inherited), or _MISSING."""
-        if self.is_item:
-            return self.owner.get(self.key, _MISSING)
-        return vars(self.owner).get(self.key, _MISSING) if hasattr(self.owner, "__dict__") else getattr(self.owner, self.key, _MISSING)
-
-    def write(self, value) -> None:
-        if value is _MISSING:
-            if self.is_item:
-                self.owner.pop(self.key, None)
-            elif self.key in vars(self.owner):
-                delattr(self.owner, self.key)
-        elif self.is_item:
-            self.owner[self.key] = value
-        else:
-            setattr(self.owner, self.key, value)
-
-
-def apply_atomically(module: ModuleType, patch: Patch, values: Mapping[str, Any], exact: bool = True):
-    """Write every value or none; return ``[(slot, original), ...]`` for revert.
-
-    ``exact=False`` (an :class:`Adapted` build) accepts a non-empty subset of ``replaces``.
-    """
-    keys, declared = set(values), set(patch.replaces)
-    if (keys != declared) if exact else (not keys or not keys <= declared):
-        raise TypeError(
-            "%s: build() returned %s but the patch declares %s%s"
-            % (patch.name, sorted(values), sorted(patch.replaces), "" if exact else " (a subset is allowed)")
-        )
-    slots = [Slot(module, path) for path in patch.replaces if path in keys]
-    done = []
-    try:
-        for slot in slots:
-            original = slot.read_own()
-            slot.write(values[slot.path])
-            done.append((slot, original))
-    except BaseException:
-        revert(done)
-        raise
-    return done
-
-
-def revert(done) -> None:
-    for slot, original in reversed(done):
-        slot.write(original)

@@ -33,7 +33,7 @@ def test_status_table_and_module_entry_agree(make_env):
     assert table.returncode == module.returncode == 0
     assert table.stdout == module.stdout
     header, rule, *lines = table.stdout.splitlines()
-    assert header.split() == ["patch", "state", "adapter", "reason", "versions"]
+    assert header.split() == ["patch", "state", "family", "reason", "versions"]
     assert [line.split()[0] for line in lines] == PATCHES
 
 

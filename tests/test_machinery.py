@@ -272,13 +272,13 @@ def test_bad_attribute_path_is_rejected_at_declaration():
 
 
 def test_version_guard_reason_carries_the_patch_note():
-    from npu_shim import _machinery
+    from npu_shim.engine import guards
     from npu_shim.patch import Patch
 
     patch = Patch(name="x", target="m", replaces=("f",), requires={"vllm": ">=0.8.5,<0.14"},
                   outside_window={"vllm": "0.14+ uses MMEncoderAttention"})
-    assert _machinery.guard_failure(patch, {"vllm": "0.15.0"}) == (
+    assert guards.guard_failure(patch, {"vllm": "0.15.0"}) == (
         "vllm 0.15.0 is outside >=0.8.5,<0.14 (0.14+ uses MMEncoderAttention)")
-    assert _machinery.guard_failure(patch, {"vllm": "0.13.0"}) is None
+    assert guards.guard_failure(patch, {"vllm": "0.13.0"}) is None
     with pytest.raises(ValueError, match="outside_window names \\['torch'\\]"):
         Patch(name="x", target="m", replaces=("f",), outside_window={"torch": "no"})

@@ -63,8 +63,19 @@ def target_with(forward_extend):
     return types.SimpleNamespace(AscendAttnBackend=backend, __name__="fake_ascend_backend")
 
 
-def test_a_release_with_0_5_13s_gates_gets_its_adapter():
-    assert small_page.select_adapter(target_with(release_0_5_13)).name == "hybrid-swa-0.5.13"
+def test_a_release_with_0_5_13s_gates_gets_its_family():
+    from npu_shim.engine import guards
+
+    assert small_page.select_adapter(target_with(release_0_5_13)).name == "0.5.13"
+    family, _, _ = guards.select_family(small_page.PATCH, target_with(release_0_5_13), {"sglang": "0.5.13"})
+    assert family.name == "0.5.13"
+
+
+def test_a_family_whose_fence_holds_but_gates_differ_is_refused_with_every_reason():
+    from npu_shim.engine import guards
+
+    with pytest.raises(TargetMismatch, match="0.5.13 .*not those of the 0.5.13 family.*0.5.14: sglang 0.5.13 outside"):
+        guards.select_family(small_page.PATCH, target_with(without_alibi_gate), {"sglang": "0.5.13"})
 
 
 @pytest.mark.parametrize("method, message", [
@@ -73,7 +84,7 @@ def test_a_release_with_0_5_13s_gates_gets_its_adapter():
 ])
 def test_unknown_shapes_are_mismatches(method, message):
     with pytest.raises(TargetMismatch, match=message):
-        small_page.check(target_with(method))
+        small_page.select_adapter(target_with(method))
 
 
 def test_adapters_are_exclusive_on_every_known_gate_set():

@@ -6,23 +6,25 @@ import textwrap
 import pytest
 import torch
 
-from npu_shim import _stats
+from npu_shim.engine import counters
 
 TOY_PATCH = textwrap.dedent('''
     import json, os, sys
     sys.path.insert(0, {toy!r})
     import npu_shim
-    from npu_shim import _stats
-    from npu_shim.patch import Patch
+    from npu_shim.engine import counters
+    from types import SimpleNamespace
+    from npu_shim.patch import Family, Patch
     def build(module):
         original = module.greet
         def greet():
-            _stats.count("toy.counted", "calls")
-            _stats.count("toy.counted", "upstream_calls")
+            counters.count("toy.counted", "calls")
+            counters.count("toy.counted", "upstream_calls")
             return original()
         return {{"greet": greet}}
-    npu_shim.register(Patch(name="toy.counted", target="toy_counted", replaces=("greet",), build=build))
-    _stats.note_adapter("toy.counted", "toy-1.x")
+    family = Family(("1.0", "1.9"), SimpleNamespace(check=lambda module: None, build=build), keeps="greet")
+    npu_shim.register(Patch(name="toy.counted", target="toy_counted", replaces=("greet",),
+                            families=(family,)))
 ''')
 
 
@@ -40,7 +42,8 @@ def test_stats_reports_state_reason_adapter_and_counters(toy, run_python):
         print(json.dumps(npu_shim.stats()))
     '''))
     rows = __import__("json").loads(out.stdout)
-    assert rows["toy.counted"] == {"state": "applied", "reason": "applied", "adapter": "toy-1.x",
+    assert rows["toy.counted"] == {"state": "applied", "reason": "applied", "family": "1.0-1.9",
+                                   "adapter": "1.0-1.9",
                                    "calls": 3, "upstream_calls": 3, "host_copies": 0,
                                    "upstream_host_copies": 0}
     assert set(rows) >= {"transformers.attn_check", "vllm.moonvit_attn", "sglang.cp_fia"}
@@ -48,17 +51,17 @@ def test_stats_reports_state_reason_adapter_and_counters(toy, run_python):
 
 
 def test_stats_is_lazy(run_python):
-    out = run_python("import sys, npu_shim; print('wrapt' in sys.modules, 'npu_shim._stats' in sys.modules)")
+    out = run_python("import sys, npu_shim; print('wrapt' in sys.modules, 'npu_shim.engine.counters' in sys.modules)")
     assert out.stdout.split() == ["False", "False"]
 
 
 def test_counts_from_many_threads_are_all_kept():
-    _stats.reset()
+    counters.reset()
     import threading
 
     def work():
         for _ in range(20000):
-            _stats.count("toy.threads", "calls")
+            counters.count("toy.threads", "calls")
 
     threads = [threading.Thread(target=work) for _ in range(8)]
     old = __import__("sys").getswitchinterval()
@@ -70,31 +73,29 @@ def test_counts_from_many_threads_are_all_kept():
             t.join()
     finally:
         __import__("sys").setswitchinterval(old)
-    assert _stats.snapshot()["toy.threads"]["calls"] == 8 * 20000
-    _stats.reset()
+    assert counters.snapshot()["toy.threads"]["calls"] == 8 * 20000
+    counters.reset()
 
 
-def test_forked_child_counts_from_zero_and_keeps_the_adapter():
-    _stats.reset()
-    _stats.count("toy.fork", "calls", 5)
-    _stats.note_adapter("toy.fork", "a1")
+def test_forked_child_counts_from_zero():
+    counters.reset()
+    counters.count("toy.fork", "calls", 5)
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
-        row = _stats.snapshot().get("toy.fork", {})
-        _stats.count("toy.fork", "calls")
-        os.write(write, ("%s %s %s" % (row.get("calls"), row.get("adapter"),
-                                       _stats.snapshot()["toy.fork"]["calls"])).encode())
+        row = counters.snapshot().get("toy.fork", {})
+        counters.count("toy.fork", "calls")
+        os.write(write, ("%s %s" % (row.get("calls"), counters.snapshot()["toy.fork"]["calls"])).encode())
         os._exit(0)
     os.close(write)
     got = os.read(read, 100).decode()
     os.waitpid(pid, 0)
-    assert got == "0 a1 1"
-    assert _stats.snapshot()["toy.fork"]["calls"] == 5      # the parent's own counts stay
-    _stats.reset()
+    assert got == "None 1"
+    assert counters.snapshot()["toy.fork"]["calls"] == 5      # the parent's own counts stay
+    counters.reset()
 
 
-EXIT_LINE = re.compile(r"^npu-shim\[pid (\d+)\]: toy.counted adapter=toy-1.x calls=(\d+) "
+EXIT_LINE = re.compile(r"^npu-shim\[pid (\d+)\]: toy.counted family=1.0-1.9 calls=(\d+) "
                        r"upstream_calls=(\d+) host_copies=0 upstream_host_copies=0$")
 
 
@@ -126,11 +127,11 @@ def test_moonvit_patch_counts_calls_and_one_host_copy_per_cu_seqlens(monkeypatch
     from npu_shim.patches.vllm import moonvit_attn as moonvit
 
     emulation.install()
-    _stats.reset()
+    counters.reset()
     q = torch.randn(10, 2, 16)
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     for _ in range(3):   # three layers of one forward share cu_seqlens
         moonvit.ascend_fa_attention(q, q, q, cu, cu)
-    row = _stats.snapshot()["vllm.moonvit_attn"]
+    row = counters.snapshot()["vllm.moonvit_attn"]
     assert (row["calls"], row["host_copies"]) == (3, 1)
-    _stats.reset()
+    counters.reset()

@@ -53,17 +53,16 @@ def kernel_provider():
 
 def _selftest_module(patch_name):
     """The selftest module the patch declares (``Patch.selftest``), or None."""
-    declared = _startup._machinery()._records[patch_name].patch.selftest
+    declared = _startup.engine().patch_named(patch_name).selftest
     return importlib.import_module(declared) if declared else None
 
 
 def run_all(device=None):
-    machinery = _startup._machinery()
-    rows_by_name = {row["name"]: row for row in machinery.status(import_targets=True)}
+    rows_by_name = {row["name"]: row for row in _startup.engine().status(import_targets=True)}
     provider = kernel_provider()
     device = device or ("npu" if provider == "torch_npu" else "cpu")
     results = []
-    for name, patch_module in BUILTIN_PATCHES:
+    for name, _ in BUILTIN_PATCHES:
         row = rows_by_name[name]
         result = {
             "patch": name,

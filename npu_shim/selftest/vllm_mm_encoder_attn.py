@@ -1,12 +1,12 @@
 """Selftest of ``vllm.mm_encoder_attn``: a patched vision-tower attention stack.
 
 Builds a few real ``AscendMMEncoderAttention`` layers (vllm-ascend's own class,
-already patched by the shim with the adapter that applies to the installed
+already patched by the shim with the family that applies to the installed
 release) shaped like Qwen2.5-VL's ViT (16 heads of 80, so the head dim is
 padded to 128), runs one encoder forward over three images of different sizes
 packed into one sequence, and reports the largest deviation from the float64
 reference, the host syncs of that forward (one: the single copy of
-``cu_seqlens``, whatever the depth), the time it took, and the adapter and NPU
+``cu_seqlens``, whatever the depth), the time it took, and the family and NPU
 op that ran. The 310P patch's selftest runs the same stack on its class
 (:func:`run_encoder_stack`).
 """
@@ -29,8 +29,8 @@ def _patched_class(patch_name, class_name):
     if not hasattr(cls.forward_oot, "__wrapped_upstream__"):
         raise RuntimeError("%s reports applied but %s.forward_oot is not the shim's"
                            % (patch_name, cls.__qualname__))
-    adapter = next(r for r in status() if r["name"] == patch_name)["adapter"]
-    return cls, adapter
+    family = next(r for r in status() if r["name"] == patch_name)["family"]
+    return cls, family
 
 
 def run(device=None):
@@ -45,7 +45,7 @@ def run_encoder_stack(patch_name, class_name, device=None):
     from npu_shim.testing import attention_f64, count_host_syncs, dense_segments, record_npu_calls
 
     device = device or "cpu"
-    cls, adapter = _patched_class(patch_name, class_name)
+    cls, family = _patched_class(patch_name, class_name)
     dtype = torch.float32 if device == "cpu" else torch.float16
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=device))):
         layers = [cls(num_heads=HEADS, head_size=HEAD_DIM, scale=SCALE,
@@ -74,9 +74,9 @@ def run_encoder_stack(patch_name, class_name, device=None):
         "tolerance": TOLERANCE[str(dtype).replace("torch.", "")],
         "host_syncs": syncs.count,
         "seconds": seconds,
-        "detail": "%d %s layers (adapter %s), %d heads x %d, scale %g, "
+        "detail": "%d %s layers (family %s), %d heads x %d, scale %g, "
                   "images of %s tokens packed, %s on %s, NPU op %s"
-                  % (LAYERS, class_name, adapter, HEADS, HEAD_DIM, SCALE, "/".join(map(str, IMAGE_TOKENS)),
+                  % (LAYERS, class_name, family, HEADS, HEAD_DIM, SCALE, "/".join(map(str, IMAGE_TOKENS)),
                      str(dtype).replace("torch.", ""), device,
                      "/".join(sorted({c.name for c in calls})) or "none"),
     }

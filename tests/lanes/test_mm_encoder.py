@@ -491,12 +491,12 @@ def test_status_and_replaced_methods(stack):
     from npu_shim.patches.vllm_ascend.mm_encoder_attn import PATCH
 
     assert stack.status["reason"] == "vllm-ascend %s" % stack.vllm_ascend_version
-    assert stack.status["adapter"] == "v013"
+    assert stack.status["adapter"] == "0.13.0-0.17.0rc1"
     for path in PATCH.replaces:
         name = path.split(".")[1]
         ours = vars(stack.patched)[name]
         original = vars(stack.upstream)[name]
-        assert ours.__code__.co_filename.endswith(os.path.join("patches", "mm_encoder", "v013.py"))
+        assert ours.__code__.co_filename.endswith(os.path.join("patches", "vllm_ascend", "mm_encoder", "v013.py"))
         assert original.__code__.co_filename == stack.module.__file__
         assert inspect.signature(ours) == inspect.signature(original)
 
@@ -593,7 +593,7 @@ def test_disabled_is_exactly_upstream(stack, run_python, make_env, tmp_path):
 
 def test_enabled_in_a_fresh_interpreter_and_uninstall_restores(stack, run_python, make_env, tmp_path):
     result, _ = _run_in_fresh_interpreter(run_python, make_env, tmp_path)
-    assert result["state"] == "applied" and result["adapter"] == "v013", result
+    assert result["state"] == "applied" and result["adapter"] == "0.13.0-0.17.0rc1", result
     assert result["forward_file"] != result["module_file"]
     assert result["forward_file_after_uninstall"] == result["module_file"]
     assert result["syncs"] == 1
@@ -614,7 +614,7 @@ def test_strict_mode_raises_on_a_mismatch_inside_the_window(stack, run_python, m
     result, _ = _run_in_fresh_interpreter(run_python, make_env, tmp_path, TEST_CHANGE_SHAPE="1",
                                           NPU_SHIM_STRICT="1")
     assert result["raised"] == "PatchError", result
-    assert "v013" in result["message"] and "maybe_compute_seq_lens" in result["message"]
+    assert "0.13.0-0.17.0rc1" in result["message"] and "maybe_compute_seq_lens" in result["message"]
 
 
 # -------------------------------------------------- defects 2 and 3 (issue 10)

@@ -31,6 +31,8 @@ import types
 
 import pytest
 
+import npu_shim
+
 pytestmark = pytest.mark.lanes("vllm-0.14", "vllm-0.18", "vllm-0.22", "latest-vllm")
 
 TARGET = "vllm_ascend._310p.ops.mm_encoder_attention"
@@ -40,12 +42,20 @@ UPSTREAM_COPY = "npu_shim_tests_upstream_mm_encoder_attention_310p"
 SOC = "Ascend310P3"
 LAYERS = 27
 TOL = 2e-5
-ADAPTER_BY_RELEASE = (("0.14.", "v014_310p"), ("0.18.", "v018_310p"), ("0.19.", "v018_310p"),
-                      ("0.20.", "v018_310p"), ("0.21.", "v018_310p"), ("0.22.", "v018_310p"))
+ADAPTER_BY_RELEASE = (("0.14.", "0.14.0rc1"), ("0.18.", "0.18.0rc1-0.22.1rc1"), ("0.19.", "0.18.0rc1-0.22.1rc1"),
+                      ("0.20.", "0.18.0rc1-0.22.1rc1"), ("0.21.", "0.18.0rc1-0.22.1rc1"),
+                      ("0.22.", "0.18.0rc1-0.22.1rc1"))
+
+
+def family_module(name):
+    """The module of the family ``name`` of the patch under test (its replacements name it)."""
+    from npu_shim.patches.vllm_ascend.mm_encoder_attn_310p import PATCH
+
+    return next(f.implementation for f in PATCH.families if f.name == name)
 
 
 def expected_adapter(version):
-    return next((name for prefix, name in ADAPTER_BY_RELEASE if version.startswith(prefix)), "v023_310p")
+    return next((name for prefix, name in ADAPTER_BY_RELEASE if version.startswith(prefix)), "0.23.0rc1+")
 
 
 @pytest.fixture(autouse=True)
@@ -166,8 +176,8 @@ def test_status_names_the_adapter(stack):
     assert stack.status["adapter"] == expected_adapter(stack.version)
     assert stack.status["reason"] == "vllm-ascend %s" % stack.version
     ours, original = vars(stack.patched)["forward_oot"], vars(stack.upstream)["forward_oot"]
-    assert os.path.join("npu_shim", "patches", "mm_encoder", "v0") in ours.__code__.co_filename
-    assert "npu_shim.patches.vllm_ascend.mm_encoder.%s" % stack.status["adapter"] in ours.__doc__
+    assert os.path.join("npu_shim", "patches", "vllm_ascend", "mm_encoder", "v0") in ours.__code__.co_filename
+    assert family_module(stack.status["family"]) in ours.__doc__
     assert ours.__wrapped_upstream__.__code__.co_filename == stack.module.__file__
     assert inspect.signature(ours) == inspect.signature(original)
     assert "__init__" not in vars(stack.patched) or vars(stack.patched)["__init__"].__code__.co_filename \
@@ -304,20 +314,20 @@ def test_27_layers_copy_once_per_forward_under_inference_mode(stack):
     for the same buffer rewritten in place between two forwards (no version counter under
     inference mode)."""
     import torch
-    from npu_shim import _stats
+    from npu_shim.engine import counters
     from npu_shim.testing import count_host_syncs
 
     q, k, v = qkv("4d", 1, 18, 4, 4, 80, seed=1)
     upstream = build(stack, stack.upstream, count=LAYERS)
     patched = build(stack, stack.patched, count=LAYERS)
-    _stats.reset()
+    counters.reset()
     with torch.inference_mode():
         cu = packed([5, 1, 9, 3])
         with count_host_syncs(device_tensors=[cu]) as up:
             tower_forward(upstream, q, k, v, cu)
         with count_host_syncs(device_tensors=[cu]) as first:
             outs = tower_forward(patched, q, k, v, cu)
-        counters = _stats.snapshot()[PATCH_NAME]
+        counters = counters.snapshot()[PATCH_NAME]
         second_cu = packed([12, 2, 4])
         with count_host_syncs(device_tensors=[second_cu]) as second:
             outs2 = tower_forward(patched, q, k, v, second_cu)
@@ -325,7 +335,7 @@ def test_27_layers_copy_once_per_forward_under_inference_mode(stack):
         with count_host_syncs(device_tensors=[second_cu]) as third:
             outs3 = tower_forward(patched, q, k, v, second_cu)
     assert (up.count, first.count, second.count, third.count) == (LAYERS, 1, 1, 1)
-    assert counters["calls"] == LAYERS and counters["adapter"] == stack.status["adapter"]
+    assert counters["calls"] == LAYERS and npu_shim.stats()[PATCH_NAME]["family"] == stack.status["family"]
     # _stats counts transfers of real device tensors only; the CPU stand-ins are counted above.
     assert counters["host_copies"] == counters["upstream_host_copies"] == 0
     for outputs, lengths in ((outs, [5, 1, 9, 3]), (outs2, [12, 2, 4]), (outs3, [3, 1, 14])):
@@ -461,7 +471,7 @@ def test_0_23_op_choice_follows_upstreams(stack):
     import torch
     import torch_npu
 
-    assert stack.status["adapter"] == "v023_310p"
+    assert stack.status["adapter"] == "0.23.0rc1+"
     assert not hasattr(torch_npu, "_npu_flash_attention_unpad_v2")
     q, k, v = qkv("4d", 1, 6, 4, 4, 80, seed=17)
     cu = packed([6])
@@ -515,7 +525,8 @@ def test_uninstall_restores_upstream_and_install_applies_again(stack):
     assert vars(stack.patched)["forward_oot"].__wrapped_upstream__ is ours.__wrapped_upstream__
 
 
-def test_a_shape_no_adapter_knows_is_skipped_with_every_reason(stack):
+def test_a_shape_no_family_knows_is_skipped_with_every_reason(stack):
+    from npu_shim.engine import guards
     from npu_shim.patch import TargetMismatch
     from npu_shim.patches.vllm_ascend.mm_encoder_attn_310p import PATCH
 
@@ -526,8 +537,8 @@ def test_a_shape_no_adapter_knows_is_skipped_with_every_reason(stack):
     Reshaped.__name__ = Reshaped.__qualname__ = CLASS_NAME
     module = types.ModuleType(TARGET)
     setattr(module, CLASS_NAME, Reshaped)
-    with pytest.raises(TargetMismatch, match="no adapter accepts AscendMMEncoderAttention310") as info:
-        PATCH.check(module)
+    with pytest.raises(TargetMismatch, match="no family accepts AscendMMEncoderAttention310") as info:
+        guards.select_family(PATCH, module)
     assert "%s (vllm-ascend" % expected_adapter(stack.version) in str(info.value)
     assert "forward_oot takes ('self', 'query', 'key', 'value', 'cu_seqlens')" in str(info.value)
 
@@ -600,4 +611,4 @@ def test_strict_mode_raises_on_a_shape_no_adapter_knows(run_python, make_env, tm
     before the shim's): NPU_SHIM_STRICT=1 raises from the import of the target."""
     strict, _ = run_fresh(run_python, make_env, tmp_path, mode="mismatch", NPU_SHIM_STRICT="1")
     assert strict.get("raised") == "PatchError", strict
-    assert "no adapter accepts AscendMMEncoderAttention310" in strict["message"]
+    assert "no family accepts AscendMMEncoderAttention310" in strict["message"]

@@ -20,6 +20,7 @@ for :func:`npu_shim.testing.count_host_syncs`.
 import importlib.util
 import inspect
 import os
+import re
 import textwrap
 import types
 
@@ -68,8 +69,14 @@ def stack():
         module=module, patched=module.AscendMMEncoderAttention,
         upstream=upstream_module.AscendMMEncoderAttention, upstream_module=upstream_module,
         config=VllmConfig(device_config=DeviceConfig(device="cpu")), status=row,
-        version=version, adapter="v022" if version.startswith("0.22") else "v023",
+        version=version, adapter="0.22.1rc1" if version.startswith("0.22") else "0.23.0rc1+",
         ignores_scale=version.startswith("0.22"))
+
+
+def npu_shim_stats():
+    import npu_shim
+
+    return npu_shim.stats()
 
 
 def vllm_layers(stack, n, *, heads=HEADS, head_dim=HEAD_DIM, kv_heads=None, scale=None,
@@ -131,13 +138,13 @@ def tower(layers, q, k, v, cu, **kw):
 
 
 def test_status_names_the_adapter_and_only_forward_oot_is_replaced(stack):
-    from npu_shim import _stats
+    from npu_shim.engine import counters
 
     assert stack.status["adapter"] == stack.adapter
     assert stack.status["reason"] == "vllm-ascend %s" % stack.version
-    assert _stats.snapshot()[PATCH_NAME]["adapter"] == stack.adapter
+    assert npu_shim_stats()[PATCH_NAME]["family"] == stack.adapter
     ours = vars(stack.patched)["forward_oot"]
-    assert ours.__code__.co_filename.endswith(os.path.join("patches", "mm_encoder", "fia.py"))
+    assert ours.__code__.co_filename.endswith(os.path.join("patches", "vllm_ascend", "mm_encoder", "fia.py"))
     assert ours.__wrapped_upstream__.__code__.co_filename == stack.module.__file__
     assert inspect.signature(ours) == inspect.signature(vars(stack.upstream)["forward_oot"])
     assert vars(stack.patched)["__init__"].__code__.co_filename == stack.module.__file__
@@ -148,7 +155,7 @@ def test_each_adapter_refuses_the_other_family(stack):
     from npu_shim.patch import TargetMismatch
     from npu_shim.patches.vllm_ascend.mm_encoder import v022, v023
 
-    accepting, refusing = (v022, v023) if stack.adapter == "v022" else (v023, v022)
+    accepting, refusing = (v022, v023) if stack.adapter == "0.22.1rc1" else (v023, v022)
     accepting.check(stack.upstream)
     with pytest.raises(TargetMismatch):
         refusing.check(stack.upstream)
@@ -156,10 +163,9 @@ def test_each_adapter_refuses_the_other_family(stack):
 
 def test_structural_check_refuses_a_changed_op_call(stack):
     """A class of this release whose ``_run_vit_fia`` calls another op: refused, with its name."""
+    from npu_shim.engine import guards
     from npu_shim.patch import TargetMismatch
-    from npu_shim.patches.vllm_ascend.mm_encoder import select
-    from npu_shim.patches.vllm_ascend.mm_encoder_attn import ADAPTERS
-    from npu_shim.patches.vllm_ascend.mm_encoder import load_adapters
+    from npu_shim.patches.vllm_ascend.mm_encoder_attn import PATCH
 
     def _run_vit_fia(self, query, key, value, *args, **kwargs):
         return stack.upstream_module.torch_npu.npu_fusion_attention(query, key, value)
@@ -169,8 +175,8 @@ def test_structural_check_refuses_a_changed_op_call(stack):
         "_forward_eager_fia": vars(stack.upstream)["_forward_eager_fia"],
         "_run_vit_fia": _run_vit_fia})
     with pytest.raises(TargetMismatch, match="%s .*_run_vit_fia no longer refers to "
-                       "npu_fused_infer_attention_score" % stack.adapter):
-        select(changed, load_adapters(ADAPTERS))
+                       "npu_fused_infer_attention_score" % re.escape(stack.adapter)):
+        guards.select_family(PATCH, types.SimpleNamespace(__name__="changed", AscendMMEncoderAttention=changed))
 
 
 # ------------------------------------------------------ MoonViT: copies, numbers
@@ -450,7 +456,7 @@ def test_capture_hands_the_call_to_upstream_untouched(stack, monkeypatch):
     """While vllm-ascend's encoder ACL-graph capture is active, upstream's forward_oot runs
     (its _forward_capture_fia records the graph ops, which the emulation does not have)."""
     import torch
-    from npu_shim import _stats
+    from npu_shim.engine import counters
     from vllm_ascend.worker.encoder_acl_graph import set_encoder_forward_context
 
     seen = []
@@ -462,17 +468,17 @@ def test_capture_hands_the_call_to_upstream_untouched(stack, monkeypatch):
     monkeypatch.setattr(stack.patched, "_forward_capture_fia", capture_fia)
     layer = vllm_layers(stack, 1, heads=4, head_dim=64)[0]
     q, k, v = (torch.zeros(1, 8, 4, 64) for _ in range(3))
-    before = dict(_stats.snapshot()[PATCH_NAME])
+    before = dict(counters.snapshot()[PATCH_NAME])
     with set_encoder_forward_context(2048, True):
         result = layer.forward_oot(q, k, v, cu_seqlens=cu_tensor((8,)))
-    after = _stats.snapshot()[PATCH_NAME]
+    after = counters.snapshot()[PATCH_NAME]
     assert result == "upstream capture result"
     assert seen and seen[0][0] == (8, 4, 64) and seen[0][1]["cu_seqlens"].tolist() == [0, 8]
     assert after["upstream_calls"] == before["upstream_calls"] + 1
     assert after["calls"] == before["calls"]
     with torch.inference_mode():    # capture over: the shim's eager path again
         layer.forward_oot(q, k, v, cu_seqlens=cu_tensor((8,)))
-    assert _stats.snapshot()[PATCH_NAME]["calls"] == after["calls"] + 1
+    assert counters.snapshot()[PATCH_NAME]["calls"] == after["calls"] + 1
 
 
 def test_selftest_runs_this_adapter(stack):
@@ -481,7 +487,7 @@ def test_selftest_runs_this_adapter(stack):
     result = selftest.run(device="cpu")
     assert result["max_abs_err"] <= result["tolerance"]
     assert result["host_syncs"] == 1
-    assert "adapter %s" % stack.adapter in result["detail"]
+    assert "family %s" % stack.adapter in result["detail"]
     assert "npu_fused_infer_attention_score" in result["detail"]
 
 

@@ -24,6 +24,8 @@ import os
 
 import pytest
 
+import npu_shim
+
 pytestmark = pytest.mark.lanes("latest-sglang")
 
 from sglang_support import cp_case, cp_strategy_case  # noqa: E402  (tests/lanes/conftest.py)
@@ -84,11 +86,11 @@ def methods(module):
 
 def test_applies_on_0_5_23_with_the_strategy_adapter(module):
     import npu_shim
-    from npu_shim import _stats
+    from npu_shim.engine import counters
 
     row = next(r for r in npu_shim.status() if r["name"] == NAME)
     assert (row["state"], row["versions"]) == ("applied", {"sglang": "0.5.23"}), row
-    assert _stats.snapshot()[NAME]["adapter"] == "strategy-closure-0.5.23"
+    assert npu_shim.stats()[NAME]["family"] == "0.5.23"
 
 
 def test_uninstall_restores_upstreams_method(module, methods):
@@ -163,7 +165,7 @@ def test_other_tensors_fall_back_to_upstreams_conversion(module, methods):
     """Metadata without the host lists: the closure converts as upstream does, and says so."""
     import torch
 
-    from npu_shim import _stats
+    from npu_shim.engine import counters
 
     upstream, patched = methods
     batch = cp_case.make_batch(SPECS[2])
@@ -171,9 +173,9 @@ def test_other_tensors_fall_back_to_upstreams_conversion(module, methods):
         backend, layer, forward_batch, local_q = cp_strategy_case.rank_inputs(module, batch, strategy)
         expected = upstream(backend, local_q, batch.k_cache, batch.v_cache, layer, forward_batch)
         forward_batch.attn_cp_metadata.kv_len_next_list = None
-        before = _stats.snapshot()[NAME]["host_copies"]
+        before = counters.snapshot()[NAME]["host_copies"]
         out = patched(backend, local_q, batch.k_cache, batch.v_cache, layer, forward_batch)
-    assert _stats.snapshot()[NAME]["host_copies"] - before == 2   # the next half only
+    assert counters.snapshot()[NAME]["host_copies"] - before == 2   # the next half only
     assert torch.equal(out, expected)
 
 

@@ -26,6 +26,8 @@ import os
 
 import pytest
 
+import npu_shim
+
 pytestmark = pytest.mark.lanes("sglang-0.5.13", "latest-sglang", "sglang-0.5.16", "sglang-0.5.19")
 
 from sglang_support import cp_case, prefill_case  # noqa: E402  (tests/lanes/conftest.py)
@@ -34,8 +36,8 @@ TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 POOL = "sglang.srt.hardware_backend.npu.memory_pool_npu"
 NAME = "sglang.small_page_fia"
 FIA, QLENS = "npu_fused_infer_attention_score", "_npu_flash_attention_qlens"
-ADAPTERS = {"0.5.12": "sinks-only-0.5.12", "0.5.13": "hybrid-swa-0.5.13", "0.5.16": "swa-fia-fa-0.5.15",
-            "0.5.19": "swa-fia-fa-0.5.15", "0.5.23": "swa-fia-fa-0.5.15"}
+ADAPTERS = {"0.5.12": "0.5.11-0.5.12", "0.5.13": "0.5.13", "0.5.16": "0.5.15-0.5.23",
+            "0.5.19": "0.5.15-0.5.23", "0.5.23": "0.5.15-0.5.23"}
 
 
 @pytest.fixture(scope="module")
@@ -105,12 +107,12 @@ def _same_arguments(a, b):
 
 def test_applies_with_the_adapter_of_this_release(modules):
     import npu_shim
-    from npu_shim import _stats
+    from npu_shim.engine import counters
 
     row = next(r for r in npu_shim.status() if r["name"] == NAME)
     version = row["versions"]["sglang"]
     assert row["state"] == "applied", row
-    assert _stats.snapshot()[NAME]["adapter"] == ADAPTERS[version]
+    assert npu_shim.stats()[NAME]["family"] == ADAPTERS[version]
 
 
 SMALL = [

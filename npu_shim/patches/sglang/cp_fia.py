@@ -53,8 +53,8 @@ comments; no source text is matched):
   (``sglang.srt.layers.utils.cp_utils``; ``sglang.srt.layers.cp.zigzag``
   where the class moved).
 """
-from npu_shim import _stats
-from npu_shim.patch import NotNeeded, Patch, TargetMismatch
+from npu_shim.engine import counters
+from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch
 
 NAME = "sglang.cp_fia"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
@@ -165,7 +165,7 @@ def make_do_cp_attn_fia():
         caches already hold the full gathered sequences. Returns
         ``[T, tp_q_head_num * v_head_dim]`` in the same token order.
         """
-        _stats.count(NAME, "calls")
+        counters.count(NAME, "calls")
         cp_meta = forward_batch.attn_cp_metadata
         num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
         q = q.reshape(-1, num_heads, layer.qk_head_dim)
@@ -210,8 +210,7 @@ PATCH = Patch(
     requires={"sglang": ">=0.5.11"},
     outside_window={"sglang": "no do_cp_attn_fia before 0.5.11"},
     needs_npu=True,
-    check=check,
-    build=build,
+    families=(Family((), __name__, keeps="torch.ops.npu.npu_fused_infer_attention_score, input_layout TND, paged"),),
     summary="split Q at total_q_prev_tokens; per-sequence CP lengths (bs >= 1, GQA, diff-KV)",
     selftest="npu_shim.selftest.sglang_cp_fia",
 )

@@ -40,7 +40,7 @@ metadata's host lists to FIA directly and make no sync there):
 import types
 from itertools import accumulate
 
-from npu_shim.patch import NotNeeded, Patch, TargetMismatch
+from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch
 
 NAME = "sglang.cp_fia_host_lengths"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
@@ -145,7 +145,7 @@ def host_lengths(meta, cu_seqlens_q, kv_lens):
 
 def make_do_cp_attn_fia(module):
     """The replacement method; the names upstream's method uses are bound from its module."""
-    from npu_shim import _stats
+    from npu_shim.engine import counters
 
     torch_npu = module.torch_npu
     get_cp_strategy = module.get_cp_strategy
@@ -155,13 +155,13 @@ def make_do_cp_attn_fia(module):
         """CP prefill attention through the CP strategy, lengths from the metadata's host
         lists (npu-shim ``sglang.cp_fia_host_lengths``)."""
         meta = forward_batch.attn_cp_metadata
-        _stats.count(NAME, "calls")
+        counters.count(NAME, "calls")
 
         def fia_cp_attn(q_chunk, cu_seqlens_q_cp, cache_seqlens_cp, max_seqlen_q_cp):
-            _stats.count(NAME, "upstream_host_copies", 2)
+            counters.count(NAME, "upstream_host_copies", 2)
             lengths = host_lengths(meta, cu_seqlens_q_cp, cache_seqlens_cp)
             if lengths is None:
-                _stats.count(NAME, "host_copies", 2)
+                counters.count(NAME, "host_copies", 2)
                 lengths = cu_seqlens_q_cp[1:].tolist(), cache_seqlens_cp.tolist()
             q_cumulative, kv_lens = lengths
             return torch_npu.npu_fused_infer_attention_score(
@@ -194,12 +194,9 @@ def make_do_cp_attn_fia(module):
 
 
 def build(module):
-    from npu_shim import _stats
-
     for name in ("torch_npu", "get_cp_strategy", "CPAttentionBackendKind"):
         if not hasattr(module, name):
             raise TargetMismatch("%s has no module-level %s" % (TARGET, name))
-    _stats.note_adapter(NAME, "strategy-closure-0.5.23")
     return {"AscendAttnBackend.%s" % METHOD: make_do_cp_attn_fia(module)}
 
 
@@ -211,8 +208,8 @@ PATCH = Patch(
     outside_window={"sglang": "before 0.5.23 FIA gets the metadata's host lists directly (no sync); "
                               "releases after 0.5.23 not verified"},
     needs_npu=True,
-    check=check,
-    build=build,
+    families=(Family(("0.5.23",), __name__,
+               keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND, upstream's arguments"),),
     summary="CP prefill FIA closure reads the zigzag metadata's host lists: 0 device->host syncs per layer",
     selftest="npu_shim.selftest.sglang_cp_fia_host_lengths",
 )

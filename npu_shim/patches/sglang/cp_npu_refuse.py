@@ -21,7 +21,7 @@ How: wrap ``sglang.srt.arg_groups.parallel_hook.validate_prefill_cp_platform``:
 Upstream fix: 0.5.23 runs NPU CP through ``ZigzagCPStrategy`` (its own gather).
 Remove when: no pinned sglang is in 0.5.21-0.5.22.
 """
-from npu_shim.patch import NotNeeded, Patch, TargetMismatch
+from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch
 
 NAME = "sglang.cp_npu_refuse"
 TARGET = "sglang.srt.arg_groups.parallel_hook"
@@ -62,7 +62,7 @@ def check(module) -> None:
 
 
 def make_validate(module, upstream):
-    from npu_shim._stats import count
+    from npu_shim.engine.counters import count
 
     def validate_prefill_cp_platform(server_args):
         upstream(server_args)
@@ -89,8 +89,7 @@ PATCH = Patch(
     replaces=(CHECK,),
     requires={"sglang": ">=0.5.20,<0.5.23"},
     outside_window={"sglang": "the NPU KV gather is a stub only in 0.5.20-0.5.22"},
-    check=check,
-    build=build,
+    families=(Family(("0.5.21", "0.5.22"), __name__, keeps="upstream's validate_prefill_cp_platform for every other case"),),
     summary="refuse --enable-prefill-cp on NPU at start-up (the NPU KV gather is a stub)",
     selftest="npu_shim.selftest.sglang_cp_npu_refuse",
 )

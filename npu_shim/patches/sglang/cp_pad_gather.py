@@ -44,7 +44,7 @@ tree across 0.5.16-0.5.19):
 * ``do_cp_attn_fia`` splits at ``total_q_prev_tokens`` and calls
   ``npu_fused_infer_attention_score``.
 """
-from npu_shim.patch import NotNeeded, Patch, TargetMismatch
+from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch
 
 NAME = "sglang.cp_pad_gather"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
@@ -111,7 +111,7 @@ class _BatchWithLogicalRows:
 def make_gather(upstream_gather):
     import copy
 
-    from npu_shim._stats import count
+    from npu_shim.engine.counters import count
 
     def cp_all_gather_rerange_kv_cache(input_tensor, cp_size, forward_batch, stream):
         metadata = forward_batch.attn_cp_metadata
@@ -133,7 +133,7 @@ def make_gather(upstream_gather):
 def make_do_cp_attn_fia(upstream_method):
     import torch
 
-    from npu_shim._stats import count
+    from npu_shim.engine.counters import count
 
     def do_cp_attn_fia(self, q, k_cache, v_cache, layer, forward_batch):
         metadata = forward_batch.attn_cp_metadata
@@ -153,9 +153,6 @@ def make_do_cp_attn_fia(upstream_method):
 
 
 def build(module):
-    from npu_shim._stats import note_adapter
-
-    note_adapter(NAME, "0.5.16-0.5.19")
     return {
         GATHER: make_gather(getattr(module, GATHER)),
         "AscendAttnBackend.%s" % METHOD: make_do_cp_attn_fia(module.AscendAttnBackend.__dict__[METHOD]),
@@ -170,8 +167,8 @@ PATCH = Patch(
     outside_window={"sglang": "CP-v2 pad rows exist from 0.5.16; from 0.5.20 the NPU KV gather is "
                               "a stub that raises (sglang.cp_npu_refuse)"},
     needs_npu=True,
-    check=check,
-    build=build,
+    families=(Family(("0.5.16", "0.5.17", "0.5.18", "0.5.19"), __name__,
+               keeps="upstream's cp_all_gather_rerange_kv_cache and do_cp_attn_fia (npu_fused_infer_attention_score TND)"),),
     summary="NPU CP KV gather keeps each rank's real rows; pad rows never reach FIA",
     selftest="npu_shim.selftest.sglang_cp_pad_gather",
 )

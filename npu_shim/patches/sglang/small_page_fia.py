@@ -34,23 +34,21 @@ hardware evidence above (the one exception to "reproduce first"). The tests
 check the dispatch: page sizes 16/32/64 reach ``npu_fused_infer_attention_score``
 and match the float64 reference; 128 and 256 make upstream's qlens call.
 
-Release families (decided by the structure of ``forward_extend``: the
-conditions of its ``if`` statements, compared as syntax trees, must include
-the gates the adapter mirrors):
+Release families (each fenced by version and accepted by the structure of
+``forward_extend``: the conditions of its ``if`` statements, compared as syntax
+trees, must include the gates the family mirrors):
 
-=============  ==================  ==========================================
-sglang         adapter             what differs
-=============  ==================  ==========================================
-0.5.11-0.5.12  sinks-only-0.5.12   speculative = target verify / draft
-                                   extend (v1, v2); sinks have own branch
-0.5.13         hybrid-swa-0.5.13   as above; hybrid-SWA layers go to the
-                                   sinks branch
-0.5.14         swa-fia-0.5.14      speculative = target verify / draft
-                                   extend v2; SWA layers reach qlens while
-                                   use_fia is off (so they route, to the
-                                   SWA FIA branch)
-0.5.15-0.5.23  swa-fia-fa-0.5.15   as 0.5.14; ASCEND_USE_FA comes first
-=============  ==================  ==========================================
+=============  ==========================================================
+family         what differs
+=============  ==========================================================
+0.5.11-0.5.12  speculative = target verify / draft extend (v1, v2); sinks
+               have their own branch
+0.5.13         as above; hybrid-SWA layers go to the sinks branch
+0.5.14         speculative = target verify / draft extend v2; SWA layers
+               reach qlens while use_fia is off (so they route, to the SWA
+               FIA branch)
+0.5.15-0.5.23  as 0.5.14; ASCEND_USE_FA comes first
+=============  ==========================================================
 
 (checked on every wheel from 0.5.11 to 0.5.23 by reading the syntax tree;
 run in the lanes on 0.5.13, 0.5.16, 0.5.19 and 0.5.23.)
@@ -60,7 +58,7 @@ import inspect
 import os
 import textwrap
 
-from npu_shim.patch import Patch, TargetMismatch
+from npu_shim.patch import Family, Patch, TargetMismatch
 
 NAME = "sglang.small_page_fia"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
@@ -68,6 +66,8 @@ METHOD = "forward_extend"
 SGLANG_FIA_SWITCH = "ASCEND_USE_FIA"
 QLENS_OP = "_npu_flash_attention_qlens"
 FIA_OP = "npu_fused_infer_attention_score"
+FIA_KEPT = ("sglang's own FIA prefill branch of the release (npu_fused_infer_attention_score), "
+            "as with ASCEND_USE_FIA=1; page size >= 128 keeps _npu_flash_attention_qlens")
 SMALLEST_SAFE_PAGE = 128   # PR #39905: qlens right at 128, wrong at 16/32/64
 # The wrapper reads these by position and name, as every release 0.5.11-0.5.23 declares them.
 PARAMETERS = ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "q_rope", "k_rope",
@@ -94,14 +94,25 @@ SPECULATIVE_V2 = "forward_batch.forward_mode.is_target_verify() or forward_batch
 
 
 class Adapter:
-    """One release family: the gates it expects, and which calls reach qlens there."""
+    """One release family: the gates it expects, and which calls reach qlens there.
 
-    name = ""
+    ``check``/``build`` are the family's (see the ``Family`` declarations below)."""
+
+    name = ""                # the family's name: the releases it serves
     gates = frozenset()
     absent = frozenset()     # gates whose presence means another family
 
     def matches(self, conditions):
         return self.gates <= conditions and not self.absent & conditions
+
+    def check(self, module):
+        if not self.matches(gate_conditions(module)):
+            raise TargetMismatch("the gates of %s before the qlens call are not those of the %s "
+                                 "family" % (METHOD, self.name))
+
+    def build(self, module):
+        original = module.AscendAttnBackend.__dict__[METHOD]
+        return {"AscendAttnBackend.%s" % METHOD: make_forward_extend(original, self)}
 
     def speculative(self, mode):
         return mode.is_target_verify() or mode.is_draft_extend() or mode.is_draft_extend_v2()
@@ -137,13 +148,13 @@ class Adapter:
 
 
 class Sinks012(Adapter):
-    name = "sinks-only-0.5.12"
+    name = "0.5.11-0.5.12"
     gates = COMMON_GATES | {SPECULATIVE_V1_V2, "sinks is not None"}
     absent = frozenset({"sinks is not None or (self.is_hybrid_swa and layer.sliding_window_size != -1)"})
 
 
 class HybridSwa013(Adapter):
-    name = "hybrid-swa-0.5.13"
+    name = "0.5.13"
     gates = COMMON_GATES | {SPECULATIVE_V1_V2,
                             "sinks is not None or (self.is_hybrid_swa and layer.sliding_window_size != -1)"}
 
@@ -152,7 +163,7 @@ class HybridSwa013(Adapter):
 
 
 class SwaFia014(Adapter):
-    name = "swa-fia-0.5.14"
+    name = "0.5.14"
     gates = COMMON_GATES | {SPECULATIVE_V2,
                             "sinks is not None or (self._is_swa_layer(layer) and self.use_fia)"}
     absent = frozenset({"self.use_fa"})
@@ -162,7 +173,7 @@ class SwaFia014(Adapter):
 
 
 class SwaFiaFa015(SwaFia014):
-    name = "swa-fia-fa-0.5.15"
+    name = "0.5.15-0.5.23"
     gates = SwaFia014.gates | {"self.use_fa"}
     absent = frozenset()
 
@@ -170,7 +181,7 @@ class SwaFiaFa015(SwaFia014):
         return backend.use_fa
 
 
-ADAPTERS = (Sinks012(), HybridSwa013(), SwaFia014(), SwaFiaFa015())
+SINKS_ONLY, HYBRID_SWA, SWA_FIA, SWA_FIA_FA = ADAPTERS = (Sinks012(), HybridSwa013(), SwaFia014(), SwaFiaFa015())
 
 
 def if_conditions(function) -> frozenset:
@@ -195,7 +206,8 @@ def code_names(function) -> frozenset:
     return frozenset(names)
 
 
-def select_adapter(module) -> Adapter:
+def gate_conditions(module) -> frozenset:
+    """The ``if`` tests of ``forward_extend``, once its signature and ops are the expected ones."""
     method = module.AscendAttnBackend.__dict__.get(METHOD)
     if method is None:
         raise TargetMismatch("AscendAttnBackend does not define %s itself" % METHOD)
@@ -207,16 +219,17 @@ def select_adapter(module) -> Adapter:
     for op in (QLENS_OP, FIA_OP):
         if op not in names:
             raise TargetMismatch("%s does not call %s" % (METHOD, op))
-    conditions = if_conditions(method)
+    return if_conditions(method)
+
+
+def select_adapter(module) -> Adapter:
+    """The family whose gates ``forward_extend`` has (structure only, no version)."""
+    conditions = gate_conditions(module)
     for adapter in ADAPTERS:
         if adapter.matches(conditions):
             return adapter
     raise TargetMismatch("%s has gates before the qlens call that no adapter knows (expected one "
                          "of the families %s)" % (METHOD, ", ".join(a.name for a in ADAPTERS)))
-
-
-def check(module) -> None:
-    select_adapter(module)
 
 
 class FiaPrefillView:
@@ -248,32 +261,23 @@ def sglang_fia_explicit(environ=os.environ) -> bool:
 def make_forward_extend(original, adapter):
     import functools
 
-    from npu_shim import _stats
+    from npu_shim.engine import counters
 
     @functools.wraps(original)
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None,
                        k_rope=None, topk_indices=None, sinks=None, *args, **kwargs):
         if (self.page_size < SMALLEST_SAFE_PAGE and not self.use_fia and not sglang_fia_explicit()
                 and adapter.reaches_qlens(self, layer, forward_batch, topk_indices, sinks)):
-            _stats.count(NAME, "calls")
+            counters.count(NAME, "calls")
             backend = FiaPrefillView(self)
         else:
-            _stats.count(NAME, "upstream_calls")
+            counters.count(NAME, "upstream_calls")
             backend = self
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope,
                         topk_indices, sinks, *args, **kwargs)
 
     forward_extend.__npu_shim_patch__ = NAME
     return forward_extend
-
-
-def build(module):
-    from npu_shim import _stats
-
-    adapter = select_adapter(module)
-    _stats.note_adapter(NAME, adapter.name)
-    original = module.AscendAttnBackend.__dict__[METHOD]
-    return {"AscendAttnBackend.%s" % METHOD: make_forward_extend(original, adapter)}
 
 
 PATCH = Patch(
@@ -283,8 +287,13 @@ PATCH = Patch(
     requires={"sglang": ">=0.5.11,<0.5.24"},
     outside_window={"sglang": "no qlens/FIA prefill split before 0.5.11; releases after 0.5.23 not verified"},
     needs_npu=True,
-    check=check,
-    build=build,
+    families=(
+        Family(("0.5.11", "0.5.12"), __name__ + ":SINKS_ONLY", fence=">=0.5.11,<0.5.13", keeps=FIA_KEPT),
+        Family(("0.5.13",), __name__ + ":HYBRID_SWA", fence=">=0.5.13,<0.5.14", keeps=FIA_KEPT),
+        Family(("0.5.14",), __name__ + ":SWA_FIA", fence=">=0.5.14,<0.5.15", keeps=FIA_KEPT),
+        Family(("0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"),
+               __name__ + ":SWA_FIA_FA", fence=">=0.5.15,<0.5.24", keeps=FIA_KEPT),
+    ),
     summary="prefill with page size < 128 goes through sglang's FIA path, not the legacy qlens op",
     selftest="npu_shim.selftest.sglang_small_page_fia",
 )

@@ -36,8 +36,8 @@ Window: the method exists from transformers 4.55.0 through 5.23.0 with the
 Upstream fix: none (transformers has no hook for names served by another library).
 Remove when: no supported vLLM dispatches MoonViT attention by name.
 """
-from npu_shim import _stats
-from npu_shim.patch import Patch, TargetMismatch
+from npu_shim.engine import counters
+from npu_shim.patch import Family, Patch, TargetMismatch
 
 NAME = "transformers.attn_check"
 METHOD = "get_correct_attn_implementation"
@@ -98,11 +98,11 @@ def build(module):
 
     @functools.wraps(original)
     def get_correct_attn_implementation(self, *args, **kwargs):
-        _stats.count(NAME, "calls")
+        counters.count(NAME, "calls")
         requested = _requested_name(args, kwargs)
         if isinstance(requested, str) and can_dispatch(type(self), requested):
             return requested
-        _stats.count(NAME, "upstream_calls")
+        counters.count(NAME, "upstream_calls")
         return original(self, *args, **kwargs)
 
     get_correct_attn_implementation.__npu_shim_wraps__ = original
@@ -119,8 +119,8 @@ PATCH = Patch(
         "vllm": "ascend_fa can be requested only where vllm.moonvit_attn applies",
     },
     needs_npu=True,   # needed only where vllm.moonvit_attn (an NPU patch) can serve the name
-    check=check,
-    build=build,
+    families=(Family(("4.55.0", "4.56.0", "4.57.6", "5.23.0"), __name__,
+               keeps="transformers' own get_correct_attn_implementation for every other name and model"),),
     summary="accept attn_implementation='ascend_fa' for vLLM's MoonViT while vllm.moonvit_attn serves it",
     selftest="npu_shim.selftest.transformers_attn_check",
 )

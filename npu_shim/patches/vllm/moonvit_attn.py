@@ -42,9 +42,9 @@ Remove when: the pinned vLLM is 0.14 or later.
 """
 import contextvars
 
-from npu_shim import _stats
+from npu_shim.engine import counters
 from npu_shim._config import MOONVIT_ATTN_CHOICES
-from npu_shim.patch import Patch, TargetMismatch
+from npu_shim.patch import Family, Patch, TargetMismatch
 
 NAME = "vllm.moonvit_attn"
 
@@ -94,7 +94,7 @@ def ascend_fa_attention(q, k, v, q_cu_seqlens=None, k_cu_seqlens=None):
     from npu_shim.kernels import VarlenAttention, host_cu_seqlens
     from npu_shim.kernels.seqlens import is_cached
 
-    _stats.count(NAME, "calls")
+    counters.count(NAME, "calls")
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         raise ValueError("ascend_fa expects packed q, k, v of shape (T, N, D); got %s, %s, %s"
                          % (tuple(q.shape), tuple(k.shape), tuple(v.shape)))
@@ -102,7 +102,7 @@ def ascend_fa_attention(q, k, v, q_cu_seqlens=None, k_cu_seqlens=None):
     if cu_seqlens is None:
         cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
     elif isinstance(cu_seqlens, torch.Tensor) and not is_cached(cu_seqlens):
-        _stats.count(NAME, "host_copies")   # the one read of this tensor's values
+        counters.count(NAME, "host_copies")   # the one read of this tensor's values
     if k_cu_seqlens is not None and k_cu_seqlens is not cu_seqlens:
         if host_cu_seqlens(k_cu_seqlens) != host_cu_seqlens(cu_seqlens):
             raise ValueError("ascend_fa serves self-attention: q_cu_seqlens and k_cu_seqlens must be equal")
@@ -188,8 +188,8 @@ PATCH = Patch(
     requires={"vllm": ">=0.8.5,<0.14"},
     outside_window={"vllm": "0.14+ runs MoonViT attention through MMEncoderAttention"},
     needs_npu=True,
-    check=check,
-    build=build,
+    families=(Family(("0.8.5", "0.10.1.1", "0.13.0"), __name__,
+               keeps="none upstream (sdpa with an S x S mask); adds torch_npu.npu_fusion_attention TND"),),
     summary="register ascend_fa (one fused varlen call per layer, no S x S mask) and select it on NPU",
     selftest="npu_shim.selftest.vllm_moonvit_attn",
 )

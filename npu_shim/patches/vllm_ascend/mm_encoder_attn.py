@@ -10,28 +10,17 @@ Why: vllm-ascend's ``AscendMMEncoderAttention.forward_oot`` (the attention of
   ``scale`` the model gave. 0.15.0rc1 (with any vLLM but 0.15.0) parses the
   prefix digits into a layer index and shares a module-global lengths cache
   between every encoder in the process.
-How: one adapter per release family, in :mod:`npu_shim.patches.vllm_ascend.mm_encoder`
-  (the interface is documented there), each fenced by a vllm-ascend version
-  range and accepted by the structure of the installed class; the one that
-  applies is shown by ``npu-shim status``. Each keeps upstream's op call and
+How: one family per vllm-ascend release family (modules in
+  :mod:`npu_shim.patches.vllm_ascend.mm_encoder`, declared below), each fenced by
+  a version range and accepted by the structure of the installed class; the one
+  that applies is shown by ``npu-shim status``. Each keeps upstream's op call and
   argument layout of its release and changes only where the host lengths come
   from (read once per encoder forward, see
   :mod:`npu_shim.patches.vllm_ascend.mm_encoder.common`) and the scale. A layer's state
   is built from its own attributes on first use (layers made with
   ``__new__``, before install, or unpickled work).
 
-  ====== ======================== =================================================
-  name   vllm-ascend              upstream op call kept
-  ====== ======================== =================================================
-  v013   0.13.0 .. 0.17.0rc1      ``torch_npu._npu_flash_attention_unpad``
-                                  (``NPU_SHIM_MM_ENCODER_TND=1``: npu-shim's TND kernel)
-  v018   0.18.0                   ``torch_npu.npu_fusion_attention`` TND
-  v019   0.19.1rc1 .. 0.21.0rc1   ``DeviceOperator.npu_flash_attention``
-  v022   0.22.1rc1                ``torch_npu.npu_fused_infer_attention_score`` TND
-  v023   0.23.0rc1 .. 0.26.0rc1,  ``torch_npu.npu_fused_infer_attention_score`` TND
-         later sources that shape
-  ====== ======================== =================================================
-  Graph path (v022, v023): while vllm-ascend's encoder ACL-graph capture is
+  Graph path (0.22.1rc1 and later): while vllm-ascend's encoder ACL-graph capture is
   active (``get_encoder_forward_context().capturing``), upstream's
   ``forward_oot`` runs untouched (counted as ``upstream_calls``).
 Upstream fix: none yet for the copy of towers that pass no ``sequence_lengths``
@@ -39,35 +28,38 @@ Upstream fix: none yet for the copy of towers that pass no ``sequence_lengths``
 Remove when: vllm-ascend computes host lengths once per encoder forward for
   every tower.
 """
-from npu_shim.patch import Patch
-from npu_shim.patches.vllm_ascend.mm_encoder import dispatch
+from npu_shim.patch import Family, Patch
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 CLASS_NAME = "AscendMMEncoderAttention"
-
-# Adapter modules in npu_shim.patches.vllm_ascend.mm_encoder, oldest family first: add a family here.
-ADAPTERS = (
-    "v013",
-    "v018",
-    "v019",
-    "v022",
-    "v023",
-)
-
-check, build = dispatch(PATCH_NAME, CLASS_NAME, ADAPTERS)
+FAMILIES = "npu_shim.patches.vllm_ascend.mm_encoder."
 
 PATCH = Patch(
     name=PATCH_NAME,
     target="vllm_ascend.ops.mm_encoder_attention",
-    # Every attribute some adapter replaces (each replaces a subset).
+    subject=CLASS_NAME,
+    # Every attribute some family replaces (each replaces a subset).
     replaces=(CLASS_NAME + ".__init__", CLASS_NAME + ".forward_oot"),
     requires={"vllm-ascend": ">=0.13.0rc1"},
     outside_window={"vllm-ascend": "before 0.13.0 vllm-ascend had no AscendMMEncoderAttention"},
     needs_npu=True,
-    check=check,
-    build=build,
+    families=(
+        Family(("0.13.0", "0.14.0rc1", "0.15.0rc1", "0.16.0rc1", "0.17.0rc1"), FAMILIES + "v013",
+               fence=">=0.13.0rc1,<0.18.0rc1",
+               keeps="torch_npu._npu_flash_attention_unpad, K/V repeated to the query heads "
+                     "(NPU_SHIM_MM_ENCODER_TND=1: npu-shim's TND npu_fusion_attention)"),
+        Family(("0.18.0rc1", "0.18.0"), FAMILIES + "v018", fence=">=0.18.0rc1,<0.19.0rc1",
+               keeps="torch_npu.npu_fusion_attention, input_layout TND"),
+        Family(("0.19.1rc1", "0.20.2rc1", "0.21.0rc1"), FAMILIES + "v019", fence=">=0.19.0rc1,<0.22.0rc1",
+               keeps="DeviceOperator.npu_flash_attention"),
+        Family(("0.22.1rc1",), FAMILIES + "v022", fence=">=0.22.0rc1,<0.23.0rc1",
+               keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND"),
+        Family(("0.23.0rc1", "0.23.0", "0.24.0rc1", "0.25.1rc1", "0.26.0rc1"), FAMILIES + "v023",
+               fence=">=0.23.0rc1",
+               keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND"),
+    ),
     summary="host seq lens once per encoder forward (no prefix cache, no global), honour scale; "
-            "one adapter per vllm-ascend family; during vllm-ascend's encoder ACL-graph capture "
-            "(0.22.1rc1+) upstream's forward_oot runs untouched (counted as upstream_calls)",
+            "during vllm-ascend's encoder ACL-graph capture (0.22.1rc1+) upstream's forward_oot "
+            "runs untouched (counted as upstream_calls)",
     selftest="npu_shim.selftest.vllm_mm_encoder_attn",
 )

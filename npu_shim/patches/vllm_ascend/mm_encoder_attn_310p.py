@@ -9,8 +9,8 @@ Why: on Atlas inference cards (310P) vllm-ascend registers its own
   27-layer forward; ``sequence_lengths`` from vLLM is ignored) and passes
   ``head_size ** -0.5`` to the kernel, ignoring a ``scale`` the model gave
   (max error 1.18 at ``scale=0.05``, measured on 0.18.0, 0.22.1rc1, 0.26.0rc1).
-How: one adapter per 310P release family in :mod:`npu_shim.patches.vllm_ascend.mm_encoder`
-  (the interface and the shared pieces are documented there), fenced by
+How: one family per 310P release family (modules in
+  :mod:`npu_shim.patches.vllm_ascend.mm_encoder`, declared below), fenced by
   version and accepted by the structure of the installed class; ``npu-shim
   status`` names the one that applied. Each replaces ``forward_oot`` only and
   keeps upstream's op call and layout of its release (K/V repeated to the
@@ -22,44 +22,36 @@ How: one adapter per 310P release family in :mod:`npu_shim.patches.vllm_ascend.m
   passed with the repeated K/V. A layer's state is built from its own
   attributes on first use (layers made with ``__new__`` work).
 
-  ========== ======================== ==========================================
-  adapter    vllm-ascend              upstream op call kept
-  ========== ======================== ==========================================
-  v014_310p  0.14.0rc1                ``_npu_flash_attention_unpad``, no padding
-  v018_310p  0.18.0rc1 .. 0.22.1rc1   ``_npu_flash_attention_unpad``
-  v023_310p  0.23.0rc1 and later      ``_npu_flash_attention_unpad_v2(kernel_type=2)``
-                                      where torch_npu has it, else ``_unpad``
-  ========== ======================== ==========================================
 Upstream fix: none as of 0.26.0rc1.
 Remove when: vllm-ascend's 310P class reads host lengths once per encoder
   forward and passes the model's scale.
 """
-from npu_shim.patch import Patch
-from npu_shim.patches.vllm_ascend.mm_encoder import dispatch
+from npu_shim.patch import Family, Patch
 
 PATCH_NAME = "vllm.mm_encoder_attn_310p"
 CLASS_NAME = "AscendMMEncoderAttention310"
-
-# Adapter modules in npu_shim.patches.vllm_ascend.mm_encoder, oldest family first: add a family here.
-ADAPTERS = (
-    "v014_310p",
-    "v018_310p",
-    "v023_310p",
-)
-
-check, build = dispatch(PATCH_NAME, CLASS_NAME, ADAPTERS)
+FAMILIES = "npu_shim.patches.vllm_ascend.mm_encoder."
 
 PATCH = Patch(
     name=PATCH_NAME,
     target="vllm_ascend._310p.ops.mm_encoder_attention",
+    subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".forward_oot",),
     requires={"vllm-ascend": ">=0.14.0rc1,!=0.15.*,!=0.16.*,!=0.17.*"},
     outside_window={"vllm-ascend": "no 310P MMEncoderAttention class before 0.14.0rc1 "
                                    "nor in 0.15.0rc1-0.17.0rc1"},
     needs_npu=True,
-    check=check,
-    build=build,
-    summary="310P encoder attention: host seq lens once per encoder forward, honour scale; "
-            "one adapter per vllm-ascend family",
+    families=(
+        Family(("0.14.0rc1",), FAMILIES + "v014_310p", fence=">=0.14.0rc1,<0.15.0rc1",
+               keeps="torch_npu._npu_flash_attention_unpad, no padding"),
+        Family(("0.18.0rc1", "0.18.0", "0.19.1rc1", "0.20.2rc1", "0.21.0rc1", "0.22.1rc1"),
+               FAMILIES + "v018_310p", fence=">=0.18.0rc1,<0.23.0rc1",
+               keeps="torch_npu._npu_flash_attention_unpad"),
+        Family(("0.23.0rc1", "0.23.0", "0.24.0rc1", "0.25.1rc1", "0.26.0rc1"), FAMILIES + "v023_310p",
+               fence=">=0.23.0rc1",
+               keeps="torch_npu._npu_flash_attention_unpad_v2(kernel_type=2) where torch_npu has it, "
+                     "else torch_npu._npu_flash_attention_unpad"),
+    ),
+    summary="310P encoder attention: host seq lens once per encoder forward, honour scale",
     selftest="npu_shim.selftest.vllm_mm_encoder_attn_310p",
 )

@@ -40,7 +40,7 @@ Lazy layer state
   deep-copied (it comes back as "not built yet").
 
 Counters and wrappers
-  :func:`count` reports to :mod:`npu_shim._stats`; :func:`wrap` gives a
+  :func:`count` reports to :mod:`npu_shim.engine.counters`; :func:`wrap` gives a
   replacement upstream's name, qualname and signature.
 """
 import inspect
@@ -48,7 +48,7 @@ import weakref
 
 import torch
 
-from npu_shim import _stats
+from npu_shim.engine import counters
 from npu_shim.patch import TargetMismatch
 
 __all__ = ["LayerState", "count", "host_values", "layer_state", "own_function", "check_params",
@@ -62,7 +62,7 @@ STATE_ATTR = "_npu_shim_mm_encoder_state"
 # ------------------------------------------------------------------ counters
 
 def count(patch_name, event, n=1):
-    _stats.count(patch_name, event, n)
+    counters.count(patch_name, event, n)
 
 
 # ------------------------------------------------------- per-forward host copy
@@ -104,7 +104,7 @@ def host_values(layer, values, patch_name):
         copy = _HostCopy(values.cpu(), values.data_ptr(), version)  # the one read per forward
         setattr(values, HOST_ATTR, copy)
         if values.device.type != "cpu":
-            _stats.count(patch_name, "host_copies")
+            counters.count(patch_name, "host_copies")
     copy.readers.add(layer)
     return copy.values
 

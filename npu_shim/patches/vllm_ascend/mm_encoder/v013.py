@@ -29,7 +29,6 @@ import torch
 
 from npu_shim import _config
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 PATCH_NAME = "vllm.mm_encoder_attn"
@@ -148,6 +147,3 @@ def _tnd_forward(layer, kernel, query, key, value, seq_len):
     for length in seq_len.tolist():      # a host tensor: no device transfer
         cum.append(cum[-1] + length)
     return C.to_upstream_shape(kernel(q, k, v, tuple(cum)), query, layer.head_size, layer.num_heads)
-
-
-ADAPTER = Adapter(name="v013", releases=">=0.13.0rc1,<0.18.0rc1", check=check, build=build)

@@ -24,7 +24,6 @@ import inspect
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 from npu_shim.patches.vllm_ascend.mm_encoder import v018_310p as F
 
@@ -62,6 +61,3 @@ def build(cls):
         return out.view(bsz, q_len, self.num_heads, self.head_size)
 
     return {"forward_oot": C.wrap(forward_oot, original_forward, F.PATCH_NAME, __name__)}
-
-
-ADAPTER = Adapter(name="v014_310p", releases=">=0.14.0rc1,<0.15.0rc1", check=check, build=build)

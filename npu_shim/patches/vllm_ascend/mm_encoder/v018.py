@@ -22,7 +22,6 @@ import inspect
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 PATCH_NAME = "vllm.mm_encoder_attn"
@@ -100,6 +99,3 @@ def check(cls):
 
 def build(cls):
     return build_family(cls, attend)
-
-
-ADAPTER = Adapter(name="v018", releases=">=0.18.0rc1,<0.19.0rc1", check=check, build=build)

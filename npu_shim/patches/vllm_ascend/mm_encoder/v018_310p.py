@@ -32,7 +32,6 @@ The pieces every 310P adapter shares (``state_maker``, ``host_seq_len``,
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 PATCH_NAME = "vllm.mm_encoder_attn_310p"
@@ -151,6 +150,3 @@ def check(cls):
 
 def build(cls):
     return build_family(cls, state_maker(pads=True), __name__)
-
-
-ADAPTER = Adapter(name="v018_310p", releases=">=0.18.0rc1,<0.23.0rc1", check=check, build=build)

@@ -12,7 +12,6 @@ Replaced: ``forward_oot`` (see :mod:`.v018`), calling the same
 and, under GQA, the head count of the repeated K/V as ``num_kv_heads``
 (upstream passes ``num_kv_heads``, which does not match them).
 """
-from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
 from npu_shim.patches.vllm_ascend.mm_encoder import v018
 
 UPSTREAM_OP = "npu_flash_attention"
@@ -31,6 +30,3 @@ def check(cls):
 
 def build(cls):
     return v018.build_family(cls, attend)
-
-
-ADAPTER = Adapter(name="v019", releases=">=0.19.0rc1,<0.22.0rc1", check=check, build=build)

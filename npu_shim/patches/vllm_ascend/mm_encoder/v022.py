@@ -17,7 +17,6 @@ the tensor read at most once per encoder forward; the model's ``scale``
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
 from npu_shim.patches.vllm_ascend.mm_encoder import fia
 
 SEQ_LENS_HOOK = "maybe_compute_seq_lens"
@@ -43,6 +42,3 @@ def check(cls):
 
 def build(cls):
     return fia.build_forward(cls, host_lengths, __name__)
-
-
-ADAPTER = Adapter(name="v022", releases=">=0.22.0rc1,<0.23.0rc1", check=check, build=build)

@@ -22,7 +22,6 @@ one of another shape is refused by the structural check).
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
 from npu_shim.patches.vllm_ascend.mm_encoder import fia
 
 LENGTHS_FUNCTION = "maybe_compute_actual_seq_lengths"
@@ -50,6 +49,3 @@ def check(cls):
 
 def build(cls):
     return fia.build_forward(cls, host_lengths, __name__)
-
-
-ADAPTER = Adapter(name="v023", releases=">=0.23.0rc1", check=check, build=build)

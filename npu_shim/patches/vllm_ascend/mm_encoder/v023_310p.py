@@ -23,7 +23,6 @@ off the NPU upstream and the patch both take the ``_npu_flash_attention_unpad``
 branch.
 """
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.vllm_ascend.mm_encoder import Adapter
 from npu_shim.patches.vllm_ascend.mm_encoder import v018_310p as F
 
 APPROXIMATE_EXP_KERNEL = 2                 # upstream's kernel_type: ATB KERNELTYPE_EXP_M8V2
@@ -48,6 +47,3 @@ def build(cls):
         return UNPAD_V2_CALL if supported else F.UNPAD_CALL
 
     return F.build_family(cls, F.state_maker(pads=True, choose_op=choose_op), __name__)
-
-
-ADAPTER = Adapter(name="v023_310p", releases=">=0.23.0rc1", check=check, build=build)

@@ -1,18 +1,18 @@
-"""Guards, post-import hooks, atomic apply and revert.
-
-Loaded only once a watched framework starts importing (or for ``status()``),
-because it pulls in wrapt, packaging, importlib.metadata and logging.
+"""The patches of this process: post-import hooks, the decision, apply and revert.
 
 A patch goes through these steps when its target module finishes importing
 (wrapt post-import hook), each able to stop it with a recorded reason:
 
 1. switched off by the environment            -> ``disabled``
-2. no body yet                                -> ``skipped`` (not implemented)
+2. no family declared                         -> ``skipped`` (not implemented)
 3. a required distribution missing / outside its PEP 440 range -> ``skipped``
 4. needs an NPU kernel and ``torch_npu`` is not importable     -> ``skipped``
-5. ``check(module)``: NotNeeded -> ``skipped``; TargetMismatch -> ``skipped``
-   (strict: raises); declared attribute missing -> TargetMismatch
-6. ``build`` + atomic write                   -> ``applied`` / ``failed`` (strict: raises)
+5. a declared attribute missing -> TargetMismatch; the family whose fence holds
+   and whose check accepts the code (``guards.select_family``): every family says
+   NotNeeded -> ``skipped``; none accepts -> ``skipped`` with every family's
+   reason (strict: raises)
+6. the family's ``build`` + atomic write      -> ``applied`` (family recorded) /
+   ``failed`` (strict: raises)
 """
 from __future__ import annotations
 
@@ -31,9 +31,10 @@ import wrapt
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from npu_shim import _config, _stats
-from npu_shim.patch import (NotNeeded, Patch, PatchError, Slot, TargetMismatch, apply_atomically, revert,
-                             unpack_build)
+from npu_shim import _config
+from npu_shim.engine import counters, guards
+from npu_shim.engine.slots import Slot, apply_atomically, revert
+from npu_shim.patch import NotNeeded, Patch, PatchError, TargetMismatch
 from npu_shim.patches import BUILTIN_PATCHES
 
 logger = logging.getLogger("npu_shim")
@@ -51,7 +52,7 @@ class Record:
         self.state = PENDING
         self.reason = "waiting for import of %s" % patch.target
         self.undo = None          # [(slot, original)] while applied
-        self.adapter = None       # name of the adapter that built the applied values, if any
+        self.family = None        # the Family whose build is applied
         self.armed_generation = None
         self.seconds = 0.0        # time the shim spent deciding and applying this patch
 
@@ -65,7 +66,9 @@ load_seconds = 0.0  # importing the machinery and the patch declarations
 
 
 def load(startup_state) -> None:
-    """Called once by ``_startup`` when the machinery is first needed."""
+    """Called once by ``npu_shim._startup`` when the engine is first needed, with the
+    process state it owns (lock, generation, installed flag, settings, patches
+    registered before the engine loaded)."""
     global _startup_state, load_seconds
     started = time.perf_counter()
     _startup_state = startup_state
@@ -125,6 +128,10 @@ def _add(patch: Patch) -> Record:
     return record
 
 
+def patch_named(name: str) -> Patch:
+    return _records[name].patch
+
+
 def register(patch: Patch) -> None:
     record = _add(patch)
     if _startup_state.installed:
@@ -170,44 +177,9 @@ def disarm() -> None:
             if record.undo is not None:
                 revert(record.undo)
                 record.undo = None
-                record.adapter = None
+                record.family = None
             record.armed_generation = None
             record.set(DISABLED, "uninstalled by npu_shim.uninstall()")
-
-
-def installed_version(dist: str):
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def versions_of(patch: Patch) -> dict:
-    return {dist: installed_version(dist) for dist in patch.requires}
-
-
-def guard_failure(patch: Patch, versions: dict):
-    """Why the installed versions rule the patch out, or None."""
-    for dist, spec in patch.requires.items():
-        version = versions[dist]
-        if version is None:
-            return "not installed: %s" % dist
-        try:
-            ok = SpecifierSet(spec).contains(Version(version), prereleases=True)
-        except (InvalidSpecifier, InvalidVersion) as exc:
-            return "cannot compare %s %s with %r: %s" % (dist, version, spec, exc)
-        if not ok:
-            note = patch.outside_window.get(dist)
-            return "%s %s is outside %s%s" % (dist, version, spec, " (%s)" % note if note else "")
-    return None
-
-
-def npu_failure(patch: Patch):
-    if not patch.needs_npu:
-        return None
-    if importlib.util.find_spec("torch_npu") is None:
-        return "no NPU: torch_npu is not importable (NPU_SHIM_EMULATE=1 uses the emulation on development machines)"
-    return None
 
 
 def _preflight(record: Record, settings):
@@ -218,19 +190,19 @@ def _preflight(record: Record, settings):
         return DISABLED, off
     if not patch.implemented:
         return SKIPPED, NOT_IMPLEMENTED
-    why = guard_failure(patch, versions_of(patch)) or npu_failure(patch)
+    why = guards.guard_failure(patch, guards.versions_of(patch)) or guards.npu_failure(patch)
     if why:
         return SKIPPED, why
     return None
 
 
-def _structural_check(patch: Patch, module) -> None:
+def _structural_check(patch: Patch, module):
+    """``(family, implementation, subject)`` that accepts the installed code, or raise."""
     for path in patch.replaces:
         slot = Slot(module, path)   # raises TargetMismatch for a missing owner
         if not slot.is_item and not slot.exists():
             raise TargetMismatch("%s.%s not found" % (module.__name__, path))
-    if patch.check is not None:
-        patch.check(module)
+    return guards.select_family(patch, module)
 
 
 def on_target_imported(record: Record, module) -> None:
@@ -254,7 +226,7 @@ def _decide_and_apply(record: Record, module) -> None:
             logger.debug("%s %s: %s", patch.name, stop[0], stop[1])
             return
         try:
-            _structural_check(patch, module)
+            family, implementation, subject = _structural_check(patch, module)
         except NotNeeded as exc:
             record.set(SKIPPED, str(exc))
             logger.debug("%s skipped: %s", patch.name, exc)
@@ -268,18 +240,16 @@ def _decide_and_apply(record: Record, module) -> None:
             _complain(settings, patch, record.reason, exc)
             return
         try:
-            values, adapter, exact = unpack_build(patch.build(module))
-            record.undo = apply_atomically(module, patch, values, exact)
+            values = guards.build_values(patch, family, implementation, subject)
+            record.undo = apply_atomically(module, patch, values)
         except Exception as exc:
             record.set(FAILED, "%s: %s" % (type(exc).__name__, exc))
             _complain(settings, patch, record.reason, exc)
             return
-        record.adapter = adapter
-        if adapter is not None:
-            _stats.note_adapter(patch.name, adapter)
-        record.set(APPLIED, "; ".join("%s %s" % kv for kv in versions_of(patch).items()) or "applied")
+        record.family = family
+        record.set(APPLIED, "; ".join("%s %s" % kv for kv in guards.versions_of(patch).items()) or "applied")
         logger.info("applied %s to %s (%s%s)", patch.name, patch.target, record.reason,
-                    ", adapter %s" % adapter if adapter else "")
+                    ", family %s" % family.name if patch.named_families else "")
         if settings.exit_summary:
             _print_summary_at_exit()
 
@@ -306,9 +276,7 @@ def _exit_summary(printed_by=set()) -> None:
     if pid in printed_by:       # atexit and the multiprocessing finalizer of one process
         return
     printed_by.add(pid)
-    from npu_shim import _startup, _stats
-
-    for line in _stats.summary_lines(_startup.stats()):
+    for line in counters.summary_lines(stats()):
         sys.stderr.write(line + "\n")
     sys.stderr.flush()
 
@@ -334,16 +302,20 @@ def status(import_targets: bool = False) -> list:
             stop = _preflight(record, settings)
             if stop:
                 state, reason = stop
+        named = record.undo is not None and patch.named_families
+        family = record.family.name if named else None
         rows.append(
             {
                 "name": patch.name,
                 "target": patch.target,
                 "replaces": list(patch.replaces),
                 "state": state,
-                "adapter": record.adapter if record.undo is not None else None,
+                "family": family,
+                "adapter": family,   # the name before families; kept for readers of 0.1 rows
+                "families": [f.name for f in patch.families] if patch.named_families else [],
                 "reason": reason,
                 "requires": dict(patch.requires),
-                "versions": versions_of(patch),
+                "versions": guards.versions_of(patch),
                 "needs_npu": patch.needs_npu,
                 "summary": patch.summary,
                 "seconds": round(record.seconds, 6),
@@ -363,3 +335,15 @@ def _import_targets(settings) -> None:
             raise
         except Exception as exc:
             record.set(SKIPPED, "target failed to import: %s: %s" % (type(exc).__name__, exc))
+
+
+def stats() -> dict:
+    """``{patch: {state, reason, family, <counter>: n}}`` for this process."""
+    counted = counters.snapshot()
+    out = {}
+    for row in status():
+        entry = {"state": row["state"], "reason": row["reason"], "family": row["family"],
+                 "adapter": row["family"]}
+        entry.update(counted.get(row["name"]) or counters.empty_row())
+        out[row["name"]] = entry
+    return out

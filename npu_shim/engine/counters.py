@@ -10,24 +10,24 @@ Event names (one counter each, per patch):
 ``host_copies``            device->host copies the shim made
 ``upstream_host_copies``   device->host copies upstream would have made for the
                            same calls (where the patch can tell; 0 otherwise)
-``adapter:<name>``         not counted: set once with :func:`note_adapter`
+
+The family that applied is the engine's record (``registry``), not a counter.
 
 Per process: a forked child starts from zero (its parent's counts are the
 parent's). ``npu_shim.stats()`` reads them with each patch's state;
 ``NPU_SHIM_EXIT_SUMMARY=1`` prints one line per applied patch at exit.
 
-Loaded only by patch modules and the API (never at interpreter start).
+Loaded only by patch modules and the engine (never at interpreter start).
 """
 import _thread
 import os
 from collections import Counter, defaultdict
 
-__all__ = ["count", "note_adapter", "snapshot", "reset"]
+__all__ = ["count", "snapshot", "reset"]
 
 EVENTS = ("calls", "upstream_calls", "host_copies", "upstream_host_copies")
 
 _counts = defaultdict(Counter)   # patch name -> Counter(event -> n)
-_adapters = {}                   # patch name -> adapter that applied
 _lock = _thread.allocate_lock()
 
 
@@ -36,29 +36,19 @@ def count(patch, event, n=1):
         _counts[patch][event] += n
 
 
-def note_adapter(patch, adapter):
-    _adapters[patch] = adapter
-
-
 def empty_row():
-    return dict({"adapter": None}, **{event: 0 for event in EVENTS})
+    return {event: 0 for event in EVENTS}
 
 
 def snapshot():
-    """{patch: {"adapter": str|None, event: n, ...}} for every patch with a count or adapter."""
+    """{patch: {event: n, ...}} for every patch with a count."""
     with _lock:
         counts = {name: dict(events) for name, events in _counts.items()}
-    out = {}
-    for name in sorted(set(counts) | set(_adapters)):
-        row = empty_row()
-        row["adapter"] = _adapters.get(name)
-        row.update({event: counts.get(name, {}).get(event, 0) for event in EVENTS})
-        out[name] = row
-    return out
+    return {name: dict(empty_row(), **counts[name]) for name in sorted(counts)}
 
 
 def reset():
-    """Zero every counter (the adapters that applied stay: the patches are still in place)."""
+    """Zero every counter."""
     with _lock:
         _counts.clear()
 
@@ -74,14 +64,14 @@ os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def summary_lines(rows):
-    """One line per applied patch: ``npu-shim[pid N]: NAME adapter=A calls=... ...``.
+    """One line per applied patch: ``npu-shim[pid N]: NAME family=F calls=... ...``.
 
     ``rows`` is what ``npu_shim.stats()`` returns.
     """
     pid = os.getpid()
     return [
-        "npu-shim[pid %d]: %s adapter=%s %s" % (
-            pid, name, row["adapter"] or "-", " ".join("%s=%d" % (e, row[e]) for e in EVENTS))
+        "npu-shim[pid %d]: %s family=%s %s" % (
+            pid, name, row["family"] or "-", " ".join("%s=%d" % (e, row[e]) for e in EVENTS))
         for name, row in rows.items()
         if row["state"] == "applied"
     ]
