@@ -18,6 +18,41 @@ PATCH_SWITCHES = {
 }
 
 
+# Every variable the shim reads, as data: (name, values, meaning, patch it belongs to or "").
+# The reference (``npu-shim reference``) is generated from this table.
+VARIABLES = (
+    ("NPU_SHIM", "boolean, default 1", "0 turns everything off", ""),
+    ("NPU_SHIM_ENABLE", "comma list of patch names", "only these patches may apply", ""),
+    ("NPU_SHIM_DISABLE", "comma list of patch names", "these patches never apply (DISABLE wins over ENABLE)", ""),
+    ("NPU_SHIM_STRICT", "boolean, default 0",
+     "a patch that fails, or whose target does not have the expected shape inside its window, raises "
+     "from the import of its target instead of logging a warning", ""),
+    ("NPU_SHIM_EMULATE", "boolean, default 0",
+     "when the real torch_npu is not importable, `import torch_npu` resolves to the pure-PyTorch "
+     "emulation (tests and development machines only)", ""),
+    ("NPU_SHIM_LOG_LEVEL", ", ".join(LOG_LEVELS),
+     "level of the npu_shim logger, with a stderr handler; INFO prints one line per applied patch", ""),
+    ("NPU_SHIM_EXIT_SUMMARY", "boolean, default 0",
+     "1: every process that applied a patch prints one line per applied patch at exit (pid, family, "
+     "counters)", ""),
+    ("NPU_SHIM_MM_ENCODER_TND", "boolean, default 0",
+     "family 0.13.0-0.17.0rc1: npu-shim's TND npu_fusion_attention (K/V not repeated) instead of "
+     "upstream's _npu_flash_attention_unpad; off by default because upstream's call is the "
+     "hardware-proven one", "vllm.mm_encoder_attn"),
+    ("NPU_SHIM_MOONVIT_ATTN", ", ".join(MOONVIT_ATTN_CHOICES),
+     "MoonViT attention choice (auto: ascend_fa where NPU ops exist and the layer would use sdpa)",
+     "vllm.moonvit_attn"),
+    ("NPU_SHIM_SGLANG_SMALL_PAGE_FIA", "boolean, default 1",
+     "0 turns the patch off (it shows as disabled); an explicit ASCEND_USE_FIA is respected either way",
+     "sglang.small_page_fia"),
+    ("NPU_SHIM_EMULATE_SOC", "an Ascend SoC name, e.g. Ascend910B1, Ascend310P3",
+     "the SoC the emulation reports (default an A2 part); Ascend310P* exercises the 310P paths; "
+     "checked only where NPU_SHIM_EMULATE=1", ""),
+    ("NPU_SHIM_EMULATE_MEMORY_MIB", "finite number > 0, default 256",
+     "bound on the emulated ops' temporary memory per call (MiB); checked only where NPU_SHIM_EMULATE=1", ""),
+)
+
+
 class ConfigError(ValueError):
     """An ``NPU_SHIM*`` environment variable has a value the shim cannot use."""
 

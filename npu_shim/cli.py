@@ -3,6 +3,7 @@
     npu-shim status [--json] [--import]   what each patch does in this environment
     npu-shim run -- CMD [ARGS...]         run CMD with the shim installed at start-up
     npu-shim selftest [--json]            check every applicable patched path against float64
+    npu-shim reference [--check]          write (or check) docs/reference.md from the declarations
 """
 import argparse
 import contextlib
@@ -76,6 +77,12 @@ def cmd_selftest(args):
     return selftest.main(as_json=args.json)
 
 
+def cmd_reference(args):
+    from npu_shim import reference
+
+    return reference.main(args)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="npu-shim", description="Ascend NPU attention backports for pinned stacks.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -91,6 +98,13 @@ def build_parser():
     selftest = sub.add_parser("selftest", help="run every applicable patched path against a float64 reference")
     selftest.add_argument("--json", action="store_true", help="print the results as JSON")
     selftest.set_defaults(func=cmd_selftest)
+    reference = sub.add_parser("reference", help="write docs/reference.md from the declarations "
+                                                 "(--check: exit 1 with a diff when it differs)")
+    reference.add_argument("--check", action="store_true", help="compare instead of writing")
+    reference.add_argument("--root", default=os.curdir, help="the checkout (default: the current directory)")
+    reference.add_argument("--output", default=os.path.join("docs", "reference.md"),
+                           help="path of the reference inside the checkout")
+    reference.set_defaults(func=cmd_reference)
     sub.add_parser("run", help="run a command with the shim installed at start-up (npu-shim run -- CMD ...)")
     return parser
 

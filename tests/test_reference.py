@@ -1,0 +1,75 @@
+"""The reference (docs/reference.md) is generated from the declarations, and CI catches drift."""
+import ast
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from npu_shim import _config, reference
+from npu_shim.patches import BUILTIN_PATCHES
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def check(root=REPO):
+    return reference.main(SimpleNamespace(root=root, output=reference.OUTPUT, check=True))
+
+
+def test_the_committed_reference_is_what_the_declarations_give(capsys):
+    status = check()
+    assert status == 0, capsys.readouterr().out
+
+
+def test_the_cli_checks_the_reference():
+    proc = subprocess.run([sys.executable, "-m", "npu_shim", "reference", "--check", "--root", REPO],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "up to date" in proc.stdout
+
+
+def test_a_declaration_changed_without_regenerating_fails_with_a_diff(monkeypatch, capsys):
+    module = __import__("npu_shim.patches.vllm_ascend.mm_encoder_attn", fromlist=["PATCH"])
+    newest = module.PATCH.families[-1]
+    grown = dataclasses.replace(newest, releases=newest.releases + ("0.99.0rc1",))
+    monkeypatch.setattr(module, "PATCH", dataclasses.replace(module.PATCH, families=module.PATCH.families[:-1] + (grown,)))
+    assert check() == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^\+.*0\.99\.0rc1", out, re.M), out
+    assert "differs from the declarations" in out
+
+
+def test_a_missing_reference_fails(tmp_path, capsys):
+    assert check(str(tmp_path)) == 1
+    assert "differs from the declarations" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, module", BUILTIN_PATCHES)
+def test_every_patch_says_why_how_upstream_fix_and_remove_when(name, module):
+    doc = __import__(module, fromlist=["PATCH"]).__doc__
+    sections = reference.docstring_sections(doc)
+    assert {"Why", "How", "Upstream fix", "Remove when"} <= set(sections), (name, sorted(sections))
+
+
+def test_every_npu_shim_variable_the_code_reads_is_declared():
+    declared = {row[0] for row in _config.VARIABLES}
+    package = os.path.dirname(_config.__file__)
+    used = set()
+    for folder, _, files in os.walk(package):
+        for filename in files:
+            if filename.endswith(".py"):
+                for node in ast.walk(ast.parse(open(os.path.join(folder, filename)).read())):
+                    if isinstance(node, ast.Constant) and isinstance(node.value, str) \
+                            and re.fullmatch(r"NPU_SHIM(_[A-Z0-9]+)*", node.value):
+                        used.add(node.value)
+    used.discard("NPU_SHIM_BOOT")   # the start-up hook's marker attribute, not a variable
+    assert used <= declared, sorted(used - declared)
+
+
+def test_docstring_sections_reads_indented_paragraphs():
+    doc = "x — y.\n\nWhy: one\n  two.\nHow: three.\n\nUpstream fix: none.\nRemove when: later\n  on.\nOther."
+    assert reference.docstring_sections(doc) == {"Why": "one two.", "How": "three.", "Upstream fix": "none.",
+                                                 "Remove when": "later on."}
