@@ -24,7 +24,7 @@ import os
 
 import pytest
 
-pytestmark = pytest.mark.lanes("latest-sglang")
+pytestmark = [pytest.mark.lanes("latest-sglang"), pytest.mark.patch("sglang.cp_fia_host_lengths")]
 
 from sglang_support import cp_case, cp_strategy_case  # noqa: E402  (tests/lanes/conftest.py)
 

@@ -19,7 +19,7 @@ import importlib
 import pytest
 from sglang_support import cp_case  # tests/lanes/conftest.py puts it on sys.path
 
-pytestmark = pytest.mark.lanes("sglang-0.5.12")
+pytestmark = [pytest.mark.lanes("sglang-0.5.12"), pytest.mark.patch("sglang.cp_fia")]
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 

@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-pytestmark = pytest.mark.lanes("sglang-0.5.21")
+pytestmark = [pytest.mark.lanes("sglang-0.5.21"), pytest.mark.patch("sglang.cp_npu_refuse")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))

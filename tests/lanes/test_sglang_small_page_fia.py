@@ -26,7 +26,8 @@ import os
 
 import pytest
 
-pytestmark = pytest.mark.lanes("sglang-0.5.13", "latest-sglang", "sglang-0.5.16", "sglang-0.5.19")
+pytestmark = [pytest.mark.lanes("sglang-0.5.13", "latest-sglang", "sglang-0.5.16", "sglang-0.5.19"),
+              pytest.mark.patch("sglang.small_page_fia")]
 
 from sglang_support import cp_case, prefill_case  # noqa: E402  (tests/lanes/conftest.py)
 
