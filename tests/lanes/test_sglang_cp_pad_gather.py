@@ -42,7 +42,7 @@ CASES = [
 
 
 def specs():
-    from sglang_support.cp_case import Spec
+    from npu_shim.testing.cp_case import Spec
 
     return [Spec(extend_lens=lens, prefix_lens=prefixes, num_heads=heads, num_kv_heads=kv_heads,
                  seed=index) for index, (lens, prefixes, heads, kv_heads, _) in enumerate(CASES)]
