@@ -20,7 +20,7 @@ Side by side in one process on the sglang-0.5.13 lane: upstream's fixed
 ``AscendAttnBackend.do_cp_attn_fia`` (PR 26705) and the shim's replacement
 (``sglang.cp_fia``, the method the shim installs on builds in the broken
 window), on the same backend, layer, metadata and paged cache (built as in
-tests/lanes/sglang_support/cp_case.py: real sglang metadata, ForwardBatch,
+npu_shim/testing/cp_case.py: real sglang metadata, ForwardBatch,
 RadixAttention and block table), rank 0 of cp_size 2, for several batch sizes.
 
 Printed per call:
@@ -41,7 +41,6 @@ meaningful baseline.
 """
 import argparse
 import importlib
-import importlib.util
 import os
 import statistics
 import sys
@@ -54,12 +53,9 @@ BATCHES = {1: (64,), 4: (40, 17, 33, 22), 16: tuple(12 + (7 * i) % 29 for i in r
 
 
 def load_cp_case():
-    path = os.path.join(REPO, "tests", "lanes", "sglang_support", "cp_case.py")
-    spec = importlib.util.spec_from_file_location("bench_cp_case", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from npu_shim.testing import cp_case
+
+    return cp_case
 
 
 class KernelClock:
@@ -96,11 +92,13 @@ class KernelClock:
 
 
 def load_support():
-    """tests/lanes/sglang_support as a package (cp_strategy_case imports cp_case from it)."""
+    """npu_shim.testing.cp_case and tests/lanes/sglang_support's cp_strategy_case."""
     lanes = os.path.join(REPO, "tests", "lanes")
     if lanes not in sys.path:
         sys.path.insert(0, lanes)
-    from sglang_support import cp_case, cp_strategy_case
+    from sglang_support import cp_strategy_case
+
+    from npu_shim.testing import cp_case
 
     return cp_case, cp_strategy_case
 

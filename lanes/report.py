@@ -13,14 +13,19 @@ nothing is a broken lane, not a green one). If the status command is missing or 
 the table says so instead of rows (none are made up); that alone does not fail the lane,
 the tests decide.
 
-Why "tests passed" per patch is counted from test *files*: a test module that exercises a
-patch names it (e.g. ``PATCH_NAME = "vllm.moonvit_attn"``), so the tests of every module
-whose source mentions the patch's name are attributed to that patch. The lane's totals
-are printed beside it, so nothing is hidden by the attribution.
+"Tests passed" per patch is counted from the tests' markers: a test that exercises a patch
+carries ``pytest.mark.patch("<name>")``, which tests/conftest.py writes into the junit xml
+as ``<property name="patch" value="<name>"/>`` of its test case; a test is counted for each
+patch it names, and for no other. The lane's totals are printed beside it, so tests that
+name no patch (the machinery's own) are not hidden.
 
-Only the standard library is used: this runs in every lane's venv.
+Only the standard library is used: this runs in every lane's venv and, for ``summary``,
+under nox's own Python, where npu_shim is not installed. The table layout is npu_shim's
+(``npu_shim/_table.py``), loaded from this checkout by file path: ``import npu_shim``
+would install the shim.
 """
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,6 +34,17 @@ import xml.etree.ElementTree as ET
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTEST_NO_TESTS = 5
+
+
+def _load_table_module():
+    """npu_shim/_table.py of this checkout, loaded by path (not through ``import npu_shim``)."""
+    spec = importlib.util.spec_from_file_location("_npu_shim_table", os.path.join(REPO, "npu_shim", "_table.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+format_table = _load_table_module().format_table
 
 
 def run_pytest(junit_path, pytest_args, env):
@@ -87,7 +103,9 @@ def _json_list_in(text):
 
 
 def read_junit(junit_path):
-    """Per test case: (source file, outcome); outcome is passed/failed/error/skipped."""
+    """Per test case: (patch names, outcome); the names are the case's ``patch`` properties
+    (its ``pytest.mark.patch`` markers, see tests/conftest.py), the outcome is
+    passed/failed/error/skipped."""
     if not os.path.exists(junit_path):
         return []
     cases = []
@@ -97,18 +115,10 @@ def read_junit(junit_path):
             if child.tag in ("failure", "error", "skipped"):
                 outcome = "failed" if child.tag == "failure" else child.tag
                 break
-        cases.append((_source_of(case.get("classname", "")), outcome))
+        patches = tuple(prop.get("value") for prop in case.findall("properties/property")
+                        if prop.get("name") == "patch")
+        cases.append((patches, outcome))
     return cases
-
-
-def _source_of(classname):
-    """junit classname 'tests.lanes.test_x.TestY' -> 'tests/lanes/test_x.py' (if it exists)."""
-    parts = classname.split(".")
-    for end in range(len(parts), 0, -1):
-        candidate = os.path.join(*parts[:end]) + ".py"
-        if os.path.exists(os.path.join(REPO, candidate)):
-            return candidate
-    return classname
 
 
 def totals(cases):
@@ -119,18 +129,10 @@ def totals(cases):
 
 
 def tests_per_patch(rows, cases):
-    """For each patch name: passed/total over tests in files whose source names the patch."""
-    sources = {}
-    for source, _ in cases:
-        if source not in sources:
-            try:
-                with open(os.path.join(REPO, source), encoding="utf-8") as handle:
-                    sources[source] = handle.read()
-            except OSError:
-                sources[source] = ""
+    """For each patch row: passed/total over the test cases that name the patch."""
     result = {}
     for row in rows:
-        mine = [outcome for source, outcome in cases if row["name"] in sources[source]]
+        mine = [outcome for patches, outcome in cases if row["name"] in patches]
         result[row["name"]] = {"passed": mine.count("passed"), "total": len(mine)}
     return result
 
@@ -151,16 +153,8 @@ def _fmt_versions(versions):
     return ", ".join("%s %s" % (dist, version or "-") for dist, version in sorted(versions.items())) or "-"
 
 
-def format_table(headers, table):
-    widths = [max(len(str(r[i])) for r in table + [headers]) for i in range(len(headers))]
-    lines = ["  ".join(str(h).ljust(w) for h, w in zip(headers, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths)) for r in table]
-    return "\n".join(line.rstrip() for line in lines)
-
-
 def lane_table(summary):
-    headers = ("patch", "state", "reason", "versions", "tests passed (files naming it)")
+    headers = ("patch", "state", "reason", "versions", "tests passed (marked for it)")
     table = []
     for row in summary["patches"] or []:
         tests = summary["tests_per_patch"].get(row["name"], {"passed": 0, "total": 0})
@@ -284,7 +278,7 @@ def cmd_summary(args):
                 lane_counts,
             )
         )
-    print(format_table(("lane", "patch", "state", "reason", "tests passed (files naming it)"), table))
+    print(format_table(("lane", "patch", "state", "reason", "tests passed (marked for it)"), table))
     failed = [s["lane"] for s in summaries if s["pytest_exit_code"] != 0 or not sum(s["tests"].values())]
     failed += ["%s (no report)" % lane for lane in missing]
     if failed:

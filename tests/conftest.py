@@ -6,16 +6,51 @@ unmarked tests belong to the ``base`` lane (no upstream framework installed).
 ``NPU_SHIM_LANE`` (set by the nox sessions) names the lane being run; tests of
 other lanes are deselected, never skipped, so a lane that silently runs nothing
 shows up as "no tests ran" instead of a green run.
+
+A test that exercises a patch names it: ``pytest.mark.patch("sglang.cp_fia")``
+(module level in ``pytestmark``, or per test where a module exercises several).
+Each selected test's patch names are recorded as ``<property name="patch">`` in
+the junit XML, from which ``lanes/report.py`` counts the tests of each patch.
+
+Both markers are checked over every collected test, selected or not: a lane name
+that nox does not define (a pin file ``lanes/<name>.txt`` whose name does not
+start with ``_``) or a patch name that ``npu_shim.patches.BUILTIN_PATCHES`` does
+not list fails collection, naming the test and the name, instead of leaving the
+test in no lane or its patch uncounted.
 """
+import importlib.util
 import os
 
 import pytest
 
 BASE_LANE = "base"
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LANES_DIR = os.path.join(REPO, "lanes")
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "lanes(*names): pinned stacks this test runs in")
+    config.addinivalue_line("markers", "patch(*names): the npu-shim patches this test exercises")
+
+
+def defined_lanes(lanes_dir=LANES_DIR):
+    """The lanes nox defines: the pin files ``<name>.txt`` not starting with ``_``."""
+    return sorted(name[:-len(".txt")] for name in os.listdir(lanes_dir)
+                  if name.endswith(".txt") and not name.startswith("_"))
+
+
+def builtin_patch_names():
+    """The names in ``npu_shim.patches.BUILTIN_PATCHES``, read without importing ``npu_shim``
+    (which installs the shim): the index file of the npu_shim the tests import (the lane's
+    installed copy, or this checkout) is loaded by path under a private name."""
+    spec = importlib.util.find_spec("npu_shim")   # locates the package, does not run it
+    root = spec.submodule_search_locations[0] if spec and spec.submodule_search_locations else \
+        os.path.join(REPO, "npu_shim")
+    index = importlib.util.spec_from_file_location("_npu_shim_patch_index",
+                                                   os.path.join(root, "patches", "__init__.py"))
+    module = importlib.util.module_from_spec(index)
+    index.loader.exec_module(module)
+    return [name for name, _ in module.BUILTIN_PATCHES]
 
 
 def _lanes_of(item):
@@ -23,7 +58,39 @@ def _lanes_of(item):
     return set(marker.args) if marker else {BASE_LANE}
 
 
+def patches_of(item):
+    """The patch names of every ``patch`` marker on the test (module, class and function)."""
+    names = []
+    for marker in item.iter_markers("patch"):
+        names.extend(name for name in marker.args if name not in names)
+    return names
+
+
+def marker_problems(items, lanes, patches):
+    """One line per unknown lane or patch name (or empty marker) on ``items``."""
+    problems = []
+    for item in items:
+        for marker in item.iter_markers("lanes"):
+            if not marker.args:
+                problems.append("%s: pytest.mark.lanes() names no lane" % item.nodeid)
+            for name in marker.args:
+                if name not in lanes:
+                    problems.append("%s: unknown lane %r in pytest.mark.lanes (nox defines: %s)"
+                                    % (item.nodeid, name, ", ".join(lanes)))
+        for marker in item.iter_markers("patch"):
+            if not marker.args:
+                problems.append("%s: pytest.mark.patch() names no patch" % item.nodeid)
+            for name in marker.args:
+                if name not in patches:
+                    problems.append("%s: unknown patch %r in pytest.mark.patch (BUILTIN_PATCHES: %s)"
+                                    % (item.nodeid, name, ", ".join(patches)))
+    return problems
+
+
 def pytest_collection_modifyitems(config, items):
+    problems = marker_problems(items, defined_lanes(), builtin_patch_names())
+    if problems:
+        raise pytest.UsageError("bad test markers:\n  " + "\n  ".join(dict.fromkeys(problems)))
     lane = os.environ.get("NPU_SHIM_LANE", BASE_LANE)
     selected, deselected = [], []
     for item in items:
@@ -31,9 +98,8 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
-
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for item in items:
+        item.user_properties.extend(("patch", name) for name in patches_of(item))
 
 
 def clean_env(**extra):

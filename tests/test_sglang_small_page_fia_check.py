@@ -63,6 +63,7 @@ def target_with(forward_extend):
     return types.SimpleNamespace(AscendAttnBackend=backend, __name__="fake_ascend_backend")
 
 
+@pytest.mark.patch("sglang.small_page_fia")
 def test_a_release_with_0_5_13s_gates_gets_its_family():
     from npu_shim.engine import guards
 
@@ -71,6 +72,7 @@ def test_a_release_with_0_5_13s_gates_gets_its_family():
     assert family.name == "0.5.13"
 
 
+@pytest.mark.patch("sglang.small_page_fia")
 def test_a_family_whose_fence_holds_but_gates_differ_is_refused_with_every_reason():
     from npu_shim.engine import guards
 
@@ -78,6 +80,7 @@ def test_a_family_whose_fence_holds_but_gates_differ_is_refused_with_every_reaso
         guards.select_family(small_page.PATCH, target_with(without_alibi_gate), {"sglang": "0.5.13"})
 
 
+@pytest.mark.patch("sglang.small_page_fia")
 @pytest.mark.parametrize("method, message", [
     (without_alibi_gate, "no adapter knows"),
     (renamed_parameters, "takes self, query"),
@@ -87,12 +90,14 @@ def test_unknown_shapes_are_mismatches(method, message):
         small_page.select_adapter(target_with(method))
 
 
+@pytest.mark.patch("sglang.small_page_fia")
 def test_adapters_are_exclusive_on_every_known_gate_set():
     gate_sets = [adapter.gates for adapter in small_page.ADAPTERS]
     for gates in gate_sets:
         assert sum(adapter.matches(gates) for adapter in small_page.ADAPTERS) == 1
 
 
+@pytest.mark.patch("sglang.cp_fia_host_lengths")
 def test_the_closure_finds_host_lists_by_tensor_identity():
     import torch
 

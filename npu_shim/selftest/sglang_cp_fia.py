@@ -15,11 +15,10 @@ with ``object.__new__`` and given the three attributes the method reads
 ``AscendAttnBackend.__init__`` needs a whole ``ModelRunner``. The metadata is
 filled from the zigzag definition rather than by
 ``prepare_context_parallel_metadata``, which needs sglang's global server
-arguments, which this process does not have.
+arguments, which this process does not have. The batch, the backend, the
+reference and the zigzag split come from :mod:`npu_shim.testing.cp_case`,
+the builder the lane tests use too.
 """
-
-from npu_shim.selftest._cp_case import (ascend_layer_case, extend_forward_batch, run_cp_fia,
-                                      zigzag_block_sizes, zigzag_layout)
 
 PATCH_NAME = "sglang.cp_fia"
 CP_SIZE = 2
@@ -27,7 +26,6 @@ EXTEND_LENS = (33, 70, 21)
 PREFIX_LENS = (0, 9, 4)
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 PAGE_SIZE = 128
-TOLERANCE = {"float32": 2e-5, "float16": 4e-3}
 
 
 def _patched_module():
@@ -43,10 +41,12 @@ def _patched_module():
 
 def _metadata(cls, rank):
     """Rank ``rank``'s per-sequence CP metadata, from the zigzag definition."""
+    from npu_shim.testing import cp_case
+
     prev_block, next_block = rank, 2 * CP_SIZE - 1 - rank
     q_prev, q_next, kv_prev, kv_next = [], [], [], []
     for length, prefix in zip(EXTEND_LENS, PREFIX_LENS):
-        sizes = zigzag_block_sizes(length, CP_SIZE)
+        sizes = cp_case.zigzag_block_sizes(length, CP_SIZE)
         q_prev.append(sizes[prev_block])
         q_next.append(sizes[next_block])
         kv_prev.append(prefix + sum(sizes[:prev_block + 1]))
@@ -74,28 +74,30 @@ def _metadata_class():
 def run(device=None):
     import torch
 
+    from npu_shim.testing import cp_case
+
     device = device or "cpu"
     module = _patched_module()
     dtype = torch.float32 if device == "cpu" else torch.float16
-    case = ascend_layer_case(module, EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE,
-                             device, dtype)
-    q, seq_lens, reference = case.q, case.seq_lens, case.reference
+    spec = cp_case.Spec(extend_lens=EXTEND_LENS, prefix_lens=PREFIX_LENS, page_size=PAGE_SIZE,
+                        num_heads=HEADS, num_kv_heads=KV_HEADS, qk_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
+                        cp_size=CP_SIZE, dtype=dtype)
+    case = cp_case.ascend_layer_case(module, spec, device)
     metadata_cls = _metadata_class()
 
     err, syncs, seconds = 0.0, 0, 0.0
     for rank in range(CP_SIZE):
-        layout = zigzag_layout(EXTEND_LENS, rank, CP_SIZE)
-        local_q = torch.stack([q[s][i] for s, i in layout]).reshape(len(layout), -1).to(device, dtype)
-        forward_batch = extend_forward_batch(EXTEND_LENS, seq_lens, _metadata(metadata_cls, rank))
-        out, call_syncs, call_seconds = run_cp_fia(module, case, local_q, forward_batch)
+        layout = cp_case.zigzag_layout(EXTEND_LENS, CP_SIZE, rank)
+        local_q = torch.stack([case.batch.q[s][i] for s, i in layout]).reshape(len(layout), -1).to(device)
+        forward_batch = cp_case.make_forward_batch(case.batch, _metadata(metadata_cls, rank))
+        out, call_syncs, call_seconds = cp_case.run_cp_fia(module, case, local_q, forward_batch)
         seconds += call_seconds
         syncs = max(syncs, call_syncs)
-        expected = torch.stack([reference[s][i] for s, i in layout]).reshape(len(layout), -1)
-        err = max(err, (out.detach().to("cpu", torch.float64) - expected).abs().max().item())
+        err = max(err, cp_case.max_abs_err(out.cpu(), cp_case.rank_expected(case.batch, case.reference, rank)))
 
     return {
         "max_abs_err": err,
-        "tolerance": TOLERANCE[str(dtype).replace("torch.", "")],
+        "tolerance": cp_case.tolerance(dtype),
         "host_syncs": syncs,
         "seconds": seconds,
         "detail": "AscendAttnBackend.do_cp_attn_fia, cp_size %d (both ranks), %d sequences of %s new "

@@ -15,11 +15,10 @@ tensors (0: the lengths come from the metadata's host lists).
 
 The backend is made with ``object.__new__`` and given what the method reads
 (``page_size``, ``device``, ``forward_metadata.block_tables``, ``fia_mask``):
-its ``__init__`` needs a whole ``ModelRunner``.
+its ``__init__`` needs a whole ``ModelRunner``. The batch, the backend, the
+reference and the zigzag split come from :mod:`npu_shim.testing.cp_case`, the
+builder the lane tests use too.
 """
-
-from npu_shim.selftest._cp_case import (ascend_layer_case, extend_forward_batch, run_cp_fia,
-                                      zigzag_layout)
 
 PATCH_NAME = "sglang.cp_fia_host_lengths"
 CP_SIZE = 2
@@ -27,7 +26,6 @@ EXTEND_LENS = (37, 70, 21)
 PREFIX_LENS = (0, 9, 4)
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 PAGE_SIZE = 128
-TOLERANCE = {"float32": 2e-5, "float16": 4e-3}
 
 
 def _patched_module():
@@ -46,13 +44,17 @@ def run(device=None):
     from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
     from sglang.srt.runtime_context import get_parallel
 
+    from npu_shim.testing import cp_case
+
     device = device or "cpu"
     module = _patched_module()
     dtype = torch.float32 if device == "cpu" else torch.float16
-    case = ascend_layer_case(module, EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE,
-                             device, dtype)
-    q, seq_lens, reference = case.q, case.seq_lens, case.reference
-    packed_q = torch.cat(q).reshape(sum(EXTEND_LENS), -1).to(device, dtype)
+    spec = cp_case.Spec(extend_lens=EXTEND_LENS, prefix_lens=PREFIX_LENS, page_size=PAGE_SIZE,
+                        num_heads=HEADS, num_kv_heads=KV_HEADS, qk_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
+                        cp_size=CP_SIZE, dtype=dtype)
+    case = cp_case.ascend_layer_case(module, spec, device)
+    seq_lens = list(spec.seq_lens)
+    packed_q = case.batch.packed_q().to(device)
 
     err, syncs, seconds = 0.0, 0, 0.0
     for rank in range(CP_SIZE):
@@ -65,21 +67,21 @@ def run(device=None):
             strategy = base.get_cp_strategy()
             meta = strategy.build_metadata(sum(EXTEND_LENS), seq_lens, list(EXTEND_LENS))
             pad_logical_token_to_physical(meta)
-            forward_batch = extend_forward_batch(EXTEND_LENS, seq_lens, meta)
+            forward_batch = cp_case.make_forward_batch(case.batch, meta)
             local_q = strategy.shard_hidden_states(packed_q, forward_batch)
             meta_tensors = [t for t in vars(meta).values() if isinstance(t, torch.Tensor)]
-            out, call_syncs, call_seconds = run_cp_fia(module, case, local_q, forward_batch, meta_tensors)
+            out, call_syncs, call_seconds = cp_case.run_cp_fia(module, case, local_q, forward_batch,
+                                                               meta_tensors)
             seconds += call_seconds
         syncs = max(syncs, call_syncs)
-        layout = zigzag_layout(EXTEND_LENS, rank, CP_SIZE)
-        rows = len(layout)
-        expected = torch.stack([reference[s][i] for s, i in layout]).reshape(rows, -1)
-        err = max(err, (out[:rows].detach().to("cpu", torch.float64) - expected).abs().max().item())
+        rows = len(cp_case.zigzag_layout(EXTEND_LENS, CP_SIZE, rank))
+        expected = cp_case.rank_expected(case.batch, case.reference, rank)
+        err = max(err, cp_case.max_abs_err(out[:rows].cpu(), expected))
         if out.shape[0] < rows or bool(out[rows:].ne(0).any()):
             err = float("inf")
     return {
         "max_abs_err": err,
-        "tolerance": TOLERANCE[str(dtype).replace("torch.", "")],
+        "tolerance": cp_case.tolerance(dtype),
         "host_syncs": syncs,
         "seconds": seconds,
         "detail": "AscendAttnBackend.do_cp_attn_fia via ZigzagCPStrategy, cp_size %d (both ranks, pad "

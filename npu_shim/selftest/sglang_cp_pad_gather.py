@@ -10,11 +10,10 @@ only) and reports the largest deviation of the real rows from the float64 causal
 reference, and of the pad rows from zero. The KV all-gather half of the patch is
 a collective across CP ranks; it runs in the lanes' two-process test, not here.
 sglang's test hooks ``override_server_args`` and ``get_parallel().override``
-stand in for a running server's configuration and CP topology.
+stand in for a running server's configuration and CP topology. The batch, the
+backend, the reference and the zigzag split come from
+:mod:`npu_shim.testing.cp_case`, the builder the lane tests use too.
 """
-
-from npu_shim.selftest._cp_case import (ascend_layer_case, extend_forward_batch, run_cp_fia,
-                                      zigzag_layout)
 
 PATCH_NAME = "sglang.cp_pad_gather"
 CP_SIZE = 2
@@ -22,7 +21,6 @@ EXTEND_LENS = (37, 20)
 PREFIX_LENS = (0, 9)
 HEADS, KV_HEADS, HEAD_DIM = 8, 2, 128
 PAGE_SIZE = 128
-TOLERANCE = {"float32": 2e-5, "float16": 4e-3}
 
 
 def run(device=None):
@@ -32,13 +30,16 @@ def run(device=None):
     from sglang.srt.runtime_context import get_context, get_parallel
 
     from npu_shim.selftest import applied_target
+    from npu_shim.testing import cp_case
 
     device = device or "cpu"
     module = applied_target(PATCH_NAME)
     dtype = torch.float32 if device == "cpu" else torch.float16
-    case = ascend_layer_case(module, EXTEND_LENS, PREFIX_LENS, HEADS, KV_HEADS, HEAD_DIM, PAGE_SIZE,
-                             device, dtype)
-    q, seq_lens, reference = case.q, case.seq_lens, case.reference
+    spec = cp_case.Spec(extend_lens=EXTEND_LENS, prefix_lens=PREFIX_LENS, page_size=PAGE_SIZE,
+                        num_heads=HEADS, num_kv_heads=KV_HEADS, qk_head_dim=HEAD_DIM, v_head_dim=HEAD_DIM,
+                        cp_size=CP_SIZE, dtype=dtype)
+    case = cp_case.ascend_layer_case(module, spec, device)
+    q, seq_lens = case.batch.q, list(spec.seq_lens)
 
     err, pad_max, pad_rows, syncs, seconds = 0.0, 0.0, 0, 0, 0.0
     with get_context().override_server_args(enable_prefill_cp=True, cp_strategy="zigzag",
@@ -49,18 +50,18 @@ def run(device=None):
                 metadata = ZigzagCPStrategy(cp_size=CP_SIZE).build_metadata(
                     num_tokens=sum(EXTEND_LENS), seqs_len=seq_lens, extend_seqs_len=list(EXTEND_LENS))
                 pad_logical_token_to_physical(metadata)
-            layout = zigzag_layout(EXTEND_LENS, rank, CP_SIZE)
+            layout = cp_case.zigzag_layout(EXTEND_LENS, CP_SIZE, rank)
             physical = metadata.per_rank_actual_token[rank]
-            local_q = torch.zeros(physical, HEADS * HEAD_DIM)
+            local_q = torch.zeros(physical, HEADS * HEAD_DIM, dtype=dtype)
             local_q[:len(layout)] = torch.stack([q[s][i] for s, i in layout]).reshape(len(layout), -1)
-            local_q = local_q.to(device, dtype)
-            forward_batch = extend_forward_batch(EXTEND_LENS, seq_lens, metadata)
-            out, call_syncs, call_seconds = run_cp_fia(module, case, local_q, forward_batch)
+            local_q = local_q.to(device)
+            forward_batch = cp_case.make_forward_batch(case.batch, metadata)
+            out, call_syncs, call_seconds = cp_case.run_cp_fia(module, case, local_q, forward_batch)
             seconds += call_seconds
             syncs = max(syncs, call_syncs)
-            expected = torch.stack([reference[s][i] for s, i in layout]).reshape(len(layout), -1)
+            expected = cp_case.rank_expected(case.batch, case.reference, rank)
             out = out.detach().to("cpu", torch.float64)
-            err = max(err, (out[:len(layout)] - expected).abs().max().item())
+            err = max(err, cp_case.max_abs_err(out[:len(layout)], expected))
             if out.shape[0] != physical:
                 raise RuntimeError("rank %d: %d output rows for %d local rows" % (rank, out.shape[0], physical))
             pad_rows += physical - len(layout)
@@ -71,7 +72,7 @@ def run(device=None):
 
     return {
         "max_abs_err": max(err, pad_max),
-        "tolerance": TOLERANCE[str(dtype).replace("torch.", "")],
+        "tolerance": cp_case.tolerance(dtype),
         "host_syncs": syncs,
         "seconds": seconds,
         "detail": "AscendAttnBackend.do_cp_attn_fia on CP-v2 padded rows, cp_size %d (both ranks, %d pad "

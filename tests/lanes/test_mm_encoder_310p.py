@@ -33,7 +33,8 @@ import pytest
 
 import npu_shim
 
-pytestmark = pytest.mark.lanes("vllm-0.14", "vllm-0.18", "vllm-0.22", "latest-vllm")
+pytestmark = [pytest.mark.lanes("vllm-0.14", "vllm-0.18", "vllm-0.22", "latest-vllm"),
+              pytest.mark.patch("vllm.mm_encoder_attn_310p")]
 
 TARGET = "vllm_ascend._310p.ops.mm_encoder_attention"
 CLASS_NAME = "AscendMMEncoderAttention310"

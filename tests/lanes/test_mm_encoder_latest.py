@@ -18,7 +18,7 @@ import os
 
 import pytest
 
-pytestmark = pytest.mark.lanes("latest", "latest-vllm")
+pytestmark = [pytest.mark.lanes("latest-vllm"), pytest.mark.patch("vllm.mm_encoder_attn")]
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 

@@ -5,7 +5,7 @@ What runs is upstream code at the pinned version: sglang's
 ``cp_split_and_rebuild_data``, ``RadixAttention``, ``ForwardBatch``,
 ``ReqToTokenPool``, ``AscendAttnBackend.init_forward_metadata`` and
 ``do_cp_attn_fia``. What does not run as in production, and why, is listed in
-tests/lanes/sglang_support/cp_case.py (the backend is made without
+npu_shim/testing/cp_case.py (the backend is made without
 ``__init__``, which needs an NPU; the KV cache is a plain tensor in the NPU
 pool's layout). torch_npu is npu-shim's emulation; ``sgl_kernel_npu`` the import
 placeholder in tests/placeholders (never called on this path).
@@ -36,7 +36,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.lanes("sglang-0.5.13")
+pytestmark = [pytest.mark.lanes("sglang-0.5.13"), pytest.mark.patch("sglang.cp_fia")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUPPORT = os.path.join(HERE, "sglang_support")
@@ -45,7 +45,9 @@ PLACEHOLDERS = os.path.join(REPO, "tests", "placeholders")
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 
 
-from sglang_support import broken_window, cp_case  # noqa: E402  (tests/lanes/conftest.py)
+from sglang_support import broken_window  # noqa: E402  (tests/lanes/conftest.py)
+
+from npu_shim.testing import cp_case  # noqa: E402
 
 
 def _specs():

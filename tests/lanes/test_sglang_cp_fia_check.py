@@ -18,6 +18,8 @@ import pytest
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.sglang import cp_fia as patch
 
+pytestmark = pytest.mark.patch("sglang.cp_fia")   # lane base: no sglang
+
 
 # Method shapes. Bodies are never run: the check reads their code objects only.
 def single_sequence(self, q, k_cache, v_cache, layer, forward_batch):

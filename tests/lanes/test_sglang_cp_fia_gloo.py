@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.lanes("sglang-0.5.13")
+pytestmark = [pytest.mark.lanes("sglang-0.5.13"), pytest.mark.patch("sglang.cp_fia")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUPPORT = os.path.join(HERE, "sglang_support")

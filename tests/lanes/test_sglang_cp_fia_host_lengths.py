@@ -6,7 +6,7 @@ sglang's ``init_cp_strategy`` for rank r of cp_size 2 through
 ``pad_logical_token_to_physical``), ``shard_hidden_states``, ``RadixAttention``,
 ``ForwardBatch``, ``ReqToTokenPool``, ``AscendAttnBackend.init_forward_metadata``
 and ``do_cp_attn_fia`` itself (upstream's, and the shim's replacement). What
-does not run as in production is listed in sglang_support/cp_case.py and
+does not run as in production is listed in npu_shim/testing/cp_case.py and
 cp_strategy_case.py. torch_npu is npu-shim's emulation.
 
 Checked, both ranks in turn, for every case (uneven lengths, lengths whose
@@ -26,9 +26,11 @@ import pytest
 
 import npu_shim
 
-pytestmark = pytest.mark.lanes("latest-sglang")
+pytestmark = [pytest.mark.lanes("latest-sglang"), pytest.mark.patch("sglang.cp_fia_host_lengths")]
 
-from sglang_support import cp_case, cp_strategy_case  # noqa: E402  (tests/lanes/conftest.py)
+from sglang_support import cp_strategy_case  # noqa: E402  (tests/lanes/conftest.py)
+
+from npu_shim.testing import cp_case  # noqa: E402
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 NAME = "sglang.cp_fia_host_lengths"

@@ -17,9 +17,9 @@ the method reads only the scalar fields set here, and sglang's own
 import importlib
 
 import pytest
-from sglang_support import cp_case  # tests/lanes/conftest.py puts it on sys.path
+from npu_shim.testing import cp_case
 
-pytestmark = pytest.mark.lanes("sglang-0.5.12")
+pytestmark = [pytest.mark.lanes("sglang-0.5.12"), pytest.mark.patch("sglang.cp_fia")]
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 

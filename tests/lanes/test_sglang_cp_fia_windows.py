@@ -17,7 +17,8 @@ import importlib
 
 import pytest
 
-pytestmark = pytest.mark.lanes("sglang-0.5.12", "sglang-0.5.13", "latest", "latest-sglang")
+pytestmark = [pytest.mark.lanes("sglang-0.5.12", "sglang-0.5.13", "latest-sglang"),
+              pytest.mark.patch("sglang.cp_fia")]
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 

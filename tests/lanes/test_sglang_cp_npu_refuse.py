@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-pytestmark = pytest.mark.lanes("sglang-0.5.21")
+pytestmark = [pytest.mark.lanes("sglang-0.5.21"), pytest.mark.patch("sglang.cp_npu_refuse")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -64,7 +64,7 @@ def test_upstream_prefill_cp_fails_at_the_first_cp_prefill(shim):
     """forward_extend on a CP-v2 batch built by upstream's prepare_cp_forward hits the stub."""
     import torch
 
-    from sglang_support import cp_case
+    from npu_shim.testing import cp_case
     from sglang_support.cp_pad_worker import make_backend, make_pool
     from sglang.srt.layers.cp.base import get_cp_strategy
     from sglang.srt.layers.cp.utils import prepare_cp_forward

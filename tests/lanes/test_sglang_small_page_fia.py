@@ -28,9 +28,12 @@ import pytest
 
 import npu_shim
 
-pytestmark = pytest.mark.lanes("sglang-0.5.13", "latest-sglang", "sglang-0.5.16", "sglang-0.5.19")
+pytestmark = [pytest.mark.lanes("sglang-0.5.13", "latest-sglang", "sglang-0.5.16", "sglang-0.5.19"),
+              pytest.mark.patch("sglang.small_page_fia")]
 
-from sglang_support import cp_case, prefill_case  # noqa: E402  (tests/lanes/conftest.py)
+from sglang_support import prefill_case  # noqa: E402  (tests/lanes/conftest.py)
+
+from npu_shim.testing import cp_case  # noqa: E402
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 POOL = "sglang.srt.hardware_backend.npu.memory_pool_npu"

@@ -18,7 +18,7 @@ import textwrap
 
 import pytest
 
-pytestmark = pytest.mark.lanes("kimi-vl-2025")
+pytestmark = [pytest.mark.lanes("kimi-vl-2025"), pytest.mark.patch("vllm.moonvit_attn")]
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys

@@ -138,7 +138,7 @@ def main(wheel_path):
 
     npu_shim.install()
     module = importlib.import_module(TARGET)
-    import cp_case
+    from npu_shim.testing import cp_case
 
     from npu_shim.patches.sglang import cp_fia as sglang_cp_fia
 

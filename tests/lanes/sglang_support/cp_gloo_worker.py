@@ -61,7 +61,7 @@ def main(rank, world, port, wheel, spec_json, out_path):
     import importlib
 
     module = importlib.import_module(broken_window.TARGET)
-    import cp_case
+    from npu_shim.testing import cp_case
 
     from npu_shim.patches.sglang import cp_fia as sglang_cp_fia
     from sglang.srt.layers.utils.cp_utils import cp_split_and_rebuild_data

@@ -100,7 +100,7 @@ def make_backend(module, spec, batch, pool, forward_batch, world):
 def run_case(module, spec, rank, world):
     import torch
 
-    import cp_case
+    from npu_shim.testing import cp_case
     from npu_shim.testing import count_host_syncs
     from npu_shim.testing.calls import record_npu_calls
     from sglang.srt.layers.cp.base import get_cp_strategy
@@ -160,7 +160,7 @@ def main(rank, world, port, cases_json, out_path):
     import importlib
 
     module = importlib.import_module("sglang.srt.hardware_backend.npu.attention.ascend_backend")
-    import cp_case
+    from npu_shim.testing import cp_case
     from npu_shim.patches.sglang import cp_pad_gather as patch
     from sglang.srt.layers.utils import cp_utils
     from sglang.srt.runtime_context import get_context, get_parallel

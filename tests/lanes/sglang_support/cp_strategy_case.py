@@ -1,6 +1,6 @@
 """One CP prefill rank on sglang 0.5.23, where attention goes through the CP strategy object.
 
-Builds on cp_case.py (same Spec, batch, paged cache with shuffled pages,
+Builds on npu_shim/testing/cp_case.py (same Spec, batch, paged cache with shuffled pages,
 RadixAttention, backend made without ``__init__``, float64 reference); what
 0.5.23 changes, and what this module does for it, with sglang's own code:
 
@@ -22,7 +22,7 @@ import contextlib
 
 import torch
 
-from sglang_support import cp_case
+from npu_shim.testing import cp_case
 
 STRATEGY = "zigzag"
 

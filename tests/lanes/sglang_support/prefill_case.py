@@ -1,6 +1,6 @@
 """One plain (non-CP) prefill through ``AscendAttnBackend.forward_extend``, from real sglang parts.
 
-Used by test_sglang_small_page_fia.py. Builds on cp_case.py (Spec, random
+Used by test_sglang_small_page_fia.py. Builds on npu_shim/testing/cp_case.py (Spec, random
 sequences with cached prefixes in a paged cache with shuffled pages, the
 ``ReqToTokenPool``, ``RadixAttention``, ``ForwardBatch`` and the real
 ``init_forward_metadata``), and adds:
@@ -21,7 +21,7 @@ sequences with cached prefixes in a paged cache with shuffled pages, the
 """
 import torch
 
-from sglang_support import cp_case
+from npu_shim.testing import cp_case
 
 
 def make_pool(module_pool, batch):

@@ -1,8 +1,11 @@
 """One context-parallel prefill of sglang's Ascend FIA path, built from real sglang parts.
 
-Used by tests/lanes/test_sglang_cp_fia*.py, by the two-process worker next to
-this file and by npu_shim's selftest (which carries its own smaller copy of the
-same idea). What is real and what is not:
+The one builder of the sglang CP test case: used by the selftests
+(``npu_shim.selftest.sglang_cp_*``, through :func:`ascend_layer_case`), by
+tests/lanes/test_sglang_*.py and by the lane tests' helpers and rank workers in
+tests/lanes/sglang_support/. Shipped in the package (``npu-shim selftest`` needs
+it); sglang is imported only inside the functions that use it. What is real and
+what is not:
 
 Real sglang (at the lane's pinned version):
 * ``ContextParallelMetadata`` from ``prepare_context_parallel_metadata`` (CPU:
@@ -39,6 +42,12 @@ Not real, and why:
   garbage so that a read past a sequence's KV length shows in the result.
 * torch_npu is npu-shim's emulation (``NPU_SHIM_EMULATE=1``).
 
+The selftests (:func:`ascend_layer_case`) run on an NPU as well as on the
+emulation: there the backend is given the block table directly
+(:meth:`Batch.block_table`, the pages the batch's slots lie in: what
+``init_forward_metadata`` computes from the ``ReqToTokenPool``), and the caches,
+the block table and the mask are moved to the device.
+
 Expected values come only from ``npu_shim.testing.attention_f64`` (float64, from
 the definition of causal attention over each sequence's cached prefix and new
 tokens), mapped to a rank's tokens by :func:`zigzag_layout`.
@@ -47,7 +56,9 @@ import dataclasses
 import json
 import math
 import random
+import time
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import List
 
 import torch
@@ -104,24 +115,27 @@ class Spec:
                                            str(self.dtype).replace("torch.", ""))
 
 
+def zigzag_block_sizes(length, cp_size):
+    """The ``2 * cp_size`` zigzag blocks of a sequence of ``length`` new tokens: the first
+    ``length % (2 * cp_size)`` one token longer."""
+    segments = 2 * cp_size
+    return [length // segments + (1 if i < length % segments else 0) for i in range(segments)]
+
+
 def zigzag_layout(extend_lens, cp_size, rank):
     """(sequence, index among its new tokens) of each local token of ``rank``.
 
     From the definition: every sequence's new tokens are cut into 2 * cp_size
-    blocks, the first ``L % (2 * cp_size)`` one token longer; rank r owns block
-    r and block 2 * cp_size - 1 - r of every sequence, laid out as all
-    sequences' block r, then all sequences' block 2 * cp_size - 1 - r.
+    blocks (:func:`zigzag_block_sizes`); rank r owns block r and block
+    2 * cp_size - 1 - r of every sequence, laid out as all sequences' block r,
+    then all sequences' block 2 * cp_size - 1 - r.
     """
-    segments = 2 * cp_size
-    starts = []
-    for n in extend_lens:
-        sizes = [n // segments + (1 if i < n % segments else 0) for i in range(segments)]
-        offsets = [sum(sizes[:i]) for i in range(segments)]
-        starts.append((sizes, offsets))
     layout = []
-    for block in (rank, segments - 1 - rank):
-        for s, (sizes, offsets) in enumerate(starts):
-            layout.extend((s, offsets[block] + i) for i in range(sizes[block]))
+    for block in (rank, 2 * cp_size - 1 - rank):
+        for s, n in enumerate(extend_lens):
+            sizes = zigzag_block_sizes(n, cp_size)
+            start = sum(sizes[:block])
+            layout.extend((s, start + i) for i in range(sizes[block]))
     return layout
 
 
@@ -151,6 +165,16 @@ class Batch:
 
     def new_token_slots(self):
         return torch.cat([s[p:] for s, p in zip(self.slots, self.spec.prefixes)])
+
+    def block_table(self):
+        """(bs, max pages) int32: the page of each sequence's every ``page_size``-th slot,
+        0 past its last page (what ``init_forward_metadata`` reads off the pool)."""
+        ps = self.spec.page_size
+        pages = [(slots[::ps] // ps).to(torch.int32) for slots in self.slots]
+        table = torch.zeros(len(pages), max(p.shape[0] for p in pages), dtype=torch.int32)
+        for s, row in enumerate(pages):
+            table[s, :row.shape[0]] = row
+        return table
 
     def reference(self):
         """float64 causal attention for every new token, per sequence: list of (L_s, N, Dv)."""
@@ -314,3 +338,44 @@ def max_abs_err(out, expected):
 def tolerance(dtype):
     """Max abs error allowed against the float64 reference (inputs are N(0, 1))."""
     return {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype]
+
+
+# -- the selftests' case: one layer on a device, the backend given its block table -------
+
+def ascend_layer_case(module, spec: Spec, device="cpu"):
+    """The batch of ``spec`` (:func:`make_batch`) for one attention layer on sglang's
+    ``AscendAttnBackend`` of ``module`` on ``device``: ``batch``, the ``layer``, the
+    ``backend``, ``k_cache`` / ``v_cache`` / ``block_table`` on the device and the float64
+    causal ``reference`` of each sequence's new tokens.
+
+    The backend is made with ``object.__new__`` and given what the CP FIA methods read
+    (``page_size``, ``device``, ``forward_metadata.block_tables``, ``fia_mask``): its
+    ``__init__`` needs a whole ``ModelRunner``.
+    """
+    batch = make_batch(spec)
+    block_table = batch.block_table().to(device)
+    backend = object.__new__(module.AscendAttnBackend)
+    backend.page_size, backend.device = spec.page_size, device
+    backend.forward_metadata = module.ForwardMetadata(block_tables=block_table)
+    backend.fia_mask = module.AscendAttnMaskBuilder.generate_mask_flag(2048).to(device)
+    return SimpleNamespace(
+        spec=spec, device=device, batch=batch, layer=make_layer(spec), backend=backend,
+        k_cache=batch.k_cache.to(device), v_cache=batch.v_cache.to(device), block_table=block_table,
+        reference=batch.reference())
+
+
+def run_cp_fia(module, case, local_q, forward_batch, more_device_tensors=()):
+    """One ``AscendAttnBackend.do_cp_attn_fia`` call on ``case``: ``(out, host syncs, seconds)``.
+
+    The syncs are counted with q, the caches, the block table, the mask and
+    ``more_device_tensors`` treated as device tensors."""
+    from npu_shim.testing import count_host_syncs
+
+    device_tensors = [local_q, case.k_cache, case.v_cache, case.block_table, case.backend.fia_mask]
+    started = time.perf_counter()
+    with count_host_syncs(device_tensors=device_tensors + list(more_device_tensors)) as counter:
+        out = module.AscendAttnBackend.do_cp_attn_fia(case.backend, local_q, case.k_cache, case.v_cache,
+                                                      case.layer, forward_batch)
+    if case.device != "cpu":
+        torch.npu.synchronize()
+    return out, counter.count, time.perf_counter() - started
