@@ -96,7 +96,7 @@ def test_both_patches_applied_on_the_pinned_stack(moonvit):
     assert moonvit.VL_VISION_ATTENTION_FUNCTIONS["ascend_fa"].__module__ == "npu_shim.patches.vllm.moonvit_attn"
     for method in ("__init__", "attention_qkvpacked"):
         wrapper = moonvit.MoonVitEncoderLayer.__dict__[method]
-        assert wrapper.__code__.co_filename.endswith(os.path.join("patches", "vllm_moonvit_attn.py"))
+        assert wrapper.__code__.co_filename.endswith(os.path.join("patches", "vllm", "moonvit_attn.py"))
         assert wrapper.__wrapped__.__code__.co_filename == moonvit.__file__
     assert {"sdpa", "flash_attention_2"} <= set(moonvit.VL_VISION_ATTENTION_FUNCTIONS)
 

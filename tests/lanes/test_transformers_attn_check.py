@@ -69,7 +69,7 @@ def test_applied_and_wraps_transformers_method(stack):
     modeling_utils, _, row = stack
     assert row["state"] == "applied", row
     method = modeling_utils.PreTrainedModel.get_correct_attn_implementation
-    assert method.__code__.co_filename.endswith(os.path.join("patches", "transformers_attn_check.py"))
+    assert method.__code__.co_filename.endswith(os.path.join("patches", "transformers", "attn_check.py"))
     assert original_method(modeling_utils).__code__.co_filename == modeling_utils.__file__
 
 
