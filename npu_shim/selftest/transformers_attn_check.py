@@ -13,6 +13,7 @@ Where ``vllm.moonvit_attn`` is not applied (switched off), nothing dispatches
 ``ascend_fa``, so the patch must keep rejecting it for MoonViT too: that is what
 is checked then (error 0, nothing to compare numerically).
 """
+import os
 
 PATCH_NAME = "transformers.attn_check"
 
@@ -29,7 +30,8 @@ def _check_other_models_unchanged(modeling_utils):
 
     method = modeling_utils.PreTrainedModel.get_correct_attn_implementation
     original = getattr(method, "__wrapped__", None)
-    if original is None or not method.__code__.co_filename.endswith("transformers_attn_check.py"):
+    ours = os.path.join("patches", "transformers", "attn_check.py")
+    if original is None or not method.__code__.co_filename.endswith(ours):
         raise RuntimeError("%s reports applied but PreTrainedModel.get_correct_attn_implementation "
                            "is not the shim's wrapper" % PATCH_NAME)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
