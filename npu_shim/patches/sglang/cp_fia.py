@@ -84,21 +84,27 @@ SCALAR_FIELDS = frozenset({"actual_seq_q_prev", "actual_seq_q_next", "kv_len_pre
 METADATA_MODULES = ("sglang.srt.layers.utils.cp_utils", "sglang.srt.layers.cp.zigzag")
 
 
-def code_names(function) -> frozenset:
-    """Every global/attribute name referred to by ``function``'s code, nested code included."""
-    import inspect
+def names_in_code(code) -> frozenset:
+    """Every global/attribute name referred to by ``code`` and the code nested in it."""
     import types
 
-    function = inspect.unwrap(function)
-    code = getattr(function, "__code__", None)
-    if code is None:
-        raise TargetMismatch("%s is not a Python function (%s)" % (METHOD, type(function).__name__))
     names, pending = set(), [code]
     while pending:
         code = pending.pop()
         names.update(code.co_names)
         pending.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
     return frozenset(names)
+
+
+def code_names(function) -> frozenset:
+    """Every global/attribute name referred to by ``function``'s code, nested code included."""
+    import inspect
+
+    function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
+    if code is None:
+        raise TargetMismatch("%s is not a Python function (%s)" % (METHOD, type(function).__name__))
+    return names_in_code(code)
 
 
 def metadata_fields():

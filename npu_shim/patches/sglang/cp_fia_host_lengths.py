@@ -41,6 +41,7 @@ import types
 from itertools import accumulate
 
 from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch
+from npu_shim.patches.sglang.cp_fia import names_in_code as code_names
 
 NAME = "sglang.cp_fia_host_lengths"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
@@ -64,15 +65,6 @@ HALVES = (
 PASSED_TENSORS = frozenset(name for half in HALVES for name in half[:2])
 METADATA_FIELDS = frozenset(name for half in HALVES for name in half)
 
-
-def code_names(code) -> frozenset:
-    """Names referred to by ``code`` and every code object nested in it."""
-    names, pending = set(), [code]
-    while pending:
-        code = pending.pop()
-        names.update(code.co_names)
-        pending.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    return frozenset(names)
 
 
 def nested_codes(code):

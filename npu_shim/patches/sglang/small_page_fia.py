@@ -59,6 +59,7 @@ import os
 import textwrap
 
 from npu_shim.patch import Family, Patch, TargetMismatch
+from npu_shim.patches.sglang.cp_fia import code_names
 
 NAME = "sglang.small_page_fia"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
@@ -192,18 +193,6 @@ def if_conditions(function) -> frozenset:
         raise TargetMismatch("cannot read the source of %s (%s)" % (METHOD, exc)) from None
     tree = ast.parse(source)
     return frozenset(ast.unparse(node.test) for node in ast.walk(tree) if isinstance(node, ast.If))
-
-
-def code_names(function) -> frozenset:
-    import types
-
-    code = inspect.unwrap(function).__code__
-    names, pending = set(), [code]
-    while pending:
-        code = pending.pop()
-        names.update(code.co_names)
-        pending.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
-    return frozenset(names)
 
 
 def gate_conditions(module) -> frozenset:
