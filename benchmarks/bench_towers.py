@@ -24,6 +24,7 @@ import sys
 import time
 
 os.environ.setdefault("VLLM_PLUGINS", "")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")   # the table only (vLLM logs temporary file names)
 
 
 def main(argv=None):
