@@ -128,3 +128,139 @@ def test_summary_and_repr():
         t.item()
     assert syncs.summary() == "2 host syncs: item x2"
     assert "item" in repr(syncs)
+
+
+# ------------------------------------------- reads only the dispatcher shows
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+@pytest.mark.parametrize("kind, read", [
+    ("item", lambda t: t.item()),
+    ("int", lambda t: int(t)),
+    ("index", lambda t: torch.arange(9)[t:]),
+    ("scalar", lambda t: torch.arange(t)),
+    ("scalar", lambda t: torch.ones(2).repeat(t)),
+    ("scalar", lambda t: torch.full((2,), 1.0).new_zeros(t)),
+    ("scalar", lambda t: torch.nn.functional.pad(torch.ones(2), (0, t))),
+    ("shape", lambda t: torch.repeat_interleave(torch.ones(1), t)),
+    ("shape", lambda t: torch.arange(3).repeat_interleave(t.expand(3))),
+])
+def test_each_scalar_read_counts_once_in_either_mode(inference, kind, read):
+    with torch.inference_mode(inference):
+        t = _dev(2)
+        with count_host_syncs(device_tensors=[t]) as syncs:
+            read(t)
+    assert [e.kind for e in syncs.events] == [kind]
+
+
+def test_inference_mode_item_is_seen_as_aten_item_and_counted_once():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with torch.inference_mode():
+        t = torch.tensor(3)
+        with Seen():
+            t.item()
+        assert Seen.ops == [torch.ops.aten.item.default]   # not _local_scalar_dense
+        with count_host_syncs(device_tensors=[t]) as syncs:
+            t.item()
+            torch.arange(t)
+    assert syncs.kinds() == {"item": 1, "scalar": 1}
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_data_dependent_shapes(inference):
+    with torch.inference_mode(inference):
+        t = _dev(1, 2, 2, 5)
+        with count_host_syncs(device_tensors=[t]) as syncs:
+            torch.unique(t)
+            t.unique_consecutive()
+            t[t > 1]
+            torch.masked_select(t, t > 1)
+            t.nonzero()
+            torch.where(t > 1)
+            torch.repeat_interleave(t, t)
+            torch.repeat_interleave(t, t, output_size=10)   # size given: no read
+    assert [e.kind for e in syncs.events] == ["shape"] * 7
+
+
+# -------------------------------------------------- placement, host->device
+
+
+def test_device_of_a_stand_in_is_the_stand_in_device_and_placement_follows():
+    from npu_shim.testing.syncs import DEVICE
+
+    cu = _dev(0, 3, 7)
+    with count_host_syncs(device_tensors=[cu]) as syncs:
+        assert cu.device == torch.device("cpu")                   # off by default
+    with count_host_syncs(device_tensors=[cu], follow_placement=True) as syncs:
+        assert cu.device == DEVICE and torch.arange(3).device == torch.device("cpu")
+        made = torch.zeros(3, dtype=torch.long, device=cu.device)    # allocated there
+        moved = torch.tensor([1, 2, 3]).to(cu.device, non_blocking=True)
+        (made + moved).tolist()
+        moved.to("cpu").tolist()
+    assert [e.kind for e in syncs.events] == ["tolist", "to"]
+    assert syncs.h2d_count == 0
+
+
+def test_device_modules_place_their_parameters_on_the_device():
+    layer = torch.nn.Linear(2, 2)
+    with count_host_syncs(device_modules=[layer]) as syncs:
+        out = layer(torch.ones(1, 2))
+        out.sum().item()
+        host = torch.from_numpy(np.arange(3))                     # host data stays host
+        host.sum().item()
+        on_device = host.to(layer.weight.device, non_blocking=True)
+        on_device.max().item()
+    assert [e.kind for e in syncs.events] == ["item", "item"]
+    assert syncs.h2d_count == 0
+
+
+@pytest.mark.parametrize("inference", [False, True], ids=["grad-mode", "inference-mode"])
+def test_blocking_host_to_device_copies_are_counted_apart(inference):
+    from npu_shim.testing.syncs import DEVICE
+
+    with torch.inference_mode(inference):
+        anchor = _dev(0)
+        host = torch.arange(4)
+        with count_host_syncs(device_tensors=[anchor], follow_placement=True) as syncs:
+            dev = anchor.device
+            a = host.to(dev)                                       # blocking
+            host.to(dev, non_blocking=True)                        # not
+            host.to(device=dev, dtype=torch.int32)                 # blocking
+            torch.tensor([1, 2], device=dev)                       # blocking
+            torch.as_tensor(np.arange(2), device=dev)              # blocking
+            anchor.new_tensor([1, 2])                              # blocking
+            a.copy_(host)                                          # blocking
+            a.copy_(host, non_blocking=True)                       # not
+            host.to(anchor)                                        # blocking
+            torch.empty(3, device=DEVICE)                          # an allocation, no copy
+    assert syncs.count == 0
+    assert syncs.h2d_count == 7
+    assert {e.kind for e in syncs.h2d_events} == {"h2d"}
+    assert "blocking host->device" in syncs.summary()
+
+
+def test_emulated_op_body_is_invisible_to_the_dispatch_layer_too():
+    q = torch.randn(10, 2, 16)
+    with torch.inference_mode():
+        with count_host_syncs(device_tensors=[q], cpu_is_device=True) as syncs:
+            torch_npu.npu_fusion_attention(q, q, q, 2, "TND", scale=0.25,
+                                           actual_seq_qlen=[4, 10], actual_seq_kvlen=[4, 10])
+    assert syncs.count == 0 and syncs.h2d_count == 0
+
+
+def test_cpu_is_device_with_placement_keeps_host_made_tensors_on_the_host():
+    layer = torch.nn.Linear(2, 2)
+    with count_host_syncs(cpu_is_device=True, follow_placement=True) as syncs:
+        host = torch.arange(4)
+        host.sum().item()                                         # made on the host: free
+        layer.weight.sum().item()                                 # made outside: device
+        torch.arange(4, device=layer.weight.device).sum().item()  # placed on the device
+    assert syncs.kinds() == {"item": 2}

@@ -1,30 +1,60 @@
-"""Count device->host synchronisations made by the code under test.
+"""Count device->host synchronisations made by the code under test, and, apart
+from them, blocking host->device copies.
 
 A host sync is any point where Python needs a value that lives on the device:
 ``.item()``, ``.tolist()``, ``.numpy()`` / ``np.asarray``, ``.cpu()``,
 ``.to(<host>)``, ``host.copy_(device)``, ``bool()`` / ``int()`` / ``float()`` /
 ``operator.index()`` of a tensor, a tensor used as an index or a slice bound
-(``x[t0:t1]`` reads both bounds), ``narrow`` with a tensor start, and ops whose
-output *shape* depends on device data (``nonzero``, ``masked_select``,
-``unique``, boolean-mask indexing, ``repeat_interleave`` with tensor repeats and
-no ``output_size``).
+(``x[t0:t1]`` reads both bounds), ``narrow`` with a tensor start, a tensor
+where torch wants a number (``torch.arange(t)``, ``x.repeat(t)``, a size), and
+ops whose output *shape* depends on device data (``nonzero``,
+``masked_select``, ``unique``, boolean-mask indexing, ``repeat_interleave``
+with tensor repeats and no ``output_size``).
 
-How it sees them: a ``TorchFunctionMode`` (verified on torch 2.13 to receive
-every operation above; slice bounds arrive inside ``__getitem__`` /
-``__setitem__`` and are read from the index). Ops that run inside another
-``__torch_function__`` handler run with this mode popped, which is how the
-torch_npu emulation's internals stay invisible: its ops honour
-``__torch_function__``, so the mode sees one call (``torch_npu.X`` or
-``torch.ops.npu.X``) and nothing of its body.
+How it sees them, two layers that cannot both count one read:
+
+* a ``TorchFunctionMode`` (verified on torch 2.13 to receive every operation
+  above) names the read (``item``, ``tolist``, ``index`` ...); slice bounds
+  arrive inside ``__getitem__`` / ``__setitem__`` and are read from the index.
+* a ``TorchDispatchMode`` under it catches every scalar read the first layer
+  did not name, at the dispatcher: ``aten._local_scalar_dense`` and, under
+  ``torch.inference_mode()`` (where the dispatcher shows the composite op),
+  ``aten.item`` (kind ``scalar``), and the data-dependent-shape aten ops
+  (kind ``shape``). It counts only inside a torch call in which the first
+  layer recorded nothing, so ``t.item()`` is one ``item``, never also a
+  ``scalar``.
+
+Ops that run inside another ``__torch_function__`` handler run with the first
+mode popped, and the dispatch layer stays silent inside calls of
+``torch_npu.X`` / ``torch.ops.npu.X``: that is how the torch_npu emulation's
+internals stay invisible (its ops honour ``__torch_function__``, so the modes
+see one call and nothing of its body).
 
 Which tensors count as "on the device": a tensor whose device is not the CPU;
-on CPU-only machines, the tensors passed in ``device_tensors`` (stand-ins for
-device tensors) and, by propagation, every tensor an op computes from at least
-one device tensor (``torch.diff(cu_seqlens)`` of a stand-in is a stand-in). The
-result of a counted transfer is a host tensor, and ops on host tensors only give
-host tensors. ``cpu_is_device=True`` makes every CPU tensor that is not known to
-be a host copy count as device, to count every extraction when the inputs are
+on CPU-only machines, the tensors passed in ``device_tensors`` and the
+parameters and buffers of ``device_modules`` (stand-ins for device tensors)
+and, by propagation, every tensor an op computes from at least one device
+tensor (``torch.diff(cu_seqlens)`` of a stand-in is a stand-in). The result of
+a counted transfer is a host tensor, and ops on host tensors only give host
+tensors. ``cpu_is_device=True`` makes every CPU tensor that is not known to be
+a host copy count as device, to count every extraction when the inputs are
 built inside the code under test.
+
+With ``follow_placement=True`` (implied by ``device_modules``), placement is
+followed the way code places tensors: ``.device`` of a device
+stand-in answers :data:`DEVICE` (``torch.device("cpu", 0)``, a CPU device
+that is not ``"cpu"``), and a tensor created on it (``torch.tensor(data,
+device=d)``, ``torch.zeros(n, device=d)``) or moved to it (``.to(d)``,
+``.to(device=d, non_blocking=True)``, ``.cuda()``, ``dev.copy_(host)``) is a
+device tensor; ``.to("cpu")`` / ``.cpu()`` is a read; tensors made from host
+data or by factories without a device (``torch.from_numpy``,
+``torch.tensor(list)``, ``torch.arange(n)``) are host tensors, even under
+``cpu_is_device``. (Off by default: code that keys a cache on the device
+would see a second device.) Whatever the setting, a copy of host data to the device
+that is not ``non_blocking=True`` (``.to(d)``, ``.cuda()``,
+``torch.tensor(data, device=d)``, ``t.new_tensor(data)``, ``dev.copy_(host)``)
+is a blocking host->device copy: recorded in ``h2d_events`` (its own count,
+``h2d_count``), never in ``events``/``count``.
 
 So "upstream vllm-ascend 0.13 syncs once per layer" is checked on CPU as::
 
@@ -42,9 +72,13 @@ from typing import NamedTuple
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["HostSyncCounter", "SyncEvent", "count_host_syncs"]
+__all__ = ["DEVICE", "HostSyncCounter", "SyncEvent", "count_host_syncs"]
+
+# The stand-in device on CPU-only machines: what ``.device`` of a device stand-in answers.
+DEVICE = torch.device("cpu", 0)
 
 _T = torch.Tensor
 _VALUE_READS = {
@@ -58,6 +92,17 @@ _INDEXING = {_T.__getitem__, _T.__setitem__}
 _NARROW = {torch.narrow, _T.narrow}
 _REPEAT_INTERLEAVE = {torch.repeat_interleave, _T.repeat_interleave}
 _TO_DEVICE = {_T.cuda, getattr(_T, "npu", None)} - {None}
+_DEVICE_GETTER = torch._C.TensorBase.device
+# Factories whose data comes from the host: on a device, a blocking copy.
+_FROM_HOST_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
+
+_aten = torch.ops.aten
+_SCALAR_READS = {_aten._local_scalar_dense.default, _aten.item.default}
+_SHAPE_ATEN = {_aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default,
+               _aten._unique.default, _aten.unique_dim.default, _aten.unique_consecutive.default,
+               _aten.argwhere.default, _aten.nonzero_numpy.default}
+_REPEAT_ATEN = {_aten.repeat_interleave.Tensor, _aten.repeat_interleave.self_Tensor}
+_INDEX_ATEN = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}
 
 # Frames skipped when naming the caller: torch itself, this package, contextlib.
 _SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
@@ -66,7 +111,8 @@ _SKIP_FILES = {os.path.abspath(contextlib.__file__)}
 
 
 class SyncEvent(NamedTuple):
-    kind: str       # item, tolist, numpy, cpu, to, copy_, bool, int, float, index, shape
+    kind: str       # item, tolist, numpy, cpu, to, copy_, bool, int, float, index, shape, scalar;
+                    # h2d for a blocking host->device copy (in h2d_events only)
     location: str   # "dir/file.py:line in function" of the code that caused it
 
     def __str__(self):
@@ -74,26 +120,40 @@ class SyncEvent(NamedTuple):
 
 
 class HostSyncCounter:
-    """Events seen so far; ``count`` is their number."""
+    """Events seen so far; ``count`` is their number. Blocking host->device
+    copies are kept apart: ``h2d_events`` / ``h2d_count``."""
 
-    def __init__(self, device_tensors=(), cpu_is_device=False):
+    def __init__(self, device_tensors=(), cpu_is_device=False, device_modules=(),
+                 follow_placement=False):
         self.events = []
+        self.follow_placement = follow_placement or bool(device_modules)
+        self.h2d_events = []
         self.cpu_is_device = cpu_is_device
         self._device = {}
         self._host = {}
+        self._frames = []        # one [recorded, opaque] per torch call in progress
         for t in device_tensors:
             self.mark_device(t)
+        for module in device_modules:
+            self.mark_device(*module.parameters(), *module.buffers())
 
     @property
     def count(self):
         return len(self.events)
 
+    @property
+    def h2d_count(self):
+        return len(self.h2d_events)
+
     def kinds(self):
         return Counter(e.kind for e in self.events)
 
     def summary(self):
-        return "%d host syncs: %s" % (self.count, ", ".join(
+        text = "%d host syncs: %s" % (self.count, ", ".join(
             "%s x%d" % kv for kv in sorted(self.kinds().items())))
+        if self.h2d_events:
+            text += "; %d blocking host->device copies" % self.h2d_count
+        return text
 
     def __repr__(self):
         return "<HostSyncCounter %s>" % self.summary()
@@ -134,6 +194,11 @@ class HostSyncCounter:
 
     def _record(self, kind):
         self.events.append(SyncEvent(kind, _caller_location()))
+        if self._frames:
+            self._frames[-1][0] = True
+
+    def _record_h2d(self):
+        self.h2d_events.append(SyncEvent("h2d", _caller_location()))
 
 
 def _caller_location():
@@ -147,6 +212,27 @@ def _caller_location():
     return "<unknown>"
 
 
+def _is_device_place(device):
+    """Whether a ``device=`` argument names the device (the stand-in or a real one)."""
+    if device is None:
+        return False
+    try:
+        device = torch.device(device)
+    except (TypeError, RuntimeError):
+        return False
+    return device.type not in ("cpu", "meta") or device.index is not None
+
+
+def _opaque(func):
+    """torch_npu ops (the emulation): one call, nothing of the body is counted."""
+    if isinstance(func, torch._ops.OpOverload):
+        return func.namespace == "npu"
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return func._qualified_op_name.startswith("npu::")
+    module = getattr(func, "__module__", None) or ""
+    return module.startswith(("torch_npu", "npu_shim."))
+
+
 class _SyncMode(TorchFunctionMode):
     def __init__(self, counter):
         super().__init__()
@@ -156,9 +242,16 @@ class _SyncMode(TorchFunctionMode):
         kwargs = kwargs or {}
         c = self.counter
         this = args[0] if args else None
+        if c.follow_placement and getattr(func, "__self__", None) is _DEVICE_GETTER:
+            device = func(*args, **kwargs)
+            return DEVICE if device.type == "cpu" and c.is_device(this) else device
         was_device = c.is_device(this)
-        transfer_out = self._classify(func, args, kwargs)
-        result = func(*args, **kwargs)
+        c._frames.append([False, _opaque(func)])
+        try:
+            transfer_out = self._classify(func, args, kwargs)
+            result = func(*args, **kwargs)
+        finally:
+            c._frames.pop()
         if transfer_out == "host" and result is this and was_device:
             # A CPU stand-in "copied" to the host: on a device this is a new
             # tensor and the stand-in stays on the device, so hand back a copy.
@@ -177,7 +270,9 @@ class _SyncMode(TorchFunctionMode):
         inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         if any(c.is_device(x) for x in inputs):
             c.mark_device(*[o for o in outputs if o.device.type == "cpu"])
-        elif c.cpu_is_device and inputs and all(c.is_host(x) for x in inputs):
+        elif inputs and c.cpu_is_device and all(c.is_host(x) for x in inputs):
+            c.mark_host(*[o for o in outputs if o.device.type == "cpu"])
+        elif not inputs and c.follow_placement:
             c.mark_host(*[o for o in outputs if o.device.type == "cpu"])
         return result
 
@@ -194,21 +289,42 @@ class _SyncMode(TorchFunctionMode):
                 c._record("cpu")
             return "host"
         if func is _T.to:
-            device = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+            device, _dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            other = args[1] if len(args) > 1 else kwargs.get("other")
+            if isinstance(other, torch.Tensor) and device is not None \
+                    and device.type == "cpu" and c.is_device(other):   # .to(device stand-in)
+                device = DEVICE
             if device is None:
                 return None
-            if device.type == "cpu":
+            if not _is_device_place(device):
                 if c.is_device(this):
                     c._record("to")
                 return "host"
+            if not c.is_device(this) and not non_blocking:
+                c._record_h2d()
             return "device"
         if func in _TO_DEVICE:
+            non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
+            if not c.is_device(this) and not non_blocking:
+                c._record_h2d()
             return "device"
         if func is _T.copy_:
             src = args[1] if len(args) > 1 else kwargs.get("src")
+            non_blocking = kwargs.get("non_blocking", args[2] if len(args) > 2 else False)
             if c.is_host(this) and c.is_device(src):
                 c._record("copy_")
+            elif c.is_device(this) and isinstance(src, torch.Tensor) and not c.is_device(src) \
+                    and not non_blocking:
+                c._record_h2d()
             return "keep"
+        if func is _T.new_tensor:
+            data = args[1] if len(args) > 1 else kwargs.get("data")
+            device = kwargs.get("device")
+            if (c.is_device(this) if device is None else _is_device_place(device)):
+                if not c.is_device(data):
+                    c._record_h2d()
+                return "device"
+            return None
         if func in _INDEXING:
             self._index_syncs(args[1] if len(args) > 1 else None)
             return None
@@ -223,10 +339,15 @@ class _SyncMode(TorchFunctionMode):
             return None
         if func in _REPEAT_INTERLEAVE:
             repeats = args[1] if len(args) > 1 else kwargs.get("repeats")
-            if (isinstance(repeats, torch.Tensor) and repeats.numel() > 1
-                    and kwargs.get("output_size") is None and c.is_device(repeats)):
+            if (isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None
+                    and c.is_device(repeats)):
                 c._record("shape")
             return None
+        device = kwargs.get("device")
+        if device is not None and _is_device_place(device):
+            if func in _FROM_HOST_DATA and not c.is_device(this):
+                c._record_h2d()
+            return "device"
         return None
 
     def _index_syncs(self, index):
@@ -238,21 +359,72 @@ class _SyncMode(TorchFunctionMode):
                     if isinstance(bound, torch.Tensor) and c.is_device(bound):
                         c._record("index")
             elif isinstance(item, torch.Tensor) and c.is_device(item):
-                if item.dtype == torch.bool:
+                if item.dtype in (torch.bool, torch.uint8):
                     c._record("shape")
                 elif item.dim() == 0 and not item.dtype.is_floating_point:
                     c._record("index")
 
 
+class _ScalarReadMode(TorchDispatchMode):
+    """The net under the function mode: scalar reads and data-dependent shapes
+    at the dispatcher, inside torch calls where the function mode recorded none."""
+
+    def __init__(self, counter):
+        super().__init__()
+        self.counter = counter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        c = self.counter
+        frames = c._frames
+        silent = any(frame[1] for frame in frames) or (frames and frames[-1][0])
+        if not silent:
+            kind = self._read(func, args, kwargs)
+            if kind:
+                c._record(kind)
+        result = func(*args, **kwargs)
+        if not silent and func not in _SCALAR_READS:
+            inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
+            if any(c.is_device(x) for x in inputs):
+                c.mark_device(*[o for o in tree_flatten(result)[0]
+                                if isinstance(o, torch.Tensor) and o.device.type == "cpu"])
+        return result
+
+    def _read(self, func, args, kwargs):
+        c = self.counter
+        this = args[0] if args else None
+        if func in _SCALAR_READS:
+            return "scalar" if c.is_device(this) else None
+        if func in _SHAPE_ATEN:
+            return "shape" if c.is_device(this) else None
+        if func in _REPEAT_ATEN:
+            repeats = args[1] if func is _aten.repeat_interleave.self_Tensor else this
+            if kwargs.get("output_size") is None and (len(args) < 4 or args[3] is None):
+                return "shape" if c.is_device(repeats) else None
+            return None
+        if func in _INDEX_ATEN:
+            indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+            for index in indices or ():
+                if (isinstance(index, torch.Tensor) and index.dtype in (torch.bool, torch.uint8)
+                        and c.is_device(index)):
+                    return "shape"
+        return None
+
+
 @contextlib.contextmanager
-def count_host_syncs(device_tensors=(), *, cpu_is_device=False):
+def count_host_syncs(device_tensors=(), *, cpu_is_device=False, device_modules=(),
+                     follow_placement=False):
     """Count host syncs inside the block; yields a :class:`HostSyncCounter`.
 
     ``device_tensors``: CPU tensors that stand in for device tensors (see the
-    module docstring). Real device tensors always count as device tensors.
+    module docstring); ``device_modules``: modules whose parameters and buffers
+    do (giving them implies ``follow_placement``). Real device tensors always
+    count as device tensors. ``follow_placement``: ``.device`` of a device
+    stand-in answers :data:`DEVICE`, and tensors made by factories without a
+    ``device`` are host tensors (see the module docstring).
     ``cpu_is_device``: treat every CPU tensor not known to be a host copy as a
     device tensor.
     """
-    counter = HostSyncCounter(device_tensors, cpu_is_device)
-    with _SyncMode(counter):
+    counter = HostSyncCounter(device_tensors, cpu_is_device, device_modules, follow_placement)
+    with _ScalarReadMode(counter), _SyncMode(counter):
         yield counter

@@ -333,6 +333,15 @@ def vllm_lengths(layer, lengths):
     return cu, seq
 
 
+def vllms_copy_is_kept():
+    """Whether ``vllm.mm_encoder_host_lengths`` keeps the host array behind the
+    ``cu_seqlens`` that ``maybe_recompute_cu_seqlens`` returns (then the layers read
+    nothing back; tests/lanes/test_mm_encoder_host_lengths.py)."""
+    import npu_shim
+
+    return next(r for r in npu_shim.status() if r["name"] == "vllm.mm_encoder_host_lengths")["state"] == "applied"
+
+
 def test_qwen3_vl_with_vllms_sequence_lengths(stack, no_pinned_memory):
     import torch
     from npu_shim.testing import count_host_syncs
@@ -352,7 +361,7 @@ def test_qwen3_vl_with_vllms_sequence_lengths(stack, no_pinned_memory):
             expected = tower(upstream, q, k, v, cu, sequence_lengths=seq)
     # 0.22.1rc1: host lengths from vLLM, no copy either way; 0.23+: upstream ignores them.
     assert theirs.count == (0 if seq is not None else LAYERS), theirs.summary()
-    assert ours.count == (0 if seq is not None else 1), ours.summary()
+    assert ours.count == (0 if seq is not None or vllms_copy_is_kept() else 1), ours.summary()
     ref = reference(q, k, v, cu)
     assert all(torch.equal(o, e) for o, e in zip(outs, expected))
     assert max_err(outs[-1], ref) < TOL
@@ -376,7 +385,7 @@ def test_qwen25_vl_full_and_window_layers_at_most_two_copies(stack, no_pinned_me
         for i, layer in enumerate(layers):
             cu, seq = (cu_full, seq_full) if i in full_blocks else (cu_window, seq_window)
             outs[i] = layer.forward_oot(q, k, v, cu_seqlens=cu, sequence_lengths=seq)
-    assert syncs.count == (0 if seq_full is not None else 2), syncs.summary()
+    assert syncs.count == (0 if seq_full is not None or vllms_copy_is_kept() else 2), syncs.summary()
     assert max_err(outs[31], reference(q, k, v, cu_full)) < TOL
     assert max_err(outs[30], reference(q, k, v, cu_window)) < TOL
 

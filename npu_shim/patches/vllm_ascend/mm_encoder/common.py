@@ -24,6 +24,11 @@ Per-forward host lengths
   rewritten in place between two forwards is read again by the first layer of
   the second forward).
 
+  Where vLLM made the tensor from host data in this forward
+  (``MMEncoderAttention.maybe_recompute_cu_seqlens``), the patch
+  ``vllm.mm_encoder_host_lengths`` kept that host array on it: the first
+  reading takes it (:func:`vllms_host_copy`) and no device read happens.
+
   Called outside a tower (a single layer called repeatedly, as unit tests
   do): every call after the first re-reads, so it is correct, at upstream's
   cost of one copy per call. Host tensors and Python/NumPy values cost no
@@ -51,7 +56,7 @@ import torch
 from npu_shim.engine import counters
 from npu_shim.patch import TargetMismatch
 
-__all__ = ["LayerState", "count", "host_values", "layer_state", "own_function", "check_params",
+__all__ = ["LayerState", "count", "host_values", "vllms_host_copy", "layer_state", "own_function", "check_params",
            "pad_head_dim", "repeat_kv_to_heads", "wrap", "PAD_MIN", "PAD_TO"]
 
 PAD_MIN, PAD_TO = 64, 128      # vllm-ascend pads head dims 64 < D < 128 to 128
@@ -101,12 +106,24 @@ def host_values(layer, values, patch_name):
     version = None if values.is_inference() else values._version
     if (copy is None or layer in copy.readers or copy.data_ptr != values.data_ptr()
             or copy.version != version):
-        copy = _HostCopy(values.cpu(), values.data_ptr(), version)  # the one read per forward
+        host = vllms_host_copy(values) if copy is None else None
+        if host is None:
+            host = values.cpu()                                     # the one read per forward
+            if values.device.type != "cpu":
+                counters.count(patch_name, "host_copies")
+        copy = _HostCopy(host, values.data_ptr(), version)
         setattr(values, HOST_ATTR, copy)
-        if values.device.type != "cpu":
-            counters.count(patch_name, "host_copies")
     copy.readers.add(layer)
     return copy.values
+
+
+def vllms_host_copy(values):
+    """The host array vLLM copied into ``values`` (kept by ``vllm.mm_encoder_host_lengths``
+    at the copy), taken once: the first reading of a tensor vLLM made in this forward
+    costs no device read. None where there is none (another tower, that patch off)."""
+    from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+
+    return record.take(values)
 
 
 # ---------------------------------------------------------------- layer state

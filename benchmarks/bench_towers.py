@@ -1,0 +1,79 @@
+"""Whole vision-tower forwards: device->host reads, blocking host->device copies and host time,
+upstream vs. npu-shim, side by side in one run.
+
+    python benchmarks/bench_towers.py [--repeat N]
+
+Run in a lane venv (vLLM + vllm-ascend installed; npu-shim installed there).
+For each tower (vLLM's own Qwen2.5-VL and Qwen3-VL vision classes, tiny random
+configs, :mod:`npu_shim.testing.towers`) and each device class (A2, 310P) it
+builds two towers with the same weights: one whose attention is vllm-ascend's
+class as the shim patched it, one whose attention is the same vllm-ascend file
+executed untouched ("upstream"). Both run the same two grids (each with a
+multi-frame item) in ``torch.inference_mode()``. The table gives per forward:
+device->host reads (upstream -> shim, counted by
+``npu_shim.testing.count_host_syncs`` with the tower's parameters and inputs
+as device stand-ins), blocking host->device copies (upstream -> shim), and the
+host time of a forward without counting (median of ``--repeat``, patched /
+upstream). On this CPU-only machine the op is npu-shim's emulation of
+torch_npu: the times are host-side Python and emulation, not NPU figures.
+"""
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("VLLM_PLUGINS", "")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")   # the table only (vLLM logs temporary file names)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    import torch
+    from importlib.metadata import version
+
+    from npu_shim.testing import count_host_syncs, towers
+
+    stack = towers.setup()
+    release = "vllm %s + vllm-ascend %s" % (version("vllm"), version("vllm-ascend"))
+    rows = []
+    for name in towers.TOWERS:
+        for device_class in towers.DEVICE_CLASSES:
+            if device_class == "310P":
+                os.environ["NPU_SHIM_EMULATE_SOC"] = towers.SOC_310P
+            else:
+                os.environ.pop("NPU_SHIM_EMULATE_SOC", None)
+            sides = {}
+            for side, cls in (("upstream", stack.upstream[device_class]), ("shim", stack.attention[device_class])):
+                tower = towers.build_tower(stack, name, cls)
+                reads, copies, times = [], [], []
+                for forward in range(2):
+                    grid = towers.grids(forward)
+                    x = towers.pixel_values(tower, grid, seed=forward)
+                    with torch.inference_mode(), towers.registered(cls):
+                        with count_host_syncs(device_tensors=[x], device_modules=[tower]) as syncs:
+                            tower(x, grid_thw=grid)
+                        reads.append(syncs.count)
+                        copies.append(syncs.h2d_count)
+                        for _ in range(args.repeat):
+                            started = time.perf_counter()
+                            tower(x, grid_thw=grid)
+                            times.append(time.perf_counter() - started)
+                sides[side] = (max(reads), max(copies), statistics.median(times))
+            up, shim = sides["upstream"], sides["shim"]
+            rows.append((name, release, device_class, "%d -> %d" % (up[0], shim[0]),
+                         "%d -> %d" % (up[1], shim[1]), "%.2f ms / %.2f ms = %.3f"
+                         % (shim[2] * 1e3, up[2] * 1e3, shim[2] / up[2])))
+    header = ("tower", "release", "class", "d->h reads / forward", "blocking h->d copies",
+              "host time / forward (shim / upstream)")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    for row in [header, tuple("-" * w for w in widths)] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""vllm.mm_encoder_host_lengths — the encoder attention reads the host's own ``cu_seqlens``.
+
+Why: the vision towers vLLM builds on ``MMEncoderAttention`` (Qwen2.5-VL,
+  Qwen3-VL, GLM-4.1V from 0.26, LLaVA-OneVision-2, Kimi-K2.5's ViT, ...) make
+  ``cu_seqlens`` with NumPy on the host and copy it to the device once per
+  forward, through ``MMEncoderAttention.maybe_recompute_cu_seqlens`` (the
+  copy is its last line). vllm-ascend's attention then needs those very
+  numbers on the host again and reads the device tensor back: with
+  ``vllm.mm_encoder_attn`` once per tensor per forward (Qwen2.5-VL: 2, window
+  and full; Qwen3-VL: 1), without it once per layer. On an NPU each read
+  drains the queue before the first token of every multimodal request.
+How: ``maybe_recompute_cu_seqlens`` is wrapped: upstream's body runs
+  untouched (its copy, ``non_blocking=True``, included); where the tensor it
+  returns holds the host array it was given (every backend but FlashInfer,
+  whose offsets are rescaled and padded), a host copy of that array is kept
+  on the returned device tensor (an attribute: it dies with the tensor, is
+  never pickled or deep-copied), with the tensor's storage pointer, version
+  and length. ``vllm.mm_encoder_attn``'s per-forward host read
+  (:func:`npu_shim.patches.vllm_ascend.mm_encoder.common.host_values`) takes
+  it (:func:`.record.take`) the first time a layer reads that tensor, instead
+  of the device read; the record is taken once, so a tensor reused for
+  another forward (an encoder graph buffer refilled with ``copy_``) is read
+  from the device as before. Without ``vllm.mm_encoder_attn`` (or
+  vllm-ascend) the record is unused.
+Window: vllm 0.18.0 (``torch.from_numpy(...).to(device, non_blocking=True)``),
+  0.22.1 (same, plus ``fp8_padded_hidden_size``), 0.26.0
+  (``async_tensor_h2d``), read in the wheels and run in the lanes. Towers
+  that copy ``cu_seqlens`` themselves instead (Qwen2.5-VL and GLM-4.1V in
+  0.18.0, GLM-4.1V in 0.22.1) keep vllm.mm_encoder_attn's one read per
+  tensor.
+Upstream fix: none (vllm-ascend reads ``cu_seqlens`` back in every release read).
+Remove when: vllm-ascend's attention takes host lengths from vLLM for every tower.
+"""
+from npu_shim.patch import Family, Patch
+
+PATCH_NAME = "vllm.mm_encoder_host_lengths"
+CLASS_NAME = "MMEncoderAttention"
+FAMILIES = "npu_shim.patches.vllm.mm_encoder_host_lengths.families:"
+
+PATCH = Patch(
+    name=PATCH_NAME,
+    target="vllm.model_executor.layers.attention.mm_encoder_attention",
+    subject=CLASS_NAME,
+    replaces=(CLASS_NAME + ".maybe_recompute_cu_seqlens",),
+    requires={"vllm": ">=0.18.0"},
+    outside_window={"vllm": "before 0.18.0 vLLM had no MMEncoderAttention.maybe_recompute_cu_seqlens"},
+    needs_npu=True,
+    families=(
+        Family(("0.18.0", "0.22.1"), FAMILIES + "FROM_NUMPY", fence=">=0.18.0,<0.26.0",
+               keeps="torch.from_numpy(cu_seqlens).to(device, non_blocking=True)"),
+        Family(("0.26.0",), FAMILIES + "ASYNC_H2D", fence=">=0.26.0",
+               keeps="async_tensor_h2d(cu_seqlens, device=device)"),
+    ),
+    summary="the host cu_seqlens vLLM copies to the device is kept on the device tensor; "
+            "vllm.mm_encoder_attn takes it instead of reading the tensor back (0 reads)",
+    selftest="npu_shim.selftest.vllm_mm_encoder_host_lengths",
+)

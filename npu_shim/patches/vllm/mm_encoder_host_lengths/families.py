@@ -1,0 +1,77 @@
+"""Release families of ``vllm.mm_encoder_host_lengths`` (on ``MMEncoderAttention``).
+
+Both wrap the classmethod ``maybe_recompute_cu_seqlens(cls, attn_backend,
+cu_seqlens, hidden_size, tp_size, device[, fp8_padded_hidden_size])``: the
+original runs (its copy to the device included) and, unless the backend is
+FlashInfer (offsets rescaled and padded), the host array it was given is kept
+on the tensor it returns. They differ in the copy upstream makes, which
+``check`` looks for: ``torch.from_numpy(cu_seqlens).to(device,
+non_blocking=True)`` (0.18.0 .. 0.22.1) or ``async_tensor_h2d(cu_seqlens,
+device=device)`` (0.26.0).
+"""
+import inspect
+
+import numpy as np
+import torch
+
+from npu_shim.patch import TargetMismatch
+from npu_shim.patches.vllm.mm_encoder_host_lengths import PATCH_NAME, record
+
+METHOD = "maybe_recompute_cu_seqlens"
+PARAMS = ("cls", "attn_backend", "cu_seqlens", "hidden_size", "tp_size", "device")
+OPTIONAL_TAILS = {(), ("fp8_padded_hidden_size",)}
+RESCALED_BY = "FLASHINFER"          # the backend whose tensor is not the host array
+
+
+def keep_host_copy(result, attn_backend, cu_seqlens):
+    """Keep ``cu_seqlens`` (host) on ``result`` (its device copy) where they hold the same values."""
+    if getattr(attn_backend, "name", None) == RESCALED_BY or not isinstance(result, torch.Tensor):
+        return
+    if record.ATTR in result.__dict__ or result.dim() != 1:
+        return                                   # an inner call (the oot class) kept it already
+    host = np.asarray(cu_seqlens)
+    if host.ndim != 1 or host.shape[0] != result.shape[0]:
+        return
+    record.remember(result, torch.tensor(host, dtype=result.dtype))   # a host copy, no device read
+
+
+class _Family:
+    def __init__(self, copy_names):
+        self.copy_names = copy_names
+
+    def _function(self, cls):
+        descriptor = vars(cls).get(METHOD)
+        if not isinstance(descriptor, classmethod) or not inspect.isfunction(descriptor.__func__):
+            raise TargetMismatch("%s.%s is not a classmethod defined by the class" % (cls.__name__, METHOD))
+        return descriptor.__func__
+
+    def check(self, cls):
+        function = self._function(cls)
+        params = tuple(inspect.signature(function).parameters)
+        if params[:len(PARAMS)] != PARAMS or params[len(PARAMS):] not in OPTIONAL_TAILS:
+            raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
+        names = set(function.__code__.co_names)
+        missing = [n for n in self.copy_names + (RESCALED_BY,) if n not in names]
+        if missing:
+            raise TargetMismatch("%s.%s does not use %s (another copy to the device)"
+                                 % (cls.__name__, METHOD, ", ".join(missing)))
+
+    def build(self, cls):
+        original = self._function(cls)
+
+        def maybe_recompute_cu_seqlens(cls, attn_backend, cu_seqlens, *args, **kwargs):
+            result = original(cls, attn_backend, cu_seqlens, *args, **kwargs)
+            keep_host_copy(result, attn_backend, cu_seqlens)
+            return result
+
+        maybe_recompute_cu_seqlens.__qualname__ = original.__qualname__
+        maybe_recompute_cu_seqlens.__doc__ = ("npu-shim (%s) replacement of %s.%s: upstream's, and the host "
+                                              "array kept on the tensor it returns; see %s."
+                                              % (PATCH_NAME, original.__module__, original.__qualname__, __name__))
+        maybe_recompute_cu_seqlens.__signature__ = inspect.signature(original)
+        maybe_recompute_cu_seqlens.__wrapped_upstream__ = original
+        return {METHOD: classmethod(maybe_recompute_cu_seqlens)}
+
+
+FROM_NUMPY = _Family(("from_numpy",))
+ASYNC_H2D = _Family(("async_tensor_h2d",))

@@ -1,0 +1,51 @@
+"""Selftest of ``vllm.mm_encoder_host_lengths``: one whole vision-tower forward, no read back.
+
+Builds vLLM's own Qwen3-VL vision tower from a tiny random config
+(:mod:`npu_shim.testing.towers`) with vllm-ascend's ``AscendMMEncoderAttention``
+(patched by ``vllm.mm_encoder_attn``), runs one forward over an image and a
+two-frame video in ``torch.inference_mode()``, and reports the largest
+deviation from the same tower in float64 with the reference attention, the
+device->host reads of the forward (0: the attention takes the host array vLLM
+copied ``cu_seqlens`` from), the time, and the family that applied.
+"""
+import time
+
+PATCH_NAME = "vllm.mm_encoder_host_lengths"
+TOWER = "Qwen3-VL"
+TOLERANCE = {"float32": 2e-4}
+
+
+def run(device=None):
+    import torch
+
+    from npu_shim import status
+    from npu_shim.selftest import applied_target
+    from npu_shim.testing import count_host_syncs, towers
+
+    device = device or "cpu"
+    applied_target(PATCH_NAME)
+    stack = towers.setup(emulate=False)
+    family = next(r for r in status() if r["name"] == PATCH_NAME)["family"]
+    tower = towers.build_tower(stack, TOWER, stack.attention["A2"])
+    grid = towers.grids(0)
+    x = towers.pixel_values(tower, grid)
+    tower.to(device)
+    x_on_device = x.to(device)
+    started = time.perf_counter()
+    with torch.inference_mode(), towers.registered(stack.attention["A2"]), \
+            count_host_syncs(device_tensors=[x_on_device], device_modules=[tower]) as syncs:
+        out = tower(x_on_device, grid_thw=grid)
+    if device != "cpu":
+        torch.npu.synchronize()
+    seconds = time.perf_counter() - started
+    tower.to("cpu")
+    ref = towers.reference_forward(stack, TOWER, x, grid)
+    err = (out.double().cpu() - ref).abs().max().item() / max(1.0, ref.abs().max().item())
+    return {
+        "max_abs_err": err,
+        "tolerance": TOLERANCE["float32"],
+        "host_syncs": syncs.count,
+        "seconds": seconds,
+        "detail": "vLLM %s vision tower (%d blocks), grid %s, float32 on %s, family %s; error relative "
+                  "to max |reference|" % (TOWER, len(tower.blocks), grid, device, family),
+    }

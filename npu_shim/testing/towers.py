@@ -1,0 +1,270 @@
+"""vLLM's own vision towers on CPU, built from tiny random configs, for the tests,
+the selftests and ``benchmarks/bench_towers.py``.
+
+What runs is upstream code at the installed versions: vLLM's tower class
+(``Qwen2_5_VisionTransformer``, ``Qwen3_VisionTransformer``), built the way vLLM
+builds it (``set_current_vllm_config`` with a CPU ``DeviceConfig``, a 1-rank
+gloo model-parallel group), its ``MMEncoderAttention`` layers handed back as
+vllm-ascend's class (A2: ``AscendMMEncoderAttention``, 310P:
+``AscendMMEncoderAttention310``) through vLLM's ``CustomOp.register_oot`` -- a
+named stand-in for vllm-ascend's ``register_ascend_customop``, which imports
+every compiled Ascend op. Stand-ins, each because this machine has no NPU:
+
+* torch_npu: npu-shim's emulation of the documented ops;
+* vllm-ascend modules load without ``vllm_ascend/ops/__init__.py``
+  (:mod:`npu_shim.testing.isolation`);
+* the CustomOp forward each layer runs is set the way vllm-ascend's platform
+  sets it for the attention (``forward_oot``); every other CustomOp (rotary,
+  norms, activations) runs ``forward_native`` -- vllm-ascend's NPU kernels for
+  those are not emulated, and both sides of every comparison run the same
+  ones (vLLM on an unknown platform would pick ``forward_cuda``);
+* ``PIN_MEMORY`` / ``is_pin_memory_available`` in the towers' modules say no (no pinned-memory allocator without an accelerator;
+  vLLM's CPU-less "unspecified" platform says it has one);
+* the towers' modules import ``transformers``' Qwen2-VL image processor, which
+  (transformers 5) imports torchvision at module top; there is no CPU build
+  of torchvision on the package index, so an import-only placeholder stands
+  in while those modules import (the towers never call it) and is removed
+  after.
+
+``upstream_attention_class`` executes the same vllm-ascend file a second time
+under a module name the shim does not watch: untouched upstream code.
+"""
+import contextlib
+import importlib
+import importlib.machinery
+import importlib.util
+import os
+import sys
+import tempfile
+import types
+
+__all__ = ["DEVICE_CLASSES", "TOWERS", "Stack", "build_tower", "grids", "pixel_values", "reference_forward",
+           "registered", "setup"]
+
+DEVICE_CLASSES = {
+    "A2": ("vllm_ascend.ops.mm_encoder_attention", "AscendMMEncoderAttention"),
+    "310P": ("vllm_ascend._310p.ops.mm_encoder_attention", "AscendMMEncoderAttention310"),
+}
+SOC_310P = "Ascend310P3"
+
+# Two forwards with different grids, each with a multi-frame item (t > 1).
+GRIDS = ([[1, 8, 8], [2, 4, 12]], [[1, 4, 4], [3, 8, 4], [1, 12, 8]])
+
+
+def _qwen2_5_config():
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+
+    # head dim 80 (Qwen2.5-VL's): padded to 128 by vllm-ascend's rule; window of 4x4 merged patches.
+    return Qwen2_5_VLVisionConfig(depth=4, hidden_size=160, num_heads=2, intermediate_size=256,
+                                  out_hidden_size=64, patch_size=14, spatial_merge_size=2,
+                                  temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1, 3])
+
+
+def _qwen3_config():
+    from transformers.models.qwen3_vl.configuration_qwen3_vl import Qwen3VLVisionConfig
+
+    return Qwen3VLVisionConfig(depth=3, hidden_size=160, num_heads=2, intermediate_size=256,
+                               out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                               temporal_patch_size=2, num_position_embeddings=64,
+                               deepstack_visual_indexes=[1])
+
+
+TOWERS = {
+    # name: (vLLM module, tower class, config builder)
+    "Qwen2.5-VL": ("vllm.model_executor.models.qwen2_5_vl", "Qwen2_5_VisionTransformer", _qwen2_5_config),
+    "Qwen3-VL": ("vllm.model_executor.models.qwen3_vl", "Qwen3_VisionTransformer", _qwen3_config),
+}
+
+
+@contextlib.contextmanager
+def _placeholder_torchvision():
+    if importlib.util.find_spec("torchvision") is not None:
+        yield
+        return
+    names = ("torchvision", "torchvision.transforms", "torchvision.transforms.v2",
+             "torchvision.transforms.v2.functional")
+
+    def missing(module_name, attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+
+        def unusable(*args, **kwargs):
+            raise RuntimeError("%s.%s: an import-only placeholder (npu_shim.testing.towers)"
+                               % (module_name, attr))
+        return unusable
+
+    for name in names:
+        module = types.ModuleType(name)
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        module.__path__ = []
+        module.__getattr__ = lambda attr, name=name: missing(name, attr)
+        sys.modules[name] = module
+        parent, _, child = name.rpartition(".")
+        if parent:
+            setattr(sys.modules[parent], child, module)
+    try:
+        yield
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+
+
+def _no_pinned_memory():
+    return False
+
+
+class Stack(types.SimpleNamespace):
+    """What :func:`setup` prepared: ``config`` (the VllmConfig), ``modules`` (tower
+    name -> vLLM module), ``attention`` / ``upstream`` (device class -> patched /
+    untouched vllm-ascend class)."""
+
+
+_STACK = None
+
+
+def setup(emulate=True):
+    """Install the emulation (``emulate``; off on an NPU box) and the shim, import the
+    towers and vllm-ascend's classes, open the 1-rank model-parallel group (once per
+    process)."""
+    global _STACK
+    if _STACK is not None:
+        return _STACK
+    os.environ.setdefault("VLLM_PLUGINS", "")     # the lanes use "npu_shim"; never "ascend"
+    import npu_shim
+    from npu_shim import emulation
+    from npu_shim.testing.isolation import import_vllm_ascend_module
+
+    if emulate:
+        emulation.install()
+    npu_shim.install()
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(config):
+        if not parallel_state.model_parallel_is_initialized():
+            init_file = tempfile.NamedTemporaryFile(prefix="npu_shim_towers_", delete=False)
+            init_file.close()
+            os.unlink(init_file.name)
+            parallel_state.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, distributed_init_method="file://" + init_file.name,
+                backend="gloo")
+            parallel_state.ensure_model_parallel_initialized(1, 1)
+        with _placeholder_torchvision():
+            modules = {name: importlib.import_module(spec[0]) for name, spec in TOWERS.items()}
+    import vllm.utils.torch_utils as torch_utils
+
+    for module in (torch_utils, *modules.values()):
+        if getattr(module, "PIN_MEMORY", False):
+            module.PIN_MEMORY = False
+        if callable(getattr(module, "is_pin_memory_available", None)):
+            module.is_pin_memory_available = _no_pinned_memory
+    attention, upstream = {}, {}
+    for device_class, (target, class_name) in DEVICE_CLASSES.items():
+        module = import_vllm_ascend_module(target)
+        attention[device_class] = getattr(module, class_name)
+        spec = importlib.util.spec_from_file_location("npu_shim_towers_upstream_" + device_class.lower(),
+                                                      module.__file__)
+        copy = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(copy)
+        upstream[device_class] = getattr(copy, class_name)
+    _STACK = Stack(config=config, modules=modules, attention=attention, upstream=upstream)
+    return _STACK
+
+
+@contextlib.contextmanager
+def registered(cls):
+    """``cls`` registered as vLLM's out-of-tree ``MMEncoderAttention`` for the block (None:
+    none), as vllm-ascend's platform keeps it for the process: vLLM looks it up while
+    building a tower and, for its classmethods (``maybe_compute_seq_lens``,
+    ``maybe_recompute_cu_seqlens``), in every forward."""
+    from vllm.model_executor import custom_op
+    from vllm.model_executor.custom_op import CustomOp
+
+    registry = vars(custom_op).get("op_registry_oot", None)
+    if registry is None:
+        registry = CustomOp.op_registry_oot
+    saved = registry.pop("MMEncoderAttention", None)
+    if cls is not None:
+        CustomOp.register_oot(_decorated_op_cls=cls, name="MMEncoderAttention")
+    try:
+        yield
+    finally:
+        registry.pop("MMEncoderAttention", None)
+        if saved is not None:
+            registry["MMEncoderAttention"] = saved
+
+
+def _init_weights(model, seed):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in sorted(model.named_parameters()):
+            noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+            if "norm" in name and name.endswith("weight"):
+                param.copy_(1 + 0.1 * noise)
+            elif param.dim() >= 2:
+                fan_in = param[0].numel()
+                param.copy_(noise * (2.0 / fan_in) ** 0.5)
+            else:
+                param.copy_(0.02 * noise)
+
+
+def build_tower(stack, name, attention_class=None, *, seed=0):
+    """vLLM's tower ``name`` with deterministic weights for ``seed``; its attention
+    layers are ``attention_class`` (None: vLLM's own ``MMEncoderAttention``,
+    whose native path is TORCH_SDPA here)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+    module_name, class_name, make_config = TOWERS[name]
+    with registered(attention_class), set_current_vllm_config(stack.config):
+        tower = getattr(stack.modules[name], class_name)(make_config(), norm_eps=1e-6, prefix="visual")
+    _init_weights(tower, seed)
+    tower.to(torch.float32).eval()
+    for layer in tower.modules():
+        if isinstance(layer, CustomOp):
+            oot = attention_class is not None and isinstance(layer, attention_class)
+            layer._forward_method = layer.forward_oot if oot else layer.forward_native
+        if isinstance(layer, MMEncoderAttention):
+            assert (attention_class is None) == (type(layer) is MMEncoderAttention), type(layer)
+    return tower
+
+
+def grids(forward):
+    return [list(g) for g in GRIDS[forward]]
+
+
+def pixel_values(tower, grid, seed=0):
+    import torch
+
+    patch = tower.patch_embed
+    width = patch.proj.weight[0].numel()
+    tokens = sum(t * h * w for t, h, w in grid)
+    return torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed))
+
+
+def reference_forward(stack, name, x, grid, *, seed=0):
+    """Tower ``name`` with the weights of ``seed`` in float64, every attention layer
+    replaced by :func:`npu_shim.testing.attention_f64` (the definition of attention)."""
+    import torch
+    from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+    from npu_shim.testing import attention_f64
+
+    ref = build_tower(stack, name, None, seed=seed).double()
+
+    def attend(layer, query, key, value, cu_seqlens=None, *args, **kwargs):
+        heads, dim = layer.num_heads, layer.head_size
+        flat = [t.reshape(-1, heads, dim) for t in (query, key, value)]
+        out = attention_f64(*flat, cu_seqlens.tolist(), scale=layer.scale)
+        return out.to(query.dtype).reshape(query.shape[:2] + ((heads, dim) if query.dim() == 4 else (-1,)))
+
+    for layer in ref.modules():
+        if isinstance(layer, MMEncoderAttention):
+            layer._forward_method = types.MethodType(attend, layer)
+    with torch.inference_mode(), registered(None):
+        return ref(x.double(), grid_thw=grid)

@@ -1,0 +1,155 @@
+"""Patch ``vllm.mm_encoder_host_lengths`` (with ``vllm.mm_encoder_attn``): whole vision-tower
+forwards with no device->host read.
+
+vLLM's own tower classes (Qwen2.5-VL, Qwen3-VL) from tiny random configs, their
+``MMEncoderAttention`` layers handed back as vllm-ascend's class of each device
+class (A2, 310P) through the out-of-tree registration, run in
+``torch.inference_mode()``: two forwards with different image grids, each
+with a multi-frame item. Stand-ins and why: :mod:`npu_shim.testing.towers`.
+On this CPU-only machine the tower's parameters and ``pixel_values`` stand in
+for device tensors (``count_host_syncs(device_modules=...)``), and placement
+is followed from there: what the tower copies to ``.device`` is a device
+tensor, what it builds from host data is a host tensor.
+
+Gate, per tower x device class: 0 device->host reads per whole forward with
+the shim, upstream's count (the untouched vllm-ascend class, same tower, same
+weights) recorded beside it; outputs bit-identical to upstream's
+(``torch.equal``: the same emulated op runs on the same data), close to vLLM's
+own TORCH_SDPA tower and to a float64 copy whose attention is
+``npu_shim.testing.attention_f64``.
+"""
+import os
+
+import pytest
+
+pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm"),
+              pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn")]
+
+PATCH_NAME = "vllm.mm_encoder_host_lengths"
+TOWER_TOL = 2e-4          # float32 tower vs. float64 / TORCH_SDPA, relative to max |reference|
+# Towers whose cu_seqlens the tower itself copies in this vLLM (not maybe_recompute_cu_seqlens):
+# vllm.mm_encoder_attn's one read per tensor stays (see the patch's Window).
+TOWER_COPIES = {("Qwen2.5-VL", "0.18")}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    from npu_shim.testing import towers
+
+    return towers.setup()
+
+
+@pytest.fixture(params=["A2", "310P"])
+def device_class(request, monkeypatch):
+    if request.param == "310P":
+        from npu_shim.testing.towers import SOC_310P
+
+        monkeypatch.setenv("NPU_SHIM_EMULATE_SOC", SOC_310P)
+    return request.param
+
+
+def vllm_minor():
+    from importlib.metadata import version
+
+    return ".".join(version("vllm").split(".")[:2])
+
+
+def run(tower, attention_class, x, grid):
+    import torch
+
+    from npu_shim.testing import count_host_syncs
+    from npu_shim.testing.towers import registered
+
+    with torch.inference_mode(), registered(attention_class):
+        with count_host_syncs(device_tensors=[x], device_modules=[tower]) as syncs:
+            out = tower(x, grid_thw=grid)
+    return out, syncs
+
+
+def test_status(stack):
+    import npu_shim
+
+    row = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
+    assert row["state"] == "applied", row
+    assert row["family"] == ("0.26.0+" if vllm_minor() == "0.26" else "0.18.0-0.22.1")
+
+
+@pytest.mark.parametrize("name", ["Qwen2.5-VL", "Qwen3-VL"])
+def test_whole_tower_forward_reads_nothing_back(stack, name, device_class):
+    import torch
+
+    from npu_shim.testing import towers
+
+    patched = towers.build_tower(stack, name, stack.attention[device_class])
+    upstream = towers.build_tower(stack, name, stack.upstream[device_class])
+    sdpa = towers.build_tower(stack, name, None)
+    expected_reads = 2 if name == "Qwen2.5-VL" else 1   # one per cu_seqlens tensor (window, full)
+    for forward in range(2):
+        grid = towers.grids(forward)
+        x = towers.pixel_values(patched, grid, seed=forward)
+        out, syncs = run(patched, stack.attention[device_class], x, grid)
+        up, up_syncs = run(upstream, stack.upstream[device_class], x, grid)
+        sd, _ = run(sdpa, None, x, grid)
+        print("%s %s forward %d: upstream %s -> shim %s" % (name, device_class, forward,
+                                                           up_syncs.summary(), syncs.summary()))
+        if (name, vllm_minor()) in TOWER_COPIES:
+            assert syncs.count == expected_reads, [str(e) for e in syncs.events]
+        else:
+            assert syncs.count == 0, [str(e) for e in syncs.events]
+        assert up_syncs.count >= syncs.count
+        assert syncs.h2d_count == up_syncs.h2d_count
+        assert torch.equal(out, up)
+        ref = towers.reference_forward(stack, name, x, grid)
+        scale = max(1.0, ref.abs().max().item())
+        assert (out.double() - ref).abs().max().item() <= TOWER_TOL * scale
+        assert (out - sd).abs().max().item() <= TOWER_TOL * scale
+
+
+def test_a_reused_cu_seqlens_tensor_is_read_again(stack):
+    """The record is taken once: a tensor reused for a second forward (a graph buffer
+    refilled in place) is read from the device, never answered from the old record."""
+    import numpy as np
+    import torch
+    from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+    from npu_shim.testing import count_host_syncs
+    from npu_shim.testing.towers import build_tower
+    from npu_shim.testing.towers import registered as towers_registered
+
+    tower = build_tower(stack, "Qwen3-VL", stack.attention["A2"])
+    layer = tower.blocks[0].attn.attn
+    cu = MMEncoderAttention.maybe_recompute_cu_seqlens(tower.attn_backend, np.array([0, 4, 10], np.int32),
+                                                       160, 1, torch.device("cpu"))
+    q = torch.randn(1, 10, 2, 80)
+    with torch.inference_mode(), towers_registered(stack.attention["A2"]), \
+            count_host_syncs(device_tensors=[cu, q]) as syncs:
+        first = layer(q, q, q, cu_seqlens=cu)
+        cu.copy_(torch.tensor([0, 6, 10], dtype=cu.dtype))       # refilled in place
+        second = layer(q, q, q, cu_seqlens=cu)
+    assert syncs.count == 1, syncs.summary()
+    from npu_shim.testing import attention_f64
+
+    for out, bounds in ((first, [0, 4, 10]), (second, [0, 6, 10])):
+        ref = attention_f64(q[0], q[0], q[0], bounds, scale=layer.scale)
+        assert (out.reshape(ref.shape).double() - ref).abs().max().item() < 1e-5
+
+
+def test_disable_switch(stack, monkeypatch):
+    import subprocess
+    import sys
+
+    code = ("import npu_shim; from npu_shim.testing import towers; towers.setup(); "
+            "print([r['state'] for r in npu_shim.status() if r['name'] == %r][0])" % PATCH_NAME)
+    env = dict(os.environ, NPU_SHIM_DISABLE=PATCH_NAME)
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "disabled"
+
+
+def test_selftest(stack):
+    from npu_shim.selftest import vllm_mm_encoder_host_lengths as selftest
+
+    result = selftest.run(device="cpu")
+    assert result["max_abs_err"] <= result["tolerance"], result
+    assert result["host_syncs"] == 0, result
