@@ -27,7 +27,7 @@ import types
 
 import pytest
 
-pytestmark = pytest.mark.lanes("vllm-0.13", "vllm-0.15")
+pytestmark = pytest.mark.lanes("vllm-0.13", "vllm-0.15", "vllm-0.16", "vllm-0.17")
 
 TARGET = "vllm_ascend.ops.mm_encoder_attention"
 PATCH_NAME = "vllm.mm_encoder_attn"

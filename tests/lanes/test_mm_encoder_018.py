@@ -25,7 +25,7 @@ import types
 
 import pytest
 
-pytestmark = pytest.mark.lanes("vllm-0.18", "vllm-0.21")
+pytestmark = pytest.mark.lanes("vllm-0.18", "vllm-0.21", "vllm-0.19", "vllm-0.20")
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 UPSTREAM_COPY = "npu_shim_tests_upstream_mm_encoder_attention_018"
