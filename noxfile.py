@@ -21,6 +21,9 @@ adding a release is adding one file. Its leading comment block holds, one per li
     # Python: 3.11                                  CPython minor version of the venv
     # Sdist: <dist>==<version>                      optional, repeatable: installed from its
                                                     source archive by lanes/sdist.py, unbuilt
+    # Tests of: <lane>                              optional: run that lane's tests
+                                                    (NPU_SHIM_LANE=<lane>), e.g. lane base on
+                                                    another Python; default: its own name
 
 then free prose (why each pin), then the requirement lines: every package pinned with ``==``
 (``-r _x.txt`` includes allowed), installed with ``uv pip install --no-deps`` (nothing is
@@ -75,7 +78,8 @@ KIND_ENV = {
     "vllm": {"VLLM_PLUGINS": "npu_shim"},
     "sglang": {"PYTHONPATH": PLACEHOLDERS},
 }
-HEADER_KEYS = {"Stands for": "stands_for", "Kind": "kind", "Python": "python", "Sdist": "sdist"}
+HEADER_KEYS = {"Stands for": "stands_for", "Kind": "kind", "Python": "python", "Sdist": "sdist",
+               "Tests of": "tests_of"}
 
 
 def read_lane(path):
@@ -91,7 +95,7 @@ def read_lane(path):
     for line in lines[1:]:
         if not line.startswith("#"):
             break
-        match = re.match(r"# (Stands for|Kind|Python|Sdist): (.+)$", line)
+        match = re.match(r"# (Stands for|Kind|Python|Sdist|Tests of): (.+)$", line)
         if match:
             key, value = HEADER_KEYS[match.group(1)], match.group(2).strip()
             if key == "sdist":
@@ -203,6 +207,8 @@ def lane(session, lane):
         os.path.join(REPORTS, lane),
         "--install-seconds",
         "%.1f" % install_seconds,
+        "--tests-of",
+        spec.get("tests_of", lane),
         "--",
         "-q",
         "-p",
@@ -269,3 +275,112 @@ def _lane_python(session, lane):
                     "--python", python, external=True)
     session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", ".", external=True)
     return python
+
+
+def _version_key(text):
+    from packaging.version import Version
+
+    try:
+        return Version(text)
+    except Exception:  # noqa: BLE001 - an unparsable version sorts first
+        return Version("0")
+
+
+def _stands_for(lane):
+    """{dist: [versions]} from a lane's "# Stands for:" line."""
+    out = {}
+    for part in lane["stands_for"].split(";"):
+        words = part.replace(",", " ").split()
+        if len(words) >= 2:
+            out.setdefault(words[0], []).extend(words[1:])
+    return out
+
+
+def nearest_lane(dist, version):
+    """The lane standing for the newest release of ``dist`` not newer than ``version`` (else the
+    oldest lane of that dist), Python 3.11 lanes only."""
+    target = _version_key(version)
+    known = []
+    for name, lane in LANES.items():
+        if lane["python"] != "3.11" or "tests_of" in lane:
+            continue
+        for v in _stands_for(lane).get(dist, []):
+            known.append((_version_key(v), name))
+    if not known:
+        return None
+    below = [item for item in known if item[0] <= target]
+    return max(below)[1] if below else min(known)[1]
+
+
+@nox.session(python=False, default=False)
+def probe(session):
+    """A release with no lane yet: ``nox -s probe -- vllm-ascend==0.31.0rc1 [vllm==0.31.0]`` or
+    ``nox -s probe -- sglang==0.5.24``.
+
+    Makes a throwaway venv (.nox/probe) with that release (its wheel, else its sdist unbuilt via
+    lanes/sdist.py) and its framework (vllm-ascend: the vLLM its own versioning policy names,
+    unless given), plus the other pins of the nearest lane (the lane standing for the newest
+    release not newer than it); prints ``npu-shim status --import`` (which adapter of each patch
+    applies, or every adapter's reason), then runs that lane's tests (NPU_SHIM_LANE=<lane>)."""
+    if not session.posargs:
+        session.error("usage: nox -s probe -- vllm-ascend==<version> [vllm==<version>] | sglang==<version>")
+    pins = dict(arg.split("==", 1) for arg in session.posargs)
+    dist = next(iter(pins))
+    version = pins[dist]
+    lane_name = nearest_lane(dist, version)
+    if lane_name is None:
+        session.error("no lane stands for any release of %s" % dist)
+    lane = LANES[lane_name]
+    session.log("probe %s %s: nearest lane %s (%s)", dist, version, lane_name, lane["stands_for"])
+    if dist == "vllm-ascend" and "vllm" not in pins:
+        pair = subprocess.run([sys.executable, os.path.join("lanes", "sdist.py"), "pair", dist, version],
+                              capture_output=True, text=True)
+        if pair.returncode != 0:
+            session.error("vllm-ascend %s: no vLLM named by its versioning policy; give vllm==<version>" % version)
+        pins["vllm"] = pair.stdout.strip()
+        session.log("probe: vllm-ascend %s names vllm %s in its versioning policy", version, pins["vllm"])
+
+    venv = os.path.join(HERE, ".nox", "probe")
+    python = os.path.join(venv, "bin", "python")
+    uv = (sys.executable, "-m", "uv")
+    shutil.rmtree(venv, ignore_errors=True)
+    session.run(*uv, "venv", "--quiet", "--python", interpreter(lane["python"]), venv, external=True,
+                env={"UV_PYTHON_DOWNLOADS": "never"})
+    # The nearest lane's pins, with the probed release and its framework swapped in.
+    lines = []
+    with open(lane["path"], encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if line.startswith("-r "):
+                line = "-r " + os.path.join(LANES_DIR, line[3:].strip())
+            name = re.split(r"[=<>!~ ]", line, 1)[0].lower() if line and not line.startswith(("#", "-")) else ""
+            if name and name in pins:
+                continue
+            lines.append(line)
+    sdists = [req for req in lane["sdist"] if req.split("==")[0] not in pins]
+    wheels = []
+    for name, pinned in pins.items():
+        probe_ = subprocess.run([*uv, "pip", "install", "--dry-run", "--quiet", "--python", python, "--no-deps",
+                                 "--only-binary", ":all:", *uv_source_args(), "%s==%s" % (name, pinned)],
+                                capture_output=True, text=True)
+        if probe_.returncode == 0:
+            wheels.append("%s==%s" % (name, pinned))
+        else:
+            sdists.append("%s==%s" % (name, pinned))
+            session.log("probe: %s %s has no wheel here: its sdist is installed unbuilt", name, pinned)
+    requirements = os.path.join(venv, "requirements.txt")
+    with open(requirements, "w", encoding="utf-8") as handle:
+        handle.write("\n".join(lines + wheels) + "\n")
+    session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", *uv_source_args(),
+                "-r", requirements, external=True)
+    for requirement in sdists:
+        name, pinned = requirement.split("==")
+        session.run(sys.executable, os.path.join("lanes", "sdist.py"), "install", name, pinned,
+                    "--python", python, external=True)
+    session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", ".", external=True)
+
+    env = dict(KIND_ENV[lane["kind"]], PYTHONDONTWRITEBYTECODE="")
+    name = "probe-%s-%s" % (dist, version)
+    session.run(python, os.path.join("lanes", "report.py"), "run", "--lane", name, "--tests-of", lane_name,
+                "--out", os.path.join(REPORTS, "..", "probe-reports", name), "--", "-q", "-p", "no:cacheprovider",
+                env=env, external=True)

@@ -216,7 +216,7 @@ def cmd_run(args):
     junit_path = os.path.abspath(os.path.join(args.out, "junit.xml"))
     if os.path.exists(junit_path):
         os.remove(junit_path)
-    env = dict(os.environ, NPU_SHIM_LANE=args.lane)
+    env = dict(os.environ, NPU_SHIM_LANE=args.tests_of or args.lane)
     started = time.monotonic()
     pytest_rc = run_pytest(junit_path, args.pytest_args, env)
     test_seconds = time.monotonic() - started
@@ -229,6 +229,7 @@ def cmd_run(args):
     rows, status_problem = patch_status(dict(env, NPU_SHIM_EMULATE="1", VLLM_CONFIGURE_LOGGING="0"))
     summary = {
         "lane": args.lane,
+        "tests_of": args.tests_of or args.lane,
         "pytest_exit_code": pytest_rc,
         "tests": counts,
         "patches": rows,
@@ -337,6 +338,7 @@ def main(argv=None):
     run.add_argument("--lane", required=True)
     run.add_argument("--out", required=True, help="directory for junit.xml and summary.json")
     run.add_argument("--install-seconds", type=float, default=None, help="how long the lane's install took")
+    run.add_argument("--tests-of", default=None, help="run this lane's tests (NPU_SHIM_LANE); default --lane")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: arguments for pytest")
     run.set_defaults(func=cmd_run)
     summary = sub.add_parser("summary", help="one table over every lane summary under REPORTS")
