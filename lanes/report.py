@@ -34,7 +34,12 @@ PYTEST_NO_TESTS = 5
 
 def run_pytest(junit_path, pytest_args, env):
     # -P: the checkout is not put on sys.path, so the tests import the installed npu_shim.
-    command = [sys.executable, "-P", "-m", "pytest", "--junitxml", junit_path] + list(pytest_args)
+    # (-P is 3.11+; below, the venv's pytest script, whose sys.path[0] is the venv's bin/.)
+    if sys.version_info >= (3, 11):
+        command = [sys.executable, "-P", "-m", "pytest"]
+    else:
+        command = [os.path.join(os.path.dirname(sys.executable), "pytest")]
+    command += ["--junitxml", junit_path] + list(pytest_args)
     print("+ " + " ".join(command), flush=True)
     return subprocess.call(command, cwd=REPO, env=env)
 
@@ -57,9 +62,11 @@ STATUS_NOTE = "status: npu-shim status --json --import (vllm_ascend.ops loaded w
 
 def patch_status(env):
     """Rows from ``npu-shim status --json --import``; (None, message) when unavailable."""
-    command = [sys.executable, "-P", "-c", STATUS_SNIPPET]
+    # -P (3.11+) keeps the checkout off sys.path; below 3.11, run from the venv's directory.
+    safe = sys.version_info >= (3, 11)
+    command = [sys.executable] + (["-P"] if safe else []) + ["-c", STATUS_SNIPPET]
     try:
-        proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(command, cwd=REPO if safe else sys.prefix, env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
         return None, "`npu-shim status --json --import` did not finish in 600 s"
     if proc.returncode != 0:
