@@ -1,33 +1,63 @@
-"""Pinned-version regression lanes (nox).
+"""Pinned-version regression lanes (nox, uv).
 
     nox                          every lane, then one table over all of them
     nox -s "lane(kimi-vl-2025)"  one lane
     nox -s lanes                 same as plain ``nox``
     nox -l                       list the sessions
+    nox -s probe -- vllm-ascend==0.31.0rc1   a release that has no lane yet (see probe())
     nox -s "bench(startup)"      one benchmark (never part of plain ``nox``), in its lane's venv
 
-Each lane is a fresh virtual environment (Python 3.11) holding the exact upstream wheels
-pinned in ``lanes/<lane>.txt``, installed with ``pip install --no-deps`` (the pin files
-name every package, so pip resolves nothing and never pulls a CUDA torch), then the shim
-itself (``pip install --no-deps .``). ``lanes/report.py`` runs pytest with
-``NPU_SHIM_LANE=<lane>`` (tests/conftest.py selects that lane's tests), writes
-``.nox/reports/<lane>/junit.xml``, prints the lane table (patch x state x reason x tests
-passed) and fails the session if pytest failed or ran no test.
+Needs ``nox`` and ``uv`` on the runner (``pip install nox uv``; .ci/run pins both).
 
-Per-lane environment (the reasons are in each pin file's header):
-- ``VLLM_PLUGINS=npu_shim`` in lanes with vLLM: vLLM loads only the plugins named there, so
+Lane contract (read by this file and by the reference-docs generator; keep it exact)
+------------------------------------------------------------------------------------
+A lane is one file ``lanes/<lane>.txt`` (files starting with ``_`` are includes, not lanes);
+adding a release is adding one file. Its leading comment block holds, one per line:
+
+    # Lane <name>: <one-line description>           first line; <name> is the file's stem
+    # Stands for: <dist> <version>[, <version>...][; <dist> <version>...]
+                                                    every upstream release the lane stands for
+    # Kind: base | vllm | sglang                    the lane's environment, below
+    # Python: 3.11                                  CPython minor version of the venv
+    # Sdist: <dist>==<version>                      optional, repeatable: installed from its
+                                                    source archive by lanes/sdist.py, unbuilt
+    # Tests of: <lane>                              optional: run that lane's tests
+                                                    (NPU_SHIM_LANE=<lane>), e.g. lane base on
+                                                    another Python; default: its own name
+
+then free prose (why each pin), then the requirement lines: every package pinned with ``==``
+(``-r _x.txt`` includes allowed), installed with ``uv pip install --no-deps`` (nothing is
+resolved, no CUDA torch is pulled in behind the pins' back), then the shim itself
+(``uv pip install --no-deps .``). ``lanes/report.py`` runs pytest with ``NPU_SHIM_LANE=<lane>``
+(tests/conftest.py selects the tests whose ``pytest.mark.lanes(...)`` names the lane), writes
+``.nox/reports/<lane>/``, prints the lane table (patch x state x reason x tests passed, install
+and test seconds) and fails the session if pytest failed or ran no test.
+
+Environment per Kind (the reasons are in the pin files):
+- ``vllm``: ``VLLM_PLUGINS=npu_shim``: vLLM loads only the plugins named there, so
   vllm-ascend's "ascend" platform plugin (which imports torch_npu.npu.*) stays off and
   vLLM keeps its non-NPU platform, while the shim's own vllm.general_plugins entry runs.
-- ``PYTHONPATH=tests/placeholders`` in sglang lanes: the import placeholder for
+- ``sglang``: ``PYTHONPATH=tests/placeholders``: the import placeholder for
   ``sgl_kernel_npu`` (NPU-only, not on the package index, never called by the tested path),
   which sglang's Ascend attention backend imports at module top.
-- ``NPU_SHIM_EMULATE`` is not set for pytest: tests that need torch_npu install the
-  emulation themselves (and some check the default). report.py sets it to 1 only for
-  ``npu-shim status --import``, which imports the targets, some of which import torch_npu.
+- ``base``: nothing.
+``NPU_SHIM_EMULATE`` is not set for pytest: tests that need torch_npu install the emulation
+themselves (and some check the default). report.py sets it to 1 only for
+``npu-shim status --import``, which imports the targets, some of which import torch_npu.
+
+Package sources: uv reads none of pip's configuration, so the index settings pip would use on
+this machine (``pip config get global.index-url`` / ``global.extra-index-url`` /
+``global.find-links`` and the PIP_* variables) are handed to ``uv pip install`` as flags at
+run time (uv_source_args); file:// or local locations that do not exist are left out, as pip
+ignores them. uv installs from its cache by hardlink: a second lane with the same torch costs
+megabytes, not gigabytes.
 """
+import functools
+import glob
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 
@@ -37,48 +67,134 @@ nox.options.sessions = ["lanes"]
 nox.options.reuse_existing_virtualenvs = False
 nox.options.error_on_missing_interpreters = True
 
-PYTHON = "3.11"
+STARTED = time.time()  # nox imports this file once, before the first session: the run's start
 HERE = os.path.dirname(os.path.abspath(__file__))
+LANES_DIR = os.path.join(HERE, "lanes")
 REPORTS = os.path.join(HERE, ".nox", "reports")
 PLACEHOLDERS = os.path.join(HERE, "tests", "placeholders")
 
-VLLM_ENV = {"VLLM_PLUGINS": "npu_shim"}
-SGLANG_ENV = {"PYTHONPATH": PLACEHOLDERS}
-
-# lane name -> extra environment for its tests; the pins are in lanes/<lane>.txt.
-LANES = {
+KIND_ENV = {
     "base": {},
-    "kimi-vl-2025": VLLM_ENV,
-    "vllm-0.13": VLLM_ENV,
-    "vllm-0.14": VLLM_ENV,
-    "vllm-0.15": VLLM_ENV,
-    "vllm-0.18": VLLM_ENV,
-    "vllm-0.21": VLLM_ENV,
-    "vllm-0.22": VLLM_ENV,
-    "sglang-0.5.12": SGLANG_ENV,
-    "sglang-0.5.13": SGLANG_ENV,
-    "sglang-0.5.16": SGLANG_ENV,
-    "sglang-0.5.19": SGLANG_ENV,
-    "sglang-0.5.21": SGLANG_ENV,
-    # "latest" is split: one venv cannot honour the pins of both vllm 0.26.0 (the pair of the
-    # newest vllm-ascend wheel) and sglang 0.5.23 (torch, compressed-tensors, transformers;
-    # see the two pin files).
-    "latest-vllm": VLLM_ENV,
-    "latest-sglang": SGLANG_ENV,
+    "vllm": {"VLLM_PLUGINS": "npu_shim"},
+    "sglang": {"PYTHONPATH": PLACEHOLDERS},
 }
+HEADER_KEYS = {"Stands for": "stands_for", "Kind": "kind", "Python": "python", "Sdist": "sdist",
+               "Tests of": "tests_of"}
 
 
-@nox.session(python=PYTHON)
-@nox.parametrize("lane", [nox.param(name, id=name) for name in LANES])
+def read_lane(path):
+    """The header of one pin file: {name, description, stands_for, kind, python, sdist: [...]}."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    lane = {"name": name, "path": path, "sdist": []}
+    with open(path, encoding="utf-8") as handle:
+        lines = handle.read().splitlines()
+    first = re.match(r"# Lane (\S+): (.+)$", lines[0] if lines else "")
+    if not first or first.group(1) != name:
+        raise ValueError("%s: the first line must be '# Lane %s: <description>'" % (path, name))
+    lane["description"] = first.group(2)
+    for line in lines[1:]:
+        if not line.startswith("#"):
+            break
+        match = re.match(r"# (Stands for|Kind|Python|Sdist|Tests of): (.+)$", line)
+        if match:
+            key, value = HEADER_KEYS[match.group(1)], match.group(2).strip()
+            if key == "sdist":
+                lane["sdist"].append(value)
+            else:
+                lane[key] = value
+    for key in ("stands_for", "kind", "python"):
+        if key not in lane:
+            raise ValueError("%s: no '# %s:' line in the header" % (path, [k for k, v in HEADER_KEYS.items() if v == key][0]))
+    if lane["kind"] not in KIND_ENV:
+        raise ValueError("%s: Kind %r is none of %s" % (path, lane["kind"], ", ".join(KIND_ENV)))
+    return lane
+
+
+def read_lanes():
+    paths = sorted(p for p in glob.glob(os.path.join(LANES_DIR, "*.txt")) if not os.path.basename(p).startswith("_"))
+    return {lane["name"]: lane for lane in map(read_lane, paths)}
+
+
+LANES = read_lanes()
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter(version):
+    """A CPython ``version`` interpreter: ``python<version>`` on PATH if it runs (a pyenv shim
+    of a version that is not selected does not), else pyenv's newest ``version``; else the bare
+    version string (nox then reports it missing)."""
+    candidates = [shutil.which("python" + version)]
+    try:
+        prefix = subprocess.run(["pyenv", "prefix", version], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        prefix = ""
+    if prefix:
+        candidates.append(os.path.join(prefix.splitlines()[0], "bin", "python" + version))
+    for candidate in candidates:
+        if candidate and os.path.exists(candidate):
+            probe = subprocess.run([candidate, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                   capture_output=True, text=True)
+            if probe.returncode == 0 and probe.stdout.strip() == version:
+                return candidate
+    return version
+
+
+def _pip_config(key):
+    """pip's setting ``key`` (PIP_<KEY> first, then ``pip config get global.<key>``), as a list."""
+    value = os.environ.get("PIP_" + key.upper().replace("-", "_"))
+    if value is None:
+        proc = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global." + key],
+                              capture_output=True, text=True)
+        value = proc.stdout.strip() if proc.returncode == 0 else ""
+    return value.split()
+
+
+def _exists(location):
+    """False for a local directory/file:// URL that is missing (pip ignores those; uv fails)."""
+    if location.startswith("file://"):
+        return os.path.exists(location[len("file://"):])
+    if "://" not in location:
+        return os.path.exists(location)
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def uv_source_args():
+    """``uv pip install`` flags for the package sources pip is configured with here. pip picks
+    the best match over all its indexes; uv's default takes the first index that has the
+    project at all, hence --index-strategy unsafe-best-match (pip's behaviour)."""
+    args = ["--index-strategy", "unsafe-best-match"]
+    for key, flag in (("index-url", "--index-url"), ("extra-index-url", "--extra-index-url"),
+                      ("find-links", "--find-links")):
+        for location in _pip_config(key):
+            if _exists(location):
+                args += [flag, location]
+    return tuple(args)
+
+
+def install_lane(session, lane, python):
+    """The lane's pins (uv, --no-deps), its sdists (lanes/sdist.py, unbuilt), the shim."""
+    env = {"UV_PYTHON_DOWNLOADS": "never"}
+    session.install("--no-deps", *uv_source_args(), "-r", os.path.relpath(lane["path"], HERE), env=env)
+    for requirement in lane["sdist"]:
+        dist, version = requirement.split("==")
+        session.run(sys.executable, os.path.join("lanes", "sdist.py"), "install", dist, version,
+                    "--python", python, external=True)
+    session.install("--no-deps", *uv_source_args(), ".", env=env)
+
+
+# --no-compile is uv's default (pip byte-compiled every module of torch, vLLM and sglang: 30-60 s
+# a lane on 2 cores); the tests import a fraction of them, compiled on first import and written
+# then (PYTHONDONTWRITEBYTECODE is cleared for the lane's tests below: without bytecode, each of
+# their subprocesses would compile vLLM again).
+@nox.session(venv_backend="uv")
+@nox.parametrize(["python", "lane"],
+                 [nox.param(interpreter(spec["python"]), name, id=name) for name, spec in LANES.items()])
 def lane(session, lane):
     """One pinned stack: fresh venv, exact wheels, the lane's tests, the lane table."""
+    spec = LANES[lane]
     started = time.monotonic()
-    # --no-compile: pip would byte-compile every module of torch, vLLM and sglang (30-60 s a
-    # lane on 2 cores); the tests import a fraction of them, compiled on first import and
-    # written then (PYTHONDONTWRITEBYTECODE is cleared for the lane's tests below: without
-    # bytecode, each of their subprocesses would compile vLLM again).
-    session.install("--no-deps", "--no-compile", "-r", os.path.join("lanes", lane + ".txt"))
-    session.install("--no-deps", ".")
+    install_lane(session, spec, os.path.join(session.virtualenv.location, "bin", "python"))
     install_seconds = time.monotonic() - started
     session.log("lane %s: installed in %.0f s", lane, install_seconds)
     session.run(
@@ -91,18 +207,22 @@ def lane(session, lane):
         os.path.join(REPORTS, lane),
         "--install-seconds",
         "%.1f" % install_seconds,
+        "--tests-of",
+        spec.get("tests_of", lane),
         "--",
         "-q",
         "-p",
         "no:cacheprovider",
-        env=dict(LANES[lane], PYTHONDONTWRITEBYTECODE=""),
+        env=dict(KIND_ENV[spec["kind"]], PYTHONDONTWRITEBYTECODE=""),
     )
 
 
 @nox.session(python=False, requires=["lane({})".format(name) for name in LANES])
 def lanes(session):
     """Every lane (run first, as requirements), then one table over all their reports."""
-    session.run(sys.executable, os.path.join("lanes", "report.py"), "summary", REPORTS, *LANES, external=True)
+    session.run(sys.executable, os.path.join("lanes", "report.py"), "summary", REPORTS, *LANES,
+                "--wall-seconds", "%.0f" % (time.time() - STARTED), "--disk", os.path.join(HERE, ".nox"),
+                external=True)
 
 
 # benchmark -> (lane or lanes whose venv it runs in, extra environment). The venv is the
@@ -117,6 +237,7 @@ BENCHMARKS = {
     "mm_encoder": (("vllm-0.13", "vllm-0.14", "vllm-0.15", "vllm-0.18", "vllm-0.21", "vllm-0.22",
                     "latest-vllm"), {"NPU_SHIM_EMULATE": "1", "VLLM_PLUGINS": ""}),
     "cp_fia": (("sglang-0.5.13", "latest-sglang"), {"NPU_SHIM_EMULATE": "1", "PYTHONPATH": PLACEHOLDERS}),
+    "towers": (("vllm-0.18", "vllm-0.22", "latest-vllm"), {"NPU_SHIM_EMULATE": "1", "VLLM_PLUGINS": "npu_shim"}),
 }
 
 
@@ -129,12 +250,14 @@ def lane_venv(lane):
 @nox.parametrize("name", [nox.param(name, id=name) for name in BENCHMARKS])
 def bench(session, name):
     """One benchmark, one command from a fresh clone: reuses (or makes) its lanes' venvs,
-    installs this checkout into it, runs benchmarks/bench_<name>.py (extra args after --)."""
+    installs this checkout into it, runs benchmarks/bench_<name>.py (extra args after --) through
+    benchmarks/record.py, which keeps what it printed in benchmarks/results/<name>-<lane>.txt
+    with the date and machine (the reference shows those files)."""
     lanes, env = BENCHMARKS[name]
     for lane in (lanes,) if isinstance(lanes, str) else lanes:
         python = _lane_python(session, lane)
         # Bytecode written on first import, as in the lanes (the venvs are installed without it).
-        session.run(python, os.path.join("benchmarks", "bench_%s.py" % name), *session.posargs,
+        session.run(python, os.path.join("benchmarks", "record.py"), name, lane, *session.posargs,
                     env=dict(env, PYTHONDONTWRITEBYTECODE=""), external=True)
 
 
@@ -142,14 +265,125 @@ def _lane_python(session, lane):
     """The python of the lane's venv, made if missing, holding the pins and this checkout."""
     venv = lane_venv(lane)
     python = os.path.join(venv, "bin", "python")
+    uv = (sys.executable, "-m", "uv")
     if not os.path.exists(python):
-        interpreter = shutil.which("python" + PYTHON)
-        if interpreter is None:
-            session.error("python%s not found on PATH; the lanes need CPython %s" % (PYTHON, PYTHON))
-        session.run(interpreter, "-m", "venv", venv, external=True)
-    # Pinned, --no-deps: a venv that already holds the pins is checked in seconds.
-    session.run(python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-compile", "-r",
+        session.run(*uv, "venv", "--python", interpreter(LANES[lane]["python"]), venv, external=True,
+                    env={"UV_PYTHON_DOWNLOADS": "never"})
+    # Pinned, --no-deps: a venv that already holds the pins is checked in a second.
+    session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", *uv_source_args(), "-r",
                 os.path.join("lanes", lane + ".txt"), external=True)
-    session.run(python, "-m", "pip", "install", "--quiet", "--no-deps", ".", external=True)
+    for requirement in LANES[lane]["sdist"]:
+        dist, version = requirement.split("==")
+        session.run(sys.executable, os.path.join("lanes", "sdist.py"), "install", dist, version,
+                    "--python", python, external=True)
+    session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", ".", external=True)
     return python
 
+
+def _version_key(text):
+    from packaging.version import Version
+
+    try:
+        return Version(text)
+    except Exception:  # noqa: BLE001 - an unparsable version sorts first
+        return Version("0")
+
+
+def _stands_for(lane):
+    """{dist: [versions]} from a lane's "# Stands for:" line."""
+    out = {}
+    for part in lane["stands_for"].split(";"):
+        words = part.replace(",", " ").split()
+        if len(words) >= 2:
+            out.setdefault(words[0], []).extend(words[1:])
+    return out
+
+
+def nearest_lane(dist, version):
+    """The lane standing for the newest release of ``dist`` not newer than ``version`` (else the
+    oldest lane of that dist), Python 3.11 lanes only."""
+    target = _version_key(version)
+    known = []
+    for name, lane in LANES.items():
+        if lane["python"] != "3.11" or "tests_of" in lane:
+            continue
+        for v in _stands_for(lane).get(dist, []):
+            known.append((_version_key(v), name))
+    if not known:
+        return None
+    below = [item for item in known if item[0] <= target]
+    return max(below)[1] if below else min(known)[1]
+
+
+@nox.session(python=False, default=False)
+def probe(session):
+    """A release with no lane yet: ``nox -s probe -- vllm-ascend==0.31.0rc1 [vllm==0.31.0]`` or
+    ``nox -s probe -- sglang==0.5.24``.
+
+    Makes a throwaway venv (.nox/probe) with that release (its wheel, else its sdist unbuilt via
+    lanes/sdist.py) and its framework (vllm-ascend: the vLLM its own versioning policy names,
+    unless given), plus the other pins of the nearest lane (the lane standing for the newest
+    release not newer than it); prints ``npu-shim status --import`` (which adapter of each patch
+    applies, or every adapter's reason), then runs that lane's tests (NPU_SHIM_LANE=<lane>)."""
+    if not session.posargs:
+        session.error("usage: nox -s probe -- vllm-ascend==<version> [vllm==<version>] | sglang==<version>")
+    pins = dict(arg.split("==", 1) for arg in session.posargs)
+    dist = next(iter(pins))
+    version = pins[dist]
+    lane_name = nearest_lane(dist, version)
+    if lane_name is None:
+        session.error("no lane stands for any release of %s" % dist)
+    lane = LANES[lane_name]
+    session.log("probe %s %s: nearest lane %s (%s)", dist, version, lane_name, lane["stands_for"])
+    if dist == "vllm-ascend" and "vllm" not in pins:
+        pair = subprocess.run([sys.executable, os.path.join("lanes", "sdist.py"), "pair", dist, version],
+                              capture_output=True, text=True)
+        if pair.returncode != 0:
+            session.error("vllm-ascend %s: no vLLM named by its versioning policy; give vllm==<version>" % version)
+        pins["vllm"] = pair.stdout.strip()
+        session.log("probe: vllm-ascend %s names vllm %s in its versioning policy", version, pins["vllm"])
+
+    venv = os.path.join(HERE, ".nox", "probe")
+    python = os.path.join(venv, "bin", "python")
+    uv = (sys.executable, "-m", "uv")
+    shutil.rmtree(venv, ignore_errors=True)
+    session.run(*uv, "venv", "--quiet", "--python", interpreter(lane["python"]), venv, external=True,
+                env={"UV_PYTHON_DOWNLOADS": "never"})
+    # The nearest lane's pins, with the probed release and its framework swapped in.
+    lines = []
+    with open(lane["path"], encoding="utf-8") as handle:
+        for line in handle:
+            line = line.strip()
+            if line.startswith("-r "):
+                line = "-r " + os.path.join(LANES_DIR, line[3:].strip())
+            name = re.split(r"[=<>!~ ]", line, 1)[0].lower() if line and not line.startswith(("#", "-")) else ""
+            if name and name in pins:
+                continue
+            lines.append(line)
+    sdists = [req for req in lane["sdist"] if req.split("==")[0] not in pins]
+    wheels = []
+    for name, pinned in pins.items():
+        probe_ = subprocess.run([*uv, "pip", "install", "--dry-run", "--quiet", "--python", python, "--no-deps",
+                                 "--only-binary", ":all:", *uv_source_args(), "%s==%s" % (name, pinned)],
+                                capture_output=True, text=True)
+        if probe_.returncode == 0:
+            wheels.append("%s==%s" % (name, pinned))
+        else:
+            sdists.append("%s==%s" % (name, pinned))
+            session.log("probe: %s %s has no wheel here: its sdist is installed unbuilt", name, pinned)
+    requirements = os.path.join(venv, "requirements.txt")
+    with open(requirements, "w", encoding="utf-8") as handle:
+        handle.write("\n".join(lines + wheels) + "\n")
+    session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", *uv_source_args(),
+                "-r", requirements, external=True)
+    for requirement in sdists:
+        name, pinned = requirement.split("==")
+        session.run(sys.executable, os.path.join("lanes", "sdist.py"), "install", name, pinned,
+                    "--python", python, external=True)
+    session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", ".", external=True)
+
+    env = dict(KIND_ENV[lane["kind"]], PYTHONDONTWRITEBYTECODE="")
+    name = "probe-%s-%s" % (dist, version)
+    session.run(python, os.path.join("lanes", "report.py"), "run", "--lane", name, "--tests-of", lane_name,
+                "--out", os.path.join(REPORTS, "..", "probe-reports", name), "--", "-q", "-p", "no:cacheprovider",
+                env=env, external=True)

@@ -27,7 +27,7 @@ import pytest
 
 import npu_shim
 
-pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.21"), pytest.mark.patch("vllm.mm_encoder_attn")]
+pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.21", "vllm-0.19", "vllm-0.20"), pytest.mark.patch("vllm.mm_encoder_attn")]
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 UPSTREAM_COPY = "npu_shim_tests_upstream_mm_encoder_attention_018"
