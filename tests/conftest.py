@@ -68,22 +68,16 @@ def patches_of(item):
 
 def marker_problems(items, lanes, patches):
     """One line per unknown lane or patch name (or empty marker) on ``items``."""
+    kinds = (("lanes", "lane", lanes, "nox defines"), ("patch", "patch", patches, "BUILTIN_PATCHES"))
     problems = []
     for item in items:
-        for marker in item.iter_markers("lanes"):
-            if not marker.args:
-                problems.append("%s: pytest.mark.lanes() names no lane" % item.nodeid)
-            for name in marker.args:
-                if name not in lanes:
-                    problems.append("%s: unknown lane %r in pytest.mark.lanes (nox defines: %s)"
-                                    % (item.nodeid, name, ", ".join(lanes)))
-        for marker in item.iter_markers("patch"):
-            if not marker.args:
-                problems.append("%s: pytest.mark.patch() names no patch" % item.nodeid)
-            for name in marker.args:
-                if name not in patches:
-                    problems.append("%s: unknown patch %r in pytest.mark.patch (BUILTIN_PATCHES: %s)"
-                                    % (item.nodeid, name, ", ".join(patches)))
+        for marker_name, what, known, source in kinds:
+            for marker in item.iter_markers(marker_name):
+                if not marker.args:
+                    problems.append("%s: pytest.mark.%s() names no %s" % (item.nodeid, marker_name, what))
+                problems += ["%s: unknown %s %r in pytest.mark.%s (%s: %s)"
+                             % (item.nodeid, what, name, marker_name, source, ", ".join(known))
+                             for name in marker.args if name not in known]
     return problems
 
 
