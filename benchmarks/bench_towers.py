@@ -16,6 +16,14 @@ as device stand-ins), blocking host->device copies (upstream -> shim), and the
 host time of a forward without counting (median of ``--repeat``, patched /
 upstream). On this CPU-only machine the op is npu-shim's emulation of
 torch_npu: the times are host-side Python and emulation, not NPU figures.
+
+Kimi-VL (vLLM's MoonViT, ``towers.build_moonvit``) gets its inputs the way vLLM
+hands them to the model: Kimi-VL's processor field config (upstream's on the
+upstream side, the shim's -- grid kept on the host -- on the other) and vLLM's
+``group_and_batch_mm_kwargs`` to the device stand-in, counted with the forward;
+three images, then two. Its host time is the forward alone. Blocking copies
+are the most of the two forwards: the first includes the rope table MoonViT
+caches on the device (2 copies, both sides).
 """
 import argparse
 import os
@@ -67,12 +75,52 @@ def main(argv=None):
             rows.append((name, release, device_class, "%d -> %d" % (up[0], shim[0]),
                          "%d -> %d" % (up[1], shim[1]), "%.2f ms / %.2f ms = %.3f"
                          % (shim[2] * 1e3, up[2] * 1e3, shim[2] / up[2])))
+    rows += moonvit_rows(stack, release, args.repeat)
     header = ("tower", "release", "class", "d->h reads / forward", "blocking h->d copies",
               "host time / forward (shim / upstream)")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     for row in [header, tuple("-" * w for w in widths)] + rows:
         print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
     return 0
+
+
+def moonvit_rows(stack, release, repeat):
+    import torch
+
+    from npu_shim.testing import count_host_syncs, towers
+    from npu_shim.testing.syncs import DEVICE
+
+    rows = []
+    for device_class in towers.DEVICE_CLASSES:
+        if device_class == "310P":
+            os.environ["NPU_SHIM_EMULATE_SOC"] = towers.SOC_310P
+        else:
+            os.environ.pop("NPU_SHIM_EMULATE_SOC", None)
+        sides = {}
+        for side, cls in (("upstream", stack.upstream[device_class]), ("shim", stack.attention[device_class])):
+            tower = towers.build_moonvit(stack, cls)
+            reads, copies, times = [], [], []
+            for forward in range(2):
+                grid = towers.moonvit_grid(forward)
+                x = towers.moonvit_pixel_values(tower, grid, seed=forward)
+                with torch.inference_mode(), towers.registered(cls):
+                    with count_host_syncs(device_modules=[tower]) as syncs:
+                        pixels, grid_hws = towers.kimi_vl_batch(stack, x, grid, device=DEVICE,
+                                                                upstream_fields=side == "upstream")
+                        tower(pixels, grid_hws)
+                    reads.append(syncs.count)
+                    copies.append(syncs.h2d_count)
+                    for _ in range(repeat):
+                        started = time.perf_counter()
+                        tower(pixels, grid_hws)
+                        times.append(time.perf_counter() - started)
+            sides[side] = (max(reads), max(copies), statistics.median(times))
+        up, shim = sides["upstream"], sides["shim"]
+        rows.append(("Kimi-VL", release, device_class, "%d -> %d" % (up[0], shim[0]),
+                     "%d -> %d" % (up[1], shim[1]), "%.2f ms / %.2f ms = %.3f"
+                     % (shim[2] * 1e3, up[2] * 1e3, shim[2] / up[2])))
+    os.environ.pop("NPU_SHIM_EMULATE_SOC", None)
+    return rows
 
 
 if __name__ == "__main__":

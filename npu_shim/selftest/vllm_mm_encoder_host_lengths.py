@@ -16,17 +16,24 @@ TOLERANCE = {"float32": 2e-4}
 
 
 def run(device=None):
+    from npu_shim.selftest import applied_target
+
+    applied_target(PATCH_NAME)
+    return run_tower(TOWER, PATCH_NAME, device)
+
+
+def run_tower(name, patch_name, device=None):
+    """One forward of tower ``name`` (``towers.TOWERS``), as :func:`run` describes; the family
+    reported is ``patch_name``'s."""
     import torch
 
     from npu_shim import status
-    from npu_shim.selftest import applied_target
     from npu_shim.testing import count_host_syncs, towers
 
     device = device or "cpu"
-    applied_target(PATCH_NAME)
     stack = towers.setup(emulate=False)
-    family = next(r for r in status() if r["name"] == PATCH_NAME)["family"]
-    tower = towers.build_tower(stack, TOWER, stack.attention["A2"])
+    family = next(r for r in status() if r["name"] == patch_name)["family"]
+    tower = towers.build_tower(stack, name, stack.attention["A2"])
     grid = towers.grids(0)
     x = towers.pixel_values(tower, grid)
     tower.to(device)
@@ -39,7 +46,7 @@ def run(device=None):
         torch.npu.synchronize()
     seconds = time.perf_counter() - started
     tower.to("cpu")
-    ref = towers.reference_forward(stack, TOWER, x, grid)
+    ref = towers.reference_forward(stack, name, x, grid)
     err = (out.double().cpu() - ref).abs().max().item() / max(1.0, ref.abs().max().item())
     return {
         "max_abs_err": err,
@@ -47,5 +54,5 @@ def run(device=None):
         "host_syncs": syncs.count,
         "seconds": seconds,
         "detail": "vLLM %s vision tower (%d blocks), grid %s, float32 on %s, family %s; error relative "
-                  "to max |reference|" % (TOWER, len(tower.blocks), grid, device, family),
+                  "to max |reference|" % (name, len(tower.blocks), grid, device, family),
     }

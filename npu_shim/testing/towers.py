@@ -38,7 +38,8 @@ import sys
 import tempfile
 import types
 
-__all__ = ["DEVICE_CLASSES", "TOWERS", "Stack", "build_tower", "grids", "pixel_values", "reference_forward",
+__all__ = ["DEVICE_CLASSES", "MOONVIT", "MOONVIT_GRIDS", "TOWERS", "Stack", "build_moonvit", "build_tower",
+           "grids", "moonvit_pixel_values", "moonvit_reference_forward", "pixel_values", "reference_forward",
            "registered", "setup"]
 
 DEVICE_CLASSES = {
@@ -68,6 +69,22 @@ def _qwen3_config():
                                temporal_patch_size=2, num_position_embeddings=64,
                                deepstack_visual_indexes=[1])
 
+
+def _moonvit_config():
+    from vllm.transformers_utils.configs.moonvit import MoonViTConfig
+
+    # head dim 72: padded to 128 by vllm-ascend's rule; a 6x6 learnable position grid, interpolated.
+    return MoonViTConfig(patch_size=14, init_pos_emb_height=6, init_pos_emb_width=6, num_attention_heads=2,
+                         num_hidden_layers=3, hidden_size=144, intermediate_size=256, merge_kernel_size=(2, 2))
+
+
+# Kimi-VL's MoonViT: its own call convention (pixel_values (L, 3, p, p), grid_hw (N, 2) tensor -> a list
+# of per-image (h*w/4, 4, hidden) tensors), so not in TOWERS. (vLLM module, tower class, config builder,
+# the vLLM module that sends it its inputs).
+MOONVIT = ("vllm.model_executor.models.moonvit", "MoonVitPretrainedModel", _moonvit_config,
+           "vllm.model_executor.models.kimi_vl")
+# Two forwards with different image grids (h, w in patches, multiples of the 2x2 merge kernel).
+MOONVIT_GRIDS = ([[8, 12], [4, 4], [6, 10]], [[10, 6], [12, 8]])
 
 TOWERS = {
     # name: (vLLM module, tower class, config builder)
@@ -152,6 +169,8 @@ def setup(emulate=True):
             parallel_state.ensure_model_parallel_initialized(1, 1)
         with _placeholder_torchvision():
             modules = {name: importlib.import_module(spec[0]) for name, spec in TOWERS.items()}
+            modules["Kimi-VL"] = importlib.import_module(MOONVIT[0])
+            modules["Kimi-VL model"] = importlib.import_module(MOONVIT[3])
     import vllm.utils.torch_utils as torch_utils
 
     for module in (torch_utils, *modules.values()):
@@ -247,15 +266,11 @@ def pixel_values(tower, grid, seed=0):
     return torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed))
 
 
-def reference_forward(stack, name, x, grid, *, seed=0):
-    """Tower ``name`` with the weights of ``seed`` in float64, every attention layer
-    replaced by :func:`npu_shim.testing.attention_f64` (the definition of attention)."""
-    import torch
+def _f64_attention_layers(model):
+    """Every ``MMEncoderAttention`` of ``model`` runs :func:`npu_shim.testing.attention_f64`."""
     from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
 
     from npu_shim.testing import attention_f64
-
-    ref = build_tower(stack, name, None, seed=seed).double()
 
     def attend(layer, query, key, value, cu_seqlens=None, *args, **kwargs):
         heads, dim = layer.num_heads, layer.head_size
@@ -263,8 +278,88 @@ def reference_forward(stack, name, x, grid, *, seed=0):
         out = attention_f64(*flat, cu_seqlens.tolist(), scale=layer.scale)
         return out.to(query.dtype).reshape(query.shape[:2] + ((heads, dim) if query.dim() == 4 else (-1,)))
 
-    for layer in ref.modules():
+    for layer in model.modules():
         if isinstance(layer, MMEncoderAttention):
             layer._forward_method = types.MethodType(attend, layer)
+
+
+def reference_forward(stack, name, x, grid, *, seed=0):
+    """Tower ``name`` with the weights of ``seed`` in float64, every attention layer
+    replaced by :func:`npu_shim.testing.attention_f64` (the definition of attention)."""
+    import torch
+
+    ref = build_tower(stack, name, None, seed=seed).double()
+    _f64_attention_layers(ref)
     with torch.inference_mode(), registered(None):
         return ref(x.double(), grid_thw=grid)
+
+
+def build_moonvit(stack, attention_class=None, *, seed=0):
+    """vLLM's MoonViT (Kimi-VL's tower, ``MoonVitPretrainedModel``) as :func:`build_tower` builds
+    the others: deterministic weights, ``attention_class`` for its ``MMEncoderAttention`` layers."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.custom_op import CustomOp
+    from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+    module_name, class_name, make_config, _ = MOONVIT
+    with registered(attention_class), set_current_vllm_config(stack.config):
+        tower = getattr(stack.modules["Kimi-VL"], class_name)(make_config(), prefix="vision_tower")
+    _init_weights(tower, seed)
+    tower.to(torch.float32).eval()
+    # Rope2DPosEmb's device defaults to current_platform.device_type at import: "" on vLLM's
+    # unspecified platform, "npu" under vllm-ascend; the placement stand-in here.
+    from npu_shim.testing.syncs import DEVICE
+
+    tower.encoder.rope_2d.device = DEVICE
+    for layer in tower.modules():
+        if isinstance(layer, CustomOp):
+            oot = attention_class is not None and isinstance(layer, attention_class)
+            layer._forward_method = layer.forward_oot if oot else layer.forward_native
+        if isinstance(layer, MMEncoderAttention):
+            assert (attention_class is None) == (type(layer) is MMEncoderAttention), type(layer)
+    return tower
+
+
+def moonvit_grid(forward):
+    return [list(g) for g in MOONVIT_GRIDS[forward]]
+
+
+def moonvit_pixel_values(tower, grid, seed=0):
+    """``pixel_values`` for ``grid`` (a list of ``[h, w]``): ``(sum h*w, 3, p, p)``."""
+    import torch
+
+    patch = tower.patch_embed.patch_size
+    tokens = sum(h * w for h, w in grid)
+    return torch.randn(tokens, 3, patch[0], patch[1], generator=torch.Generator().manual_seed(seed))
+
+
+def moonvit_reference_forward(stack, x, grid, *, seed=0):
+    """MoonViT with the weights of ``seed`` in float64, attention by
+    :func:`npu_shim.testing.attention_f64`; the per-image outputs concatenated."""
+    import torch
+
+    ref = build_moonvit(stack, None, seed=seed).double()
+    _f64_attention_layers(ref)
+    with torch.inference_mode(), registered(None):
+        return torch.cat(ref(x.double(), torch.tensor(grid)))
+
+
+def kimi_vl_batch(stack, x, grid, *, device=None, upstream_fields=False):
+    """``pixel_values`` and ``image_grid_hws`` as vLLM hands them to Kimi-VL's model: the
+    processor's field config (the installed one; upstream's own with ``upstream_fields``)
+    builds one item per image, ``group_and_batch_mm_kwargs`` batches them and places them on
+    ``device`` (fields declared ``keep_on_cpu`` stay on the host)."""
+    import torch
+    from vllm.multimodal.inputs import MultiModalKwargsItem
+    from vllm.multimodal.utils import group_and_batch_mm_kwargs
+
+    fields_of = stack.modules["Kimi-VL model"].KimiVLMultiModalProcessor._get_mm_fields_config
+    if upstream_fields:
+        fields_of = getattr(fields_of, "__wrapped_upstream__", fields_of)
+    hf_inputs = {"pixel_values": x, "image_grid_hws": torch.tensor(grid)}
+    fields = fields_of(None, hf_inputs, {})          # reads hf_inputs only
+    elems = {key: fields[key].build_elems(key, value) for key, value in hf_inputs.items()}
+    items = [MultiModalKwargsItem({key: elems[key][i] for key in elems}) for i in range(len(grid))]
+    (_, _, kwargs), = group_and_batch_mm_kwargs([("image", item) for item in items], device=device)
+    return kwargs["pixel_values"], kwargs["image_grid_hws"]

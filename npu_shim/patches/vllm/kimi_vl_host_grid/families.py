@@ -1,0 +1,116 @@
+"""The release family of ``vllm.kimi_vl_host_grid`` (on ``vllm.model_executor.models.kimi_vl``).
+
+``check`` reads the shapes the family was written for: the processor's
+field config declares ``image_grid_hws=MultiModalFieldConfig.batched("image")``
+(with ``keep_on_cpu=True`` there: not needed), ``MultiModalFieldConfig.batched``
+takes ``keep_on_cpu``, and MoonViT's encoder builds ``cu_seqlens`` from the
+grid with ``cat((zeros(1), (grid_hw[:, 0] * grid_hw[:, 1]).to(device)))``
+``.cumsum(dim=0, dtype=torch.int32)`` and hands it to each block as the
+second positional argument.
+"""
+import inspect
+import sys
+
+import torch
+
+from npu_shim.patch import NotNeeded, TargetMismatch
+from npu_shim.patches.vllm.kimi_vl_host_grid import PATCH_NAME, PROCESSOR, TOWER
+from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+
+FIELD = "image_grid_hws"
+DECLARED = 'image_grid_hws=MultiModalFieldConfig.batched("image")'
+ENCODER_SHAPE = ("(grid_hw[:, 0] * grid_hw[:, 1]).to(hidden_states.device)",
+                 "cu_seqlens = lengths.cumsum(dim=0, dtype=torch.int32)",
+                 "block( hidden_states, cu_seqlens,")
+HOST = torch.device("cpu")
+
+
+def _text(function):
+    try:
+        return " ".join(inspect.getsource(function).split())
+    except (OSError, TypeError):
+        raise TargetMismatch("%s: no source to read" % function.__qualname__)
+
+
+def host_cu_seqlens(grid_hw):
+    """The encoder's ``cu_seqlens`` for a host ``grid_hw``, by its own integer ops, on the host."""
+    lengths = torch.cat((torch.zeros(1, dtype=grid_hw.dtype), grid_hw[:, 0] * grid_hw[:, 1]))
+    return lengths.cumsum(dim=0, dtype=torch.int32)
+
+
+class _HostGrid:
+    def _functions(self, module):
+        processor, tower = getattr(module, PROCESSOR, None), getattr(module, TOWER, None)
+        if processor is None or tower is None:
+            raise TargetMismatch("%s has no %s / %s" % (module.__name__, PROCESSOR, TOWER))
+        fields, forward = vars(processor).get("_get_mm_fields_config"), vars(tower).get("forward")
+        if not inspect.isfunction(fields) or not inspect.isfunction(forward):
+            raise TargetMismatch("%s._get_mm_fields_config / %s.forward are not functions of the classes"
+                                 % (PROCESSOR, TOWER))
+        return fields, forward
+
+    def check(self, module):
+        fields, forward = self._functions(module)
+        fields_text = _text(fields)
+        if "keep_on_cpu=True" in fields_text:
+            raise NotNeeded("%s._get_mm_fields_config keeps a field on the CPU already" % PROCESSOR)
+        if DECLARED not in fields_text:
+            raise TargetMismatch("%s._get_mm_fields_config does not declare %s" % (PROCESSOR, DECLARED))
+        from vllm.multimodal.inputs import MultiModalFieldConfig
+
+        if "keep_on_cpu" not in inspect.signature(MultiModalFieldConfig.batched).parameters:
+            raise TargetMismatch("MultiModalFieldConfig.batched takes no keep_on_cpu")
+        tower_module = sys.modules[getattr(module, TOWER).__module__]
+        encoder = getattr(tower_module, "MoonVitEncoder", None)
+        if encoder is None or not inspect.isfunction(vars(encoder).get("forward")):
+            raise TargetMismatch("%s has no MoonVitEncoder.forward" % tower_module.__name__)
+        encoder_text = _text(encoder.forward)
+        missing = [s for s in ENCODER_SHAPE if s not in encoder_text]
+        if missing:
+            raise TargetMismatch("MoonVitEncoder.forward does not build or pass cu_seqlens as %s" % missing)
+        params = tuple(inspect.signature(forward).parameters)
+        if params[:3] != ("self", "pixel_values", "grid_hw"):
+            raise TargetMismatch("%s.forward takes %s" % (TOWER, params))
+
+    def build(self, module):
+        fields_original, forward_original = self._functions(module)
+        from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldConfig
+
+        def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
+            fields = fields_original(self, hf_inputs, hf_processor_mm_kwargs)
+            config = fields.get(FIELD)
+            if config is not None and type(config.field) is MultiModalBatchedField \
+                    and not config.field.keep_on_cpu:
+                fields = dict(fields)
+                fields[FIELD] = MultiModalFieldConfig.batched(config.modality, keep_on_cpu=True)
+            return fields
+
+        def forward(self, pixel_values, grid_hw, *args, **kwargs):
+            if (args or kwargs.get("encoder_metadata") is not None or not isinstance(grid_hw, torch.Tensor)
+                    or grid_hw.device != HOST or grid_hw.dim() != 2):
+                return forward_original(self, pixel_values, grid_hw, *args, **kwargs)
+            host = host_cu_seqlens(grid_hw)
+
+            def keep(block, block_args):
+                handle.remove()                                   # the first block's call only
+                cu_seqlens = block_args[1] if len(block_args) > 1 else None
+                if (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.shape == host.shape
+                        and cu_seqlens.dtype == host.dtype and record.ATTR not in cu_seqlens.__dict__):
+                    record.remember(cu_seqlens, host)
+
+            handle = self.encoder.blocks[0].register_forward_pre_hook(keep)
+            try:
+                return forward_original(self, pixel_values, grid_hw, *args, **kwargs)
+            finally:
+                handle.remove()
+
+        for new, original in ((_get_mm_fields_config, fields_original), (forward, forward_original)):
+            new.__qualname__ = original.__qualname__
+            new.__doc__ = ("npu-shim (%s) replacement of %s.%s: upstream's, see %s."
+                           % (PATCH_NAME, original.__module__, original.__qualname__, __name__))
+            new.__signature__ = inspect.signature(original)
+            new.__wrapped_upstream__ = original
+        return {PROCESSOR + "._get_mm_fields_config": _get_mm_fields_config, TOWER + ".forward": forward}
+
+
+HOST_GRID = _HostGrid()

@@ -1,0 +1,159 @@
+"""Patch ``vllm.kimi_vl_host_grid`` (with ``vllm.mm_encoder_attn``): whole MoonViT forwards
+with no device->host read.
+
+vLLM's own MoonViT (Kimi-VL's vision tower, ``MoonVitPretrainedModel``) from a
+tiny random config (:mod:`npu_shim.testing.towers`), its ``MMEncoderAttention``
+layers handed back as vllm-ascend's class of each device class (A2, 310P).
+The inputs go the way vLLM hands them to the model: Kimi-VL's processor field
+config builds one item per image and vLLM's ``group_and_batch_mm_kwargs``
+places them on the device (on this CPU-only machine the stand-in device
+``npu_shim.testing.syncs.DEVICE``, placement followed by the counter). Two
+forwards with different grids, in ``torch.inference_mode()``.
+
+Gate, per device class: 0 reads for batching plus the whole forward with the
+shim; upstream (upstream's field config, the untouched vllm-ascend class)
+reads the grid back three times (``tolist``) and more in the attention;
+outputs ``torch.equal`` to upstream's (the same ops on the same data), close to
+vLLM's own TORCH_SDPA tower and to a float64 copy with
+``npu_shim.testing.attention_f64``.
+"""
+import os
+
+import pytest
+
+pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm"),
+              pytest.mark.patch("vllm.kimi_vl_host_grid", "vllm.mm_encoder_attn")]
+
+PATCH_NAME = "vllm.kimi_vl_host_grid"
+TOWER_TOL = 2e-4          # float32 tower vs. float64 / TORCH_SDPA, relative to max |reference|
+GRID_READS = 3            # upstream's grid_hws.tolist(): position embedding, rope, patch_merger
+
+
+@pytest.fixture(scope="module")
+def stack():
+    from npu_shim.testing import towers
+
+    return towers.setup()
+
+
+@pytest.fixture(params=["A2", "310P"])
+def device_class(request, monkeypatch):
+    if request.param == "310P":
+        from npu_shim.testing.towers import SOC_310P
+
+        monkeypatch.setenv("NPU_SHIM_EMULATE_SOC", SOC_310P)
+    return request.param
+
+
+def grid_reads(syncs):
+    """The reads made in vLLM's moonvit.py (the grid's ``tolist()``; the attention's are elsewhere)."""
+    return sum("models/moonvit.py:" in str(event) for event in syncs.events)
+
+
+def run(stack, tower, attention_class, x, grid, *, upstream_fields):
+    import torch
+
+    from npu_shim.testing import count_host_syncs, towers
+    from npu_shim.testing.syncs import DEVICE
+
+    with torch.inference_mode(), towers.registered(attention_class):
+        with count_host_syncs(device_modules=[tower]) as syncs:
+            pixels, grid_hws = towers.kimi_vl_batch(stack, x, grid, device=DEVICE,
+                                                    upstream_fields=upstream_fields)
+            out = tower(pixels, grid_hws)
+    return torch.cat(out), syncs
+
+
+def test_status(stack):
+    import npu_shim
+
+    row = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
+    assert (row["state"], row["family"]) == ("applied", "0.18.0-0.26.0"), row
+
+
+def test_field_config_keeps_only_the_grid_on_the_host(stack):
+    import torch
+    from vllm.multimodal.inputs import MultiModalBatchedField
+
+    processor = stack.modules["Kimi-VL model"].KimiVLMultiModalProcessor
+    hf_inputs = {"pixel_values": torch.zeros(20, 3, 14, 14), "image_grid_hws": torch.tensor([[4, 4], [2, 2]])}
+    ours = processor._get_mm_fields_config(None, hf_inputs, {})
+    theirs = processor._get_mm_fields_config.__wrapped_upstream__(None, hf_inputs, {})
+    assert set(ours) == set(theirs) == {"pixel_values", "image_grid_hws"}
+    assert type(ours["image_grid_hws"].field) is MultiModalBatchedField
+    assert ours["image_grid_hws"].field.keep_on_cpu and not theirs["image_grid_hws"].field.keep_on_cpu
+    assert ours["image_grid_hws"].modality == theirs["image_grid_hws"].modality == "image"
+    assert ours["pixel_values"] == theirs["pixel_values"]
+
+
+def test_whole_moonvit_forward_reads_nothing_back(stack, device_class):
+    import torch
+
+    from npu_shim.testing import towers
+
+    patched = towers.build_moonvit(stack, stack.attention[device_class])
+    upstream = towers.build_moonvit(stack, stack.upstream[device_class])
+    sdpa = towers.build_moonvit(stack, None)
+    for forward in range(2):
+        grid = towers.moonvit_grid(forward)
+        x = towers.moonvit_pixel_values(patched, grid, seed=forward)
+        out, syncs = run(stack, patched, stack.attention[device_class], x, grid, upstream_fields=False)
+        up, up_syncs = run(stack, upstream, stack.upstream[device_class], x, grid, upstream_fields=True)
+        sd, _ = run(stack, sdpa, None, x, grid, upstream_fields=False)
+        print("Kimi-VL %s forward %d: upstream %s -> shim %s" % (device_class, forward, up_syncs.summary(),
+                                                                 syncs.summary()))
+        assert syncs.count == 0, [str(e) for e in syncs.events]
+        assert grid_reads(up_syncs) == GRID_READS, [str(e) for e in up_syncs.events]
+        assert up_syncs.count > GRID_READS, up_syncs.summary()      # and the attention's read(s)
+        # the host grid's one extra blocking copy: upstream's (h*w).to(device) in MoonVitEncoder.forward
+        assert syncs.h2d_count == up_syncs.h2d_count + 1, (syncs.summary(), up_syncs.summary())
+        assert torch.equal(out, up)
+        ref = towers.moonvit_reference_forward(stack, x, grid)
+        scale = max(1.0, ref.abs().max().item())
+        assert (out.double() - ref).abs().max().item() <= TOWER_TOL * scale
+        assert (out - sd).abs().max().item() <= TOWER_TOL * scale
+
+
+def test_a_device_grid_runs_upstreams_path(stack):
+    """Upstream's field config (the grid on the device): the patched forward hands it to
+    upstream's untouched, the same reads as the untouched class with the same attention."""
+    import torch
+
+    from npu_shim.testing import count_host_syncs, towers
+    from npu_shim.testing.syncs import DEVICE
+
+    tower = towers.build_moonvit(stack, stack.attention["A2"])
+    grid = towers.moonvit_grid(0)
+    x = towers.moonvit_pixel_values(tower, grid)
+    forward = type(tower).forward
+    results = []
+    for call in (forward, forward.__wrapped_upstream__):
+        with torch.inference_mode(), towers.registered(stack.attention["A2"]), \
+                count_host_syncs(device_modules=[tower]) as syncs:
+            pixels, grid_hws = towers.kimi_vl_batch(stack, x, grid, device=DEVICE, upstream_fields=True)
+            results.append((torch.cat(call(tower, pixels, grid_hws)), syncs.count, syncs.kinds(),
+                            grid_reads(syncs)))
+    assert results[0][1:] == results[1][1:] and results[0][3] == GRID_READS, results
+    assert torch.equal(results[0][0], results[1][0])
+    assert not any(h._forward_pre_hooks for h in tower.encoder.blocks)          # nothing left behind
+
+
+def test_disable_switch(stack):
+    import subprocess
+    import sys
+
+    code = ("import npu_shim; from npu_shim.testing import towers; towers.setup(); "
+            "print([r['state'] for r in npu_shim.status() if r['name'] == %r][0])" % PATCH_NAME)
+    env = dict(os.environ, NPU_SHIM_DISABLE=PATCH_NAME)
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == "disabled"
+
+
+def test_selftest(stack):
+    from npu_shim.selftest import vllm_kimi_vl_host_grid as selftest
+
+    result = selftest.run(device="cpu")
+    assert result["max_abs_err"] <= result["tolerance"], result
+    assert result["host_syncs"] == 0, result
