@@ -5,26 +5,18 @@ device; :func:`take` by the attention's host read
 (:func:`npu_shim.patches.vllm_ascend.mm_encoder.common.host_values`). No
 torch import: the values are whatever the caller hands over.
 """
+from npu_shim.patches._transient import Transient
+
 ATTR = "_npu_shim_host_lengths"
 
 __all__ = ["ATTR", "remember", "take"]
 
 
-class _Record:
+class _Record(Transient):
     __slots__ = ("host", "data_ptr", "version", "length")
 
     def __init__(self, host, data_ptr, version, length):
         self.host, self.data_ptr, self.version, self.length = host, data_ptr, version, length
-
-    def __reduce__(self):            # never travels with a pickled tensor
-        return (_nothing, ())
-
-    def __deepcopy__(self, memo):
-        return None
-
-
-def _nothing():
-    return None
 
 
 def _version(tensor):

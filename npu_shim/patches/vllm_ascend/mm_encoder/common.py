@@ -55,6 +55,7 @@ import torch
 
 from npu_shim.engine import counters
 from npu_shim.patch import TargetMismatch
+from npu_shim.patches._transient import Transient
 
 __all__ = ["LayerState", "count", "host_values", "vllms_host_copy", "layer_state", "own_function", "check_params",
            "pad_head_dim", "repeat_kv_to_heads", "wrap", "PAD_MIN", "PAD_TO"]
@@ -72,7 +73,7 @@ def count(patch_name, event, n=1):
 
 # ------------------------------------------------------- per-forward host copy
 
-class _HostCopy:
+class _HostCopy(Transient):
     __slots__ = ("values", "data_ptr", "version", "readers")
 
     def __init__(self, values, data_ptr, version):
@@ -80,16 +81,6 @@ class _HostCopy:
         self.data_ptr = data_ptr
         self.version = version
         self.readers = weakref.WeakSet()     # the layers that used this reading
-
-    def __reduce__(self):                    # never travels with a pickled tensor
-        return (_nothing, ())
-
-    def __deepcopy__(self, memo):
-        return None
-
-
-def _nothing():
-    return None
 
 
 def host_values(layer, values, patch_name):
@@ -128,8 +119,9 @@ def vllms_host_copy(values):
 
 # ---------------------------------------------------------------- layer state
 
-class LayerState:
-    """What a layer's forward needs, derived once from the layer's own attributes."""
+class LayerState(Transient):
+    """What a layer's forward needs, derived once from the layer's own attributes
+    (rebuilt from the layer after unpickling)."""
 
     __slots__ = ("scale", "pad_to", "kernel")
 
@@ -137,12 +129,6 @@ class LayerState:
         self.scale = scale        # the softmax scale to pass (the model's, else head_size ** -0.5)
         self.pad_to = pad_to      # head dim handed to the op (128 where upstream pads)
         self.kernel = kernel      # an optional prepared kernel (e.g. the TND switch)
-
-    def __reduce__(self):         # rebuilt from the layer after unpickling
-        return (_nothing, ())
-
-    def __deepcopy__(self, memo):
-        return None
 
     def __repr__(self):
         return "LayerState(scale=%g, pad_to=%d, kernel=%r)" % (self.scale, self.pad_to, self.kernel)
