@@ -298,9 +298,10 @@ def test_padding_follows_upstreams_rule(stack):
     for head_dim, width in ((64, 64), (72, 128), (80, 128), (128, 128)):
         layer = build(stack, stack.patched, heads=2, head_dim=head_dim)
         assert layer.enable_pad is (width != head_dim)
-        # The model's scale, as vLLM computed it: vLLM 0.17 writes 1.0 / head_dim ** 0.5, one unit
-        # in the last place from upstream vllm-ascend's head_dim ** -0.5 at 72.
-        assert layer.scale_value == layer.scale == pytest.approx(head_dim ** -0.5, rel=1e-15)
+        # The model's scale where vLLM gives one (vLLM 0.17 writes 1.0 / head_dim ** 0.5, one unit
+        # in the last place from upstream vllm-ascend's head_dim ** -0.5 at 72), else head_dim ** -0.5.
+        assert layer.scale_value == (head_dim ** -0.5 if layer.scale is None else layer.scale)
+        assert layer.scale_value == pytest.approx(head_dim ** -0.5, rel=1e-15)
         bsz, seq, cu, _ = lengths_case("host")
         q, k, v = make_qkv("4d", bsz, seq, 2, 2, head_dim)
         with record_npu_calls() as calls:

@@ -40,6 +40,7 @@ for bit where upstream runs.
 """
 import datetime
 import json
+import os
 import sys
 import time
 import traceback
@@ -97,6 +98,19 @@ def make_backend(module, spec, batch, pool, forward_batch, world):
     return backend
 
 
+def raising_function(exc):
+    """The innermost function the exception came from (a torch tensor method counts), not
+    counting the frames the active sync counter and torch's dispatch machinery put under it."""
+    def machinery(filename):
+        if filename.endswith(os.path.join("testing", "syncs.py")):
+            return True
+        in_torch = "%storch%s" % (os.sep, os.sep) in filename
+        return in_torch and not filename.endswith(("_tensor.py", "functional.py"))
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    return next((f.name for f in reversed(frames) if not machinery(f.filename)), frames[-1].name)
+
+
 def run_case(module, spec, rank, world):
     import torch
 
@@ -129,7 +143,7 @@ def run_case(module, spec, rank, world):
                 local_v.view(-1, spec.num_kv_heads, spec.v_head_dim), layer, forward_batch)
     except Exception as exc:   # upstream's crash is what is being measured
         result["error"] = "%s: %s" % (type(exc).__name__, str(exc).splitlines()[0][:300])
-        result["error_in"] = traceback.extract_tb(exc.__traceback__)[-1].name
+        result["error_in"] = raising_function(exc)
         return result, None
     result["error"] = None
     result["host_syncs"] = syncs.count
