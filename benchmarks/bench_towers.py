@@ -50,10 +50,7 @@ def main(argv=None):
     rows = []
     for name in towers.TOWERS:
         for device_class in towers.DEVICE_CLASSES:
-            if device_class == "310P":
-                os.environ["NPU_SHIM_EMULATE_SOC"] = towers.SOC_310P
-            else:
-                os.environ.pop("NPU_SHIM_EMULATE_SOC", None)
+            towers.emulate_device_class(device_class)
             sides = {}
             for side, cls in (("upstream", stack.upstream[device_class]), ("shim", stack.attention[device_class])):
                 tower = towers.build_tower(stack, name, cls)
@@ -92,10 +89,7 @@ def moonvit_rows(stack, release, repeat):
 
     rows = []
     for device_class in towers.DEVICE_CLASSES:
-        if device_class == "310P":
-            os.environ["NPU_SHIM_EMULATE_SOC"] = towers.SOC_310P
-        else:
-            os.environ.pop("NPU_SHIM_EMULATE_SOC", None)
+        towers.emulate_device_class(device_class)
         sides = {}
         for side, cls in (("upstream", stack.upstream[device_class]), ("shim", stack.attention[device_class])):
             tower = towers.build_moonvit(stack, cls)

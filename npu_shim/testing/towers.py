@@ -230,20 +230,12 @@ def _init_weights(model, seed):
                 param.copy_(0.02 * noise)
 
 
-def build_tower(stack, name, attention_class=None, *, seed=0):
-    """vLLM's tower ``name`` with deterministic weights for ``seed``; its attention
-    layers are ``attention_class`` (None: vLLM's own ``MMEncoderAttention``,
-    whose native path is TORCH_SDPA here)."""
-    import torch
-    from vllm.config import set_current_vllm_config
+def _route_custom_ops(tower, attention_class):
+    """The attention runs ``forward_oot`` (the registered class), every other custom op
+    ``forward_native``; without a class, vLLM's own ``MMEncoderAttention`` is what was built."""
     from vllm.model_executor.custom_op import CustomOp
     from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
 
-    module_name, class_name, make_config = TOWERS[name]
-    with registered(attention_class), set_current_vllm_config(stack.config):
-        tower = getattr(stack.modules[name], class_name)(make_config(), norm_eps=1e-6, prefix="visual")
-    _init_weights(tower, seed)
-    tower.to(torch.float32).eval()
     for layer in tower.modules():
         if isinstance(layer, CustomOp):
             oot = attention_class is not None and isinstance(layer, attention_class)
@@ -251,6 +243,48 @@ def build_tower(stack, name, attention_class=None, *, seed=0):
         if isinstance(layer, MMEncoderAttention):
             assert (attention_class is None) == (type(layer) is MMEncoderAttention), type(layer)
     return tower
+
+
+def emulate_device_class(device_class):
+    """Make the emulation report the SoC of ``device_class`` ("A2" or "310P") from now on."""
+    import os
+
+    if device_class == "310P":
+        os.environ["NPU_SHIM_EMULATE_SOC"] = SOC_310P
+    else:
+        os.environ.pop("NPU_SHIM_EMULATE_SOC", None)
+
+
+def state_with_disabled(patch_name):
+    """The state ``npu-shim status`` gives ``patch_name`` in a fresh interpreter that sets up
+    the towers' stack with ``NPU_SHIM_DISABLE=<patch_name>``."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import npu_shim; from npu_shim.testing import towers; towers.setup(); "
+            "print([r['state'] for r in npu_shim.status() if r['name'] == %r][0])" % patch_name)
+    env = dict(os.environ, NPU_SHIM_DISABLE=patch_name)
+    proc = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(proc.stderr[-3000:])
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def build_tower(stack, name, attention_class=None, *, seed=0):
+    """vLLM's tower ``name`` with deterministic weights for ``seed``; its attention
+    layers are ``attention_class`` (None: vLLM's own ``MMEncoderAttention``,
+    whose native path is TORCH_SDPA here)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    module_name, class_name, make_config = TOWERS[name]
+    with registered(attention_class), set_current_vllm_config(stack.config):
+        tower = getattr(stack.modules[name], class_name)(make_config(), norm_eps=1e-6, prefix="visual")
+    _init_weights(tower, seed)
+    tower.to(torch.float32).eval()
+    return _route_custom_ops(tower, attention_class)
 
 
 def grids(forward):
@@ -299,8 +333,6 @@ def build_moonvit(stack, attention_class=None, *, seed=0):
     the others: deterministic weights, ``attention_class`` for its ``MMEncoderAttention`` layers."""
     import torch
     from vllm.config import set_current_vllm_config
-    from vllm.model_executor.custom_op import CustomOp
-    from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
 
     module_name, class_name, make_config, _ = MOONVIT
     with registered(attention_class), set_current_vllm_config(stack.config):
@@ -312,13 +344,7 @@ def build_moonvit(stack, attention_class=None, *, seed=0):
     from npu_shim.testing.syncs import DEVICE
 
     tower.encoder.rope_2d.device = DEVICE
-    for layer in tower.modules():
-        if isinstance(layer, CustomOp):
-            oot = attention_class is not None and isinstance(layer, attention_class)
-            layer._forward_method = layer.forward_oot if oot else layer.forward_native
-        if isinstance(layer, MMEncoderAttention):
-            assert (attention_class is None) == (type(layer) is MMEncoderAttention), type(layer)
-    return tower
+    return _route_custom_ops(tower, attention_class)
 
 
 def moonvit_grid(forward):

@@ -17,7 +17,6 @@ outputs ``torch.equal`` to upstream's (the same ops on the same data), close to
 vLLM's own TORCH_SDPA tower and to a float64 copy with
 ``npu_shim.testing.attention_f64``.
 """
-import os
 
 import pytest
 
@@ -139,16 +138,9 @@ def test_a_device_grid_runs_upstreams_path(stack):
 
 
 def test_disable_switch(stack):
-    import subprocess
-    import sys
+    from npu_shim.testing import towers
 
-    code = ("import npu_shim; from npu_shim.testing import towers; towers.setup(); "
-            "print([r['state'] for r in npu_shim.status() if r['name'] == %r][0])" % PATCH_NAME)
-    env = dict(os.environ, NPU_SHIM_DISABLE=PATCH_NAME)
-    proc = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.strip().splitlines()[-1] == "disabled"
+    assert towers.state_with_disabled(PATCH_NAME) == "disabled"
 
 
 def test_selftest(stack):
