@@ -2,7 +2,8 @@
 
     nox                          every lane, then one table over all of them
     nox -s "lane(kimi-vl-2025)"  one lane
-    nox -s lanes                 same as plain ``nox``
+    nox -s lanes                 same as plain ``nox``: the lanes, one per core at a time
+    nox -s lanes -- base vllm-0.18   only these lanes (same scheduling and table)
     nox -l                       list the sessions
     nox -s probe -- vllm-ascend==0.31.0rc1   a release that has no lane yet (see probe())
     nox -s "bench(startup)"      one benchmark (never part of plain ``nox``), in its lane's venv
@@ -21,6 +22,9 @@ adding a release is adding one file. Its leading comment block holds, one per li
     # Python: 3.11                                  CPython minor version of the venv
     # Sdist: <dist>==<version>                      optional, repeatable: installed from its
                                                     source archive by lanes/sdist.py, unbuilt
+    # Thin: <dist>                                  optional, repeatable: that dist's pinned
+                                                    wheel is installed as its thin copy
+                                                    (lanes/thin.py: CUDA extensions left out)
     # Tests of: <lane>                              optional: run that lane's tests
                                                     (NPU_SHIM_LANE=<lane>), e.g. lane base on
                                                     another Python; default: its own name
@@ -79,13 +83,13 @@ KIND_ENV = {
     "sglang": {"PYTHONPATH": PLACEHOLDERS},
 }
 HEADER_KEYS = {"Stands for": "stands_for", "Kind": "kind", "Python": "python", "Sdist": "sdist",
-               "Tests of": "tests_of"}
+               "Thin": "thin", "Tests of": "tests_of"}
 
 
 def read_lane(path):
     """The header of one pin file: {name, description, stands_for, kind, python, sdist: [...]}."""
     name = os.path.splitext(os.path.basename(path))[0]
-    lane = {"name": name, "path": path, "sdist": []}
+    lane = {"name": name, "path": path, "sdist": [], "thin": []}
     with open(path, encoding="utf-8") as handle:
         lines = handle.read().splitlines()
     first = re.match(r"# Lane (\S+): (.+)$", lines[0] if lines else "")
@@ -95,11 +99,11 @@ def read_lane(path):
     for line in lines[1:]:
         if not line.startswith("#"):
             break
-        match = re.match(r"# (Stands for|Kind|Python|Sdist|Tests of): (.+)$", line)
+        match = re.match(r"# (Stands for|Kind|Python|Sdist|Thin|Tests of): (.+)$", line)
         if match:
             key, value = HEADER_KEYS[match.group(1)], match.group(2).strip()
-            if key == "sdist":
-                lane["sdist"].append(value)
+            if key in ("sdist", "thin"):
+                lane[key].append(value)
             else:
                 lane[key] = value
     for key in ("stands_for", "kind", "python"):
@@ -172,10 +176,54 @@ def uv_source_args():
     return tuple(args)
 
 
+def _requirement_name(line):
+    """The normalized dist name a requirement line pins ("" for comments, options, blanks)."""
+    if not line or line.startswith(("#", "-")):
+        return ""
+    return re.split(r"[=<>!~ \[;@]", line, 1)[0].lower().replace("_", "-").replace(".", "-")
+
+
+def lane_requirements(lane, directory, swap=None):
+    """The lane's requirements as one file ``directory``/requirements.txt for ``uv pip install
+    -r``: includes inlined, each pin of a "# Thin:" dist replaced by the path of its thin wheel
+    (lanes/thin.py), and each dist in ``swap`` ({name: "name==version"}) pinned as given there
+    instead (the probe). Returns the file's path."""
+    swap = {_requirement_name(name): line for name, line in (swap or {}).items()}
+    thin = {_requirement_name(name) for name in lane["thin"]}
+    lines = []
+
+    def read(path):
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                line = line.split(" #", 1)[0].strip()
+                if line.startswith("-r "):
+                    read(os.path.join(os.path.dirname(path), line[3:].strip()))
+                elif _requirement_name(line) not in swap:
+                    lines.append(line)
+
+    read(lane["path"])
+    lines += swap.values()
+    pinned = {_requirement_name(line): line for line in lines if _requirement_name(line)}
+    for name in sorted(thin):
+        if name not in pinned or "==" not in pinned[name]:
+            raise ValueError("%s: '# Thin: %s' names no 'name==version' pin of the lane" % (lane["path"], name))
+        version = pinned[name].split("==", 1)[1].strip()
+        wheel = subprocess.run([sys.executable, os.path.join(LANES_DIR, "thin.py"), "wheel", name, version],
+                               check=True, capture_output=True, text=True).stdout.strip()
+        lines[lines.index(pinned[name])] = wheel
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, "requirements.txt")
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.write("\n".join(line for line in lines if line and not line.startswith("#")) + "\n")
+    return path
+
+
 def install_lane(session, lane, python):
-    """The lane's pins (uv, --no-deps), its sdists (lanes/sdist.py, unbuilt), the shim."""
+    """The lane's pins (uv, --no-deps; thin wheels where the header says), its sdists
+    (lanes/sdist.py, unbuilt), the shim."""
     env = {"UV_PYTHON_DOWNLOADS": "never"}
-    session.install("--no-deps", *uv_source_args(), "-r", os.path.relpath(lane["path"], HERE), env=env)
+    requirements = lane_requirements(lane, session.virtualenv.location)
+    session.install("--no-deps", *uv_source_args(), "-r", requirements, env=env)
     for requirement in lane["sdist"]:
         dist, version = requirement.split("==")
         session.run(sys.executable, os.path.join("lanes", "sdist.py"), "install", dist, version,
@@ -217,12 +265,95 @@ def lane(session, lane):
     )
 
 
-@nox.session(python=False, requires=["lane({})".format(name) for name in LANES])
+def lane_jobs():
+    """How many lanes run at once: ``$NPU_SHIM_LANE_JOBS``, else one per CPU core. A lane is
+    one pytest process (and short-lived subprocesses of it) that keeps one core busy while it
+    imports vLLM or sglang; two on two cores took the run from 25 to about 14 minutes."""
+    value = os.environ.get("NPU_SHIM_LANE_JOBS", "")
+    if value:
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError("NPU_SHIM_LANE_JOBS=%r: give a whole number of lanes, 1 or more" % value)
+        return int(value)
+    return os.cpu_count() or 1
+
+
+def recorded_costs(path=os.path.join(HERE, "benchmarks", "results", "ci-lanes.txt")):
+    """{lane: install + test seconds} from the last recorded CI table; {} if there is none."""
+    costs = {}
+    try:
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                words = line.split()
+                if len(words) >= 4 and words[0] in LANES and words[2].isdigit() and words[3].isdigit():
+                    costs[words[0]] = int(words[2]) + int(words[3])
+    except OSError:
+        pass
+    return costs
+
+
+def schedule(names, costs):
+    """Longest first (a lane with no recorded cost counts as the longest): with a fixed number
+    of workers, the last lane to start is a short one, so no core idles at the end."""
+    longest = max(costs.values(), default=0) + 1
+    return sorted(names, key=lambda name: (-costs.get(name, longest), name))
+
+
+def run_lanes(session, names, jobs):
+    """Each lane as its own ``nox -s "lane(<name>)"`` process, ``jobs`` at a time; a lane's
+    output goes to .nox/logs/<lane>.log and is printed whole when the lane ends (never
+    interleaved). Torch's intra-op threads are split between the lanes running at once."""
+    logs = os.path.join(HERE, ".nox", "logs")
+    os.makedirs(logs, exist_ok=True)
+    env = dict(os.environ)
+    threads = str(max(1, (os.cpu_count() or 1) // jobs))
+    for variable in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):
+        env.setdefault(variable, threads)
+    pending = list(names)
+    running = {}
+    failed = []
+    while pending or running:
+        while pending and len(running) < jobs:
+            name = pending.pop(0)
+            log = open(os.path.join(logs, name + ".log"), "w", encoding="utf-8")
+            command = [sys.executable, "-m", "nox", "-f", os.path.join(HERE, "noxfile.py"),
+                       "-s", "lane({})".format(name)]
+            running[name] = (subprocess.Popen(command, cwd=HERE, env=env, stdout=log, stderr=subprocess.STDOUT),
+                             log, time.monotonic())
+            session.log("lane %s: started (%d running, %d waiting)", name, len(running), len(pending))
+        time.sleep(0.5)
+        for name, (process, log, started) in list(running.items()):
+            if process.poll() is None:
+                continue
+            log.close()
+            del running[name]
+            with open(log.name, encoding="utf-8", errors="replace") as handle:
+                print(handle.read(), end="", flush=True)
+            verdict = "passed" if process.returncode == 0 else "FAILED (exit %d)" % process.returncode
+            session.log("lane %s: %s in %.0f s (log: %s)", name, verdict, time.monotonic() - started,
+                        os.path.relpath(log.name, HERE))
+            if process.returncode != 0:
+                failed.append(name)
+    return failed
+
+
+@nox.session(python=False)
 def lanes(session):
-    """Every lane (run first, as requirements), then one table over all their reports."""
-    session.run(sys.executable, os.path.join("lanes", "report.py"), "summary", REPORTS, *LANES,
+    """Every lane (or those named: ``nox -s lanes -- base vllm-0.18``), ``lane_jobs()`` at a
+    time, longest first, then one table over their reports; fails if any lane failed, after
+    the table."""
+    unknown = [name for name in session.posargs if name not in LANES]
+    if unknown:
+        session.error("no lane named %s (nox -l lists them)" % ", ".join(unknown))
+    selected = session.posargs or list(LANES)
+    jobs = lane_jobs()
+    names = schedule(selected, recorded_costs())
+    session.log("%d lanes, %d at a time", len(names), jobs)
+    failed = run_lanes(session, names, jobs)
+    session.run(sys.executable, os.path.join("lanes", "report.py"), "summary", REPORTS, *selected,
                 "--wall-seconds", "%.0f" % (time.time() - STARTED), "--disk", os.path.join(HERE, ".nox"),
-                external=True)
+                "--jobs", str(jobs), external=True, success_codes=[0, 1])
+    if failed:
+        session.error("%d lane(s) failed: %s" % (len(failed), ", ".join(failed)))
 
 
 # benchmark -> (lane or lanes whose venv it runs in, extra environment). The venv is the
@@ -271,7 +402,7 @@ def _lane_python(session, lane):
                     env={"UV_PYTHON_DOWNLOADS": "never"})
     # Pinned, --no-deps: a venv that already holds the pins is checked in a second.
     session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", *uv_source_args(), "-r",
-                os.path.join("lanes", lane + ".txt"), external=True)
+                lane_requirements(LANES[lane], venv), external=True)
     for requirement in LANES[lane]["sdist"]:
         dist, version = requirement.split("==")
         session.run(sys.executable, os.path.join("lanes", "sdist.py"), "install", dist, version,
@@ -349,31 +480,22 @@ def probe(session):
     shutil.rmtree(venv, ignore_errors=True)
     session.run(*uv, "venv", "--quiet", "--python", interpreter(lane["python"]), venv, external=True,
                 env={"UV_PYTHON_DOWNLOADS": "never"})
-    # The nearest lane's pins, with the probed release and its framework swapped in.
-    lines = []
-    with open(lane["path"], encoding="utf-8") as handle:
-        for line in handle:
-            line = line.strip()
-            if line.startswith("-r "):
-                line = "-r " + os.path.join(LANES_DIR, line[3:].strip())
-            name = re.split(r"[=<>!~ ]", line, 1)[0].lower() if line and not line.startswith(("#", "-")) else ""
-            if name and name in pins:
-                continue
-            lines.append(line)
+    # The nearest lane's pins, with the probed release and its framework swapped in: as a wheel
+    # where the index has one (thin if the lane thins that dist), else as an sdist, unbuilt.
     sdists = [req for req in lane["sdist"] if req.split("==")[0] not in pins]
-    wheels = []
+    wheels = {}
     for name, pinned in pins.items():
         probe_ = subprocess.run([*uv, "pip", "install", "--dry-run", "--quiet", "--python", python, "--no-deps",
                                  "--only-binary", ":all:", *uv_source_args(), "%s==%s" % (name, pinned)],
                                 capture_output=True, text=True)
         if probe_.returncode == 0:
-            wheels.append("%s==%s" % (name, pinned))
+            wheels[name] = "%s==%s" % (name, pinned)
         else:
             sdists.append("%s==%s" % (name, pinned))
             session.log("probe: %s %s has no wheel here: its sdist is installed unbuilt", name, pinned)
-    requirements = os.path.join(venv, "requirements.txt")
-    with open(requirements, "w", encoding="utf-8") as handle:
-        handle.write("\n".join(lines + wheels) + "\n")
+    leave_out = {name: "" for name in pins if name not in wheels}
+    requirements = lane_requirements(dict(lane, thin=[t for t in lane["thin"] if t not in leave_out]), venv,
+                                     swap=dict(leave_out, **wheels))
     session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", *uv_source_args(),
                 "-r", requirements, external=True)
     for requirement in sdists:

@@ -315,7 +315,8 @@ def cmd_summary(args):
                   closing_line(overall)))
     print(format_table(("lane", "python", "install s", "tests s", "venv own MiB", "hardlinked MiB", "tests"), costs))
     if args.wall_seconds is not None:
-        print("lanes: wall time %.0f s (%.1f min)" % (args.wall_seconds, args.wall_seconds / 60))
+        print("lanes: wall time %.0f s (%.1f min)%s" % (args.wall_seconds, args.wall_seconds / 60,
+                                                        ", %d lanes at a time" % args.jobs if args.jobs else ""))
     if args.disk:
         own, shared = disk_use(args.disk)
         print("lanes: venvs under %s use %.1f GiB on disk (du: each file once; %.1f GiB of it hardlinked "
@@ -346,6 +347,7 @@ def main(argv=None):
     summary.add_argument("reports")
     summary.add_argument("lanes", nargs="*", help="lanes to include (default: every report found)")
     summary.add_argument("--wall-seconds", type=float, default=None, help="wall time of the whole run")
+    summary.add_argument("--jobs", type=int, default=None, help="how many lanes ran at once")
     summary.add_argument("--disk", default=None, help="directory whose disk use to print (the venvs)")
     summary.set_defaults(func=cmd_summary)
     args = parser.parse_args(argv)
