@@ -20,12 +20,21 @@ vLLM's own TORCH_SDPA tower and to a float64 copy with
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm"),
+pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.29", "vllm-0.30"),
               pytest.mark.patch("vllm.kimi_vl_host_grid", "vllm.mm_encoder_attn")]
 
 PATCH_NAME = "vllm.kimi_vl_host_grid"
 TOWER_TOL = 2e-4          # float32 tower vs. float64 / TORCH_SDPA, relative to max |reference|
 GRID_READS = 3            # upstream's grid_hws.tolist(): position embedding, rope, patch_merger
+HOST_GRID_RELEASE = "0.29.0"   # from here vLLM's own field config keeps image_grid_hws on the host
+
+
+def grid_on_host_upstream():
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version("vllm")) >= Version(HOST_GRID_RELEASE)
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +76,13 @@ def test_status(stack):
     import npu_shim
 
     row = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
-    assert (row["state"], row["family"]) == ("applied", "0.18.0-0.26.0"), row
+    if grid_on_host_upstream():
+        assert (row["state"], row["family"]) == ("applied", "0.29.0+"), row
+        module = stack.modules["Kimi-VL model"]            # the forward only: the field config is upstream's
+        assert hasattr(module.MoonVitPretrainedModel.forward, "__wrapped_upstream__")
+        assert not hasattr(module.KimiVLMultiModalProcessor._get_mm_fields_config, "__wrapped_upstream__")
+    else:
+        assert (row["state"], row["family"]) == ("applied", "0.18.0-0.26.0"), row
 
 
 def test_field_config_keeps_only_the_grid_on_the_host(stack):
@@ -76,6 +91,13 @@ def test_field_config_keeps_only_the_grid_on_the_host(stack):
 
     processor = stack.modules["Kimi-VL model"].KimiVLMultiModalProcessor
     hf_inputs = {"pixel_values": torch.zeros(20, 3, 14, 14), "image_grid_hws": torch.tensor([[4, 4], [2, 2]])}
+    if grid_on_host_upstream():
+        # upstream's own: the shim leaves it alone
+        assert not hasattr(processor._get_mm_fields_config, "__wrapped_upstream__")
+        fields = processor._get_mm_fields_config(None, hf_inputs, {})
+        assert type(fields["image_grid_hws"].field) is MultiModalBatchedField
+        assert fields["image_grid_hws"].field.keep_on_cpu
+        return
     ours = processor._get_mm_fields_config(None, hf_inputs, {})
     theirs = processor._get_mm_fields_config.__wrapped_upstream__(None, hf_inputs, {})
     assert set(ours) == set(theirs) == {"pixel_values", "image_grid_hws"}
@@ -102,10 +124,13 @@ def test_whole_moonvit_forward_reads_nothing_back(stack, device_class):
         print("Kimi-VL %s forward %d: upstream %s -> shim %s" % (device_class, forward, up_syncs.summary(),
                                                                  syncs.summary()))
         assert syncs.count == 0, [str(e) for e in syncs.events]
-        assert grid_reads(up_syncs) == GRID_READS, [str(e) for e in up_syncs.events]
-        assert up_syncs.count > GRID_READS, up_syncs.summary()      # and the attention's read(s)
-        # the host grid's one extra blocking copy: upstream's (h*w).to(device) in MoonVitEncoder.forward
-        assert syncs.h2d_count == up_syncs.h2d_count + 1, (syncs.summary(), up_syncs.summary())
+        host_grid = grid_on_host_upstream()
+        assert grid_reads(up_syncs) == (0 if host_grid else GRID_READS), [str(e) for e in up_syncs.events]
+        assert up_syncs.count > grid_reads(up_syncs), up_syncs.summary()      # and the attention's read(s)
+        # a host grid costs one blocking copy: upstream's (h*w).to(device) in MoonVitEncoder.forward
+        # (upstream's own from 0.29.0, where the grid is on the host anyway)
+        assert syncs.h2d_count == up_syncs.h2d_count + (0 if host_grid else 1), (syncs.summary(),
+                                                                                up_syncs.summary())
         assert torch.equal(out, up)
         ref = towers.moonvit_reference_forward(stack, x, grid)
         scale = max(1.0, ref.abs().max().item())
@@ -130,6 +155,8 @@ def test_a_device_grid_runs_upstreams_path(stack):
         with torch.inference_mode(), towers.registered(stack.attention["A2"]), \
                 count_host_syncs(device_modules=[tower]) as syncs:
             pixels, grid_hws = towers.kimi_vl_batch(stack, x, grid, device=DEVICE, upstream_fields=True)
+            if grid_on_host_upstream():
+                grid_hws = grid_hws.to(DEVICE, non_blocking=True)    # as vLLM before 0.29.0 places it
             results.append((torch.cat(call(tower, pixels, grid_hws)), syncs.count, syncs.kinds(),
                             grid_reads(syncs)))
     assert results[0][1:] == results[1][1:] and results[0][3] == GRID_READS, results

@@ -1,10 +1,14 @@
-"""The release family of ``vllm.kimi_vl_host_grid`` (on ``vllm.model_executor.models.kimi_vl``).
+"""The release families of ``vllm.kimi_vl_host_grid`` (on ``vllm.model_executor.models.kimi_vl``).
 
-``check`` reads the shapes the family was written for: the processor's
-field config declares ``image_grid_hws=MultiModalFieldConfig.batched("image")``
-(with ``keep_on_cpu=True`` there: not needed), ``MultiModalFieldConfig.batched``
-takes ``keep_on_cpu``, and MoonViT's encoder builds ``cu_seqlens`` from the
-grid with ``cat((zeros(1), (grid_hw[:, 0] * grid_hw[:, 1]).to(device)))``
+``HOST_GRID`` (vLLM 0.18.0 .. 0.28.0): the processor's field config declares
+``image_grid_hws=MultiModalFieldConfig.batched("image")``, ``MultiModalFieldConfig.batched``
+takes ``keep_on_cpu``: both replacements.
+``HOST_LENGTHS`` (vLLM 0.29.0 on): the field config declares
+``batched("image", keep_on_cpu=True)`` itself (upstream's fix of the grid's placement), so
+only the tower's forward is replaced, for the attention's read of ``cu_seqlens``.
+
+Both check that MoonViT's encoder builds ``cu_seqlens`` from the grid with
+``cat((zeros(1), (grid_hw[:, 0] * grid_hw[:, 1]).to(device)))``
 ``.cumsum(dim=0, dtype=torch.int32)`` and hands it to each block as the
 second positional argument.
 """
@@ -13,12 +17,13 @@ import sys
 
 import torch
 
-from npu_shim.patch import NotNeeded, TargetMismatch
+from npu_shim.patch import TargetMismatch
 from npu_shim.patches.vllm.kimi_vl_host_grid import PATCH_NAME, PROCESSOR, TOWER
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
 
 FIELD = "image_grid_hws"
 DECLARED = 'image_grid_hws=MultiModalFieldConfig.batched("image")'
+DECLARED_ON_HOST = 'image_grid_hws=MultiModalFieldConfig.batched("image", keep_on_cpu=True)'
 ENCODER_SHAPE = ("(grid_hw[:, 0] * grid_hw[:, 1]).to(hidden_states.device)",
                  "cu_seqlens = lengths.cumsum(dim=0, dtype=torch.int32)",
                  "block( hidden_states, cu_seqlens,")
@@ -39,6 +44,12 @@ def host_cu_seqlens(grid_hw):
 
 
 class _HostGrid:
+    """``fields``: whether this family replaces the field config too (releases that send the
+    grid to the device) or only the tower's forward (releases that keep it on the host)."""
+
+    def __init__(self, fields):
+        self.fields = fields
+
     def _functions(self, module):
         processor, tower = getattr(module, PROCESSOR, None), getattr(module, TOWER, None)
         if processor is None or tower is None:
@@ -52,14 +63,18 @@ class _HostGrid:
     def check(self, module):
         fields, forward = self._functions(module)
         fields_text = _text(fields)
-        if "keep_on_cpu=True" in fields_text:
-            raise NotNeeded("%s._get_mm_fields_config keeps a field on the CPU already" % PROCESSOR)
-        if DECLARED not in fields_text:
-            raise TargetMismatch("%s._get_mm_fields_config does not declare %s" % (PROCESSOR, DECLARED))
-        from vllm.multimodal.inputs import MultiModalFieldConfig
+        if self.fields:
+            if DECLARED_ON_HOST in fields_text:
+                raise TargetMismatch("%s._get_mm_fields_config keeps image_grid_hws on the CPU already "
+                                     "(the host-lengths family's shape)" % PROCESSOR)
+            if DECLARED not in fields_text:
+                raise TargetMismatch("%s._get_mm_fields_config does not declare %s" % (PROCESSOR, DECLARED))
+            from vllm.multimodal.inputs import MultiModalFieldConfig
 
-        if "keep_on_cpu" not in inspect.signature(MultiModalFieldConfig.batched).parameters:
-            raise TargetMismatch("MultiModalFieldConfig.batched takes no keep_on_cpu")
+            if "keep_on_cpu" not in inspect.signature(MultiModalFieldConfig.batched).parameters:
+                raise TargetMismatch("MultiModalFieldConfig.batched takes no keep_on_cpu")
+        elif DECLARED_ON_HOST not in fields_text:
+            raise TargetMismatch("%s._get_mm_fields_config does not declare %s" % (PROCESSOR, DECLARED_ON_HOST))
         tower_module = sys.modules[getattr(module, TOWER).__module__]
         encoder = getattr(tower_module, "MoonVitEncoder", None)
         if encoder is None or not inspect.isfunction(vars(encoder).get("forward")):
@@ -104,13 +119,18 @@ class _HostGrid:
             finally:
                 handle.remove()
 
-        for new, original in ((_get_mm_fields_config, fields_original), (forward, forward_original)):
+        replaced = ((_get_mm_fields_config, fields_original),) if self.fields else ()
+        replaced += ((forward, forward_original),)
+        for new, original in replaced:
             new.__qualname__ = original.__qualname__
             new.__doc__ = ("npu-shim (%s) replacement of %s.%s: upstream's, see %s."
                            % (PATCH_NAME, original.__module__, original.__qualname__, __name__))
             new.__signature__ = inspect.signature(original)
             new.__wrapped_upstream__ = original
+        if not self.fields:
+            return {TOWER + ".forward": forward}
         return {PROCESSOR + "._get_mm_fields_config": _get_mm_fields_config, TOWER + ".forward": forward}
 
 
-HOST_GRID = _HostGrid()
+HOST_GRID = _HostGrid(fields=True)
+HOST_LENGTHS = _HostGrid(fields=False)
