@@ -33,7 +33,7 @@ import pytest
 
 import npu_shim
 
-pytestmark = [pytest.mark.lanes("vllm-0.14", "vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.19", "vllm-0.20", "vllm-0.23", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30"),
+pytestmark = [pytest.mark.lanes("vllm-0.14", "vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.19", "vllm-0.20", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30"),
               pytest.mark.patch("vllm.mm_encoder_attn_310p")]
 
 TARGET = "vllm_ascend._310p.ops.mm_encoder_attention"
@@ -415,7 +415,7 @@ def test_qwen25_vl_full_and_window_layers(stack):
     assert max(max_err(out, refs[id(cu)]) for out, cu in outs) < TOL
 
 
-@pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.19", "vllm-0.20", "vllm-0.23", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30")   # vLLM 0.18+ has the hook
+@pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.19", "vllm-0.20", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30")   # vLLM 0.18+ has the hook
 def test_qwen3_vl_lengths_from_vllms_hook(stack):
     """Qwen3-VL asks MMEncoderAttention.maybe_compute_seq_lens once per forward (vLLM
     0.18+). With the 310P class registered that reaches vLLM's own method (the 310P class
@@ -439,7 +439,7 @@ def test_qwen3_vl_lengths_from_vllms_hook(stack):
     assert max(max_err(o, ref) for o in outs) < TOL
 
 
-@pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.19", "vllm-0.20", "vllm-0.23", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30")
+@pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.19", "vllm-0.20", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30")
 def test_moonvit_packed_qkv_views(stack):
     """MoonViT unbinds one packed QKV projection into strided views (16 heads of 72; 0.14.0rc1
     does not pad 72, which the 310P kernel cannot take, so it is left out there)."""
@@ -461,7 +461,7 @@ def test_moonvit_packed_qkv_views(stack):
     assert syncs.count == 1 and max(max_err(o, ref) for o in outs) < TOL
 
 
-@pytest.mark.lanes("latest-vllm", "vllm-0.23", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30")
+@pytest.mark.lanes("latest-vllm", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30")
 def test_0_23_op_choice_follows_upstreams(stack):
     """0.23.0rc1+: upstream calls _npu_flash_attention_unpad_v2(..., kernel_type=2) when the
     layer recorded support_approximate_calculation (torch_npu has the op). The emulation has

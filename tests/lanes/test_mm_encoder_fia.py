@@ -26,7 +26,7 @@ import types
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("vllm-0.22", "latest-vllm", "vllm-0.23", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30"), pytest.mark.patch("vllm.mm_encoder_attn")]
+pytestmark = [pytest.mark.lanes("vllm-0.22", "latest-vllm", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30"), pytest.mark.patch("vllm.mm_encoder_attn")]
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 UPSTREAM_COPY = "npu_shim_tests_upstream_mm_encoder_attention_fia"

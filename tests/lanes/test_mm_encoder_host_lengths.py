@@ -22,7 +22,7 @@ own TORCH_SDPA tower and to a float64 copy whose attention is
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.30"),
+pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.22", "vllm-0.24", "latest-vllm", "vllm-0.30"),
               pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn",
                                 "vllm.qwen2_5_vl_host_lengths")]
 
@@ -80,7 +80,7 @@ def test_status(stack):
     from packaging.version import Version
 
     minor = Version(vllm_minor())
-    assert row["family"] == ("0.26.0+" if minor >= Version("0.26") else "0.18.0-0.22.1"), row
+    assert row["family"] == ("0.24.0+" if minor >= Version("0.24") else "0.18.0-0.22.1"), row
 
 
 @pytest.mark.parametrize("name", ["Qwen2.5-VL", "Qwen3-VL"])

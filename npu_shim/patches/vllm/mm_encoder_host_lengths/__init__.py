@@ -23,8 +23,9 @@ How: ``maybe_recompute_cu_seqlens`` is wrapped: upstream's body runs
   from the device as before. Without ``vllm.mm_encoder_attn`` (or
   vllm-ascend) the record is unused.
 Window: vllm 0.18.0 (``torch.from_numpy(...).to(device, non_blocking=True)``),
-  0.22.1 (same, plus ``fp8_padded_hidden_size``), 0.26.0 and 0.30.0
-  (``async_tensor_h2d``), read in the wheels and run in the lanes. Towers
+  0.22.1 and 0.23.0 (same, plus ``fp8_padded_hidden_size``); 0.24.0, 0.25.1,
+  0.26.0 and 0.30.0 (``async_tensor_h2d``, from 0.24.0), read in the wheels
+  and run in the lanes. Towers
   that copy ``cu_seqlens`` themselves instead: Qwen2.5-VL in 0.18.0 .. 0.21.0
   (served by ``vllm.qwen2_5_vl_host_lengths``); GLM-4.1V in 0.18.0 and
   0.22.1 keeps vllm.mm_encoder_attn's one read per tensor.
@@ -46,9 +47,9 @@ PATCH = Patch(
     outside_window={"vllm": "before 0.18.0 vLLM had no MMEncoderAttention.maybe_recompute_cu_seqlens"},
     needs_npu=True,
     families=(
-        Family(("0.18.0", "0.22.1"), FAMILIES + "FROM_NUMPY", fence=">=0.18.0,<0.26.0",
+        Family(("0.18.0", "0.22.1"), FAMILIES + "FROM_NUMPY", fence=">=0.18.0,<0.24.0",
                keeps="torch.from_numpy(cu_seqlens).to(device, non_blocking=True)"),
-        Family(("0.26.0", "0.30.0"), FAMILIES + "ASYNC_H2D", fence=">=0.26.0",
+        Family(("0.24.0", "0.25.1", "0.26.0", "0.30.0"), FAMILIES + "ASYNC_H2D", fence=">=0.24.0",
                keeps="async_tensor_h2d(cu_seqlens, device=device)"),
     ),
     summary="the host cu_seqlens vLLM copies to the device is kept on the device tensor; "

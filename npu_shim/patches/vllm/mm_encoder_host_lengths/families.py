@@ -7,7 +7,7 @@ FlashInfer (offsets rescaled and padded), the host array it was given is kept
 on the tensor it returns. They differ in the copy upstream makes, which
 ``check`` looks for: ``torch.from_numpy(cu_seqlens).to(device,
 non_blocking=True)`` (0.18.0 .. 0.22.1) or ``async_tensor_h2d(cu_seqlens,
-device=device)`` (0.26.0).
+device=device)`` (0.24.0 on).
 """
 import inspect
 
