@@ -73,3 +73,13 @@ def test_docstring_sections_reads_indented_paragraphs():
     doc = "x — y.\n\nWhy: one\n  two.\nHow: three.\n\nUpstream fix: none.\nRemove when: later\n  on.\nOther."
     assert reference.docstring_sections(doc) == {"Why": "one two.", "How": "three.", "Upstream fix": "none.",
                                                  "Remove when": "later on."}
+
+
+def test_the_readme_lane_block_is_regenerated_between_its_markers():
+    stale = "intro\n%s\n| stale | table |\n%s\nafter\n" % (reference.README_BEGIN, reference.README_END)
+    fresh = reference.render_readme(REPO, stale)
+    assert fresh.startswith("intro\n" + reference.README_BEGIN) and fresh.endswith(reference.README_END + "\nafter\n")
+    assert "| stale | table |" not in fresh
+    for path in reference.lane_files(REPO):
+        assert "`%s`" % os.path.basename(path)[:-4] in fresh
+    assert reference.render_readme(REPO, "no markers here\n") == "no markers here\n"
