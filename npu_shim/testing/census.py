@@ -1,0 +1,201 @@
+"""More of vLLM's vision towers on CPU, for the census of issue 18: which towers beyond
+Qwen2.5-VL, Qwen3-VL, Kimi-VL and GLM-4.1V make no device->host read per forward once
+``vllm.mm_encoder_host_lengths`` and ``vllm.mm_encoder_attn`` apply.
+
+Built as :mod:`npu_shim.testing.towers` builds its towers (same stack from
+:func:`towers.setup`, same out-of-tree registration, same custom-op routing,
+same weights rule, same stand-ins; read its docstring): vLLM's own tower
+class at the installed version, from a tiny random config. Each tower is
+called the way its vLLM model calls it, with its grid where vLLM's
+multimodal field config puts it:
+
+* Qwen2-VL (``Qwen2VisionTransformer``; also dots.ocr's processor fields):
+  ``image_grid_thw`` is ``keep_on_cpu``, the tower gets a host tensor;
+* Qwen3-Omni's vision tower (``Qwen3Omni_VisionTransformer``): the fields
+  of Qwen2.5-Omni's processor, ``keep_on_cpu``, a host tensor;
+* dots.ocr (``DotsVisionTransformer``): the model hands it
+  ``grid_thw.tolist()`` of a host tensor, a list;
+* Ernie4.5-VL (``Ernie4_5_VisionTransformer``): its field config sends
+  ``image_grid_thw`` to the device; the model expands it to one row per
+  frame (``_vision_forward``) on the device and hands the tower that.
+  Here that is the expanded grid, marked as a device tensor;
+* LLaVA-OneVision-2 (``LlavaOnevision2VisionTower``): ``image_grid_thw`` and
+  ``patch_positions`` go to the device (its field config), both marked so.
+"""
+import importlib
+import types
+
+from npu_shim.testing import towers
+
+__all__ = ["CENSUS", "build", "call", "grids", "pixel_values", "reference_forward", "setup"]
+
+# Two forwards with different grids, each with a multi-frame item (t > 1); h, w multiples of 2
+# (the 2x2 merge) and at most 12 (Qwen3-Omni's learned 8x8 position grid is interpolated).
+GRIDS = ([[1, 8, 8], [2, 4, 12]], [[1, 4, 4], [3, 8, 4], [1, 12, 8]])
+
+
+def _qwen2_vl_config():
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+
+    # head dim 80 (Qwen2-VL's): padded to 128 by vllm-ascend's rule.
+    return Qwen2VLVisionConfig(depth=3, embed_dim=160, hidden_size=64, num_heads=2, mlp_ratio=2,
+                               patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+
+
+def _qwen3_omni_config():
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeVisionEncoderConfig,
+    )
+
+    config = Qwen3OmniMoeVisionEncoderConfig(depth=3, hidden_size=160, num_heads=2, intermediate_size=256,
+                                             out_hidden_size=64, patch_size=16, spatial_merge_size=2,
+                                             temporal_patch_size=2, num_position_embeddings=64,
+                                             deepstack_visual_indexes=[1])
+    # Read by vLLM's tower, set by the checkpoint's config (Qwen3-Omni: 768 / 16, learned positions).
+    config.image_size = 128
+    config.apply_vit_abs_pos_embed = True
+    return config
+
+
+def _dots_ocr_config():
+    from vllm.transformers_utils.configs.dotsocr import DotsVisionConfig
+
+    # dots.ocr: temporal patch 1, RMSNorm, SwiGLU; head dim 80.
+    return DotsVisionConfig(embed_dim=160, hidden_size=64, intermediate_size=256, num_hidden_layers=3,
+                            num_attention_heads=2, patch_size=14, spatial_merge_size=2, temporal_patch_size=1)
+
+
+def _ernie45_vl_config():
+    # Ernie4.5-VL's vision config is read by attribute only (vLLM takes hf_config.vision_config).
+    return types.SimpleNamespace(patch_size=14, spatial_merge_size=2, in_channels=3, hidden_size=160,
+                                 embed_dim=160, depth=3, num_heads=2, mlp_ratio=2)
+
+
+def _llava_ov2_config():
+    # LLaVA-OneVision-2's vision config is read by attribute; windows of 2 frames, so the
+    # 3-frame item is split in two attention windows. Head dim 96 (half of it a multiple of 16).
+    return types.SimpleNamespace(patch_size=14, spatial_merge_size=2, num_channels=3, hidden_size=192,
+                                 num_hidden_layers=3, num_attention_heads=2, intermediate_size=256,
+                                 frame_windows_size=2)
+
+
+def _grid_and_positions(grid):
+    """LLaVA-OneVision-2's ``image_grid_thw`` and ``patch_positions`` (one ``(t, h, w)`` row per
+    patch, raster order), both sent to the device by its field config."""
+    import torch
+
+    rows = [[t_i, h_i, w_i] for t, h, w in grid for t_i in range(t) for h_i in range(h) for w_i in range(w)]
+    return _host_tensor(grid), torch.tensor(rows, dtype=torch.long)
+
+
+def _host_tensor(grid):
+    import torch
+
+    return torch.tensor(grid, dtype=torch.long)
+
+
+def _per_frame(grid):
+    """Ernie4.5-VL's ``_vision_forward``: one ``[1, h, w]`` row per frame."""
+    return _host_tensor([[1, h, w] for t, h, w in grid for _ in range(t)])
+
+
+class Spec(types.SimpleNamespace):
+    """module, cls, config, kwargs (constructor), width (pixel row length from the tower),
+    grid_arg (grid -> the tower's argument), grid_on_device (whether vLLM sends it there),
+    call (tower, x, grid_arg) -> output."""
+
+
+CENSUS = {
+    "Qwen2-VL": Spec(module="vllm.model_executor.models.qwen2_vl", cls="Qwen2VisionTransformer",
+                     config=_qwen2_vl_config, kwargs={"norm_eps": 1e-6}, grid_arg=_host_tensor,
+                     grid_on_device=False, call=lambda tower, x, g: tower(x, grid_thw=g),
+                     width=lambda tower: tower.patch_embed.proj.weight[0].numel()),
+    "Qwen3-Omni": Spec(module="vllm.model_executor.models.qwen3_omni_moe_thinker",
+                       cls="Qwen3Omni_VisionTransformer", config=_qwen3_omni_config, kwargs={"norm_eps": 1e-6},
+                       grid_arg=_host_tensor, grid_on_device=False, call=lambda tower, x, g: tower(x, grid_thw=g),
+                       width=lambda tower: tower.patch_embed.proj.weight[0].numel()),
+    "dots.ocr": Spec(module="vllm.model_executor.models.dots_ocr", cls="DotsVisionTransformer",
+                     config=_dots_ocr_config, kwargs={}, grid_arg=lambda grid: [list(g) for g in grid],
+                     grid_on_device=False, call=lambda tower, x, g: tower(x, g),
+                     width=lambda tower: tower.patch_embed.patchifier.proj.weight[0].numel()),
+    "LLaVA-OneVision-2": Spec(module="vllm.model_executor.models.llava_onevision2",
+                              cls="LlavaOnevision2VisionTower", config=_llava_ov2_config,
+                              kwargs={"text_hidden_size": 64, "norm_eps": 1e-6}, grid_arg=_grid_and_positions,
+                              grid_on_device=True, call=lambda tower, x, g: tower(x, g[0], g[1]),
+                              width=lambda tower: tower.embeddings.patch_embedding.weight[0].numel()),
+    "Ernie4.5-VL": Spec(module="vllm.model_executor.models.ernie45_vl", cls="Ernie4_5_VisionTransformer",
+                        config=_ernie45_vl_config, kwargs={"norm_eps": 1e-6}, grid_arg=_per_frame,
+                        grid_on_device=True, call=lambda tower, x, g: tower(x, g),
+                        width=lambda tower: tower.patch_embed.proj.weight[0].numel()),
+}
+
+_MODULES = {}
+
+
+def setup():
+    """:func:`towers.setup`, then the census towers' modules imported the same way."""
+    stack = towers.setup()
+    if not _MODULES:
+        from vllm.config import set_current_vllm_config
+        import vllm.utils.torch_utils as torch_utils
+
+        with set_current_vllm_config(stack.config), towers._placeholder_torchvision():
+            for name, spec in CENSUS.items():
+                _MODULES[name] = importlib.import_module(spec.module)
+        for module in (torch_utils, *_MODULES.values()):
+            if getattr(module, "PIN_MEMORY", False):
+                module.PIN_MEMORY = False
+            if callable(getattr(module, "is_pin_memory_available", None)):
+                module.is_pin_memory_available = towers._no_pinned_memory
+    return stack
+
+
+def build(stack, name, attention_class=None, *, seed=0):
+    """vLLM's tower ``name`` as :func:`towers.build_tower` builds its own."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    spec = CENSUS[name]
+    with towers.registered(attention_class), set_current_vllm_config(stack.config):
+        tower = getattr(_MODULES[name], spec.cls)(spec.config(), prefix="visual", **spec.kwargs)
+    towers._init_weights(tower, seed)
+    tower.to(torch.float32).eval()
+    return towers._route_custom_ops(tower, attention_class)
+
+
+def grids(forward):
+    return [list(g) for g in GRIDS[forward]]
+
+
+def pixel_values(name, tower, grid, seed=0):
+    import torch
+
+    tokens = sum(t * h * w for t, h, w in grid)
+    return torch.randn(tokens, CENSUS[name].width(tower), generator=torch.Generator().manual_seed(seed))
+
+
+def call(name, tower, attention_class, x, grid):
+    """One whole tower forward in ``torch.inference_mode()`` with ``attention_class``
+    registered, device->host reads counted: (output, counter)."""
+    import torch
+
+    from npu_shim.testing import count_host_syncs
+
+    spec = CENSUS[name]
+    arg = spec.grid_arg(grid)
+    device = [x] + (list(arg) if isinstance(arg, tuple) else [arg] if spec.grid_on_device else [])
+    with torch.inference_mode(), towers.registered(attention_class):
+        with count_host_syncs(device_tensors=device, device_modules=[tower]) as syncs:
+            out = spec.call(tower, x, arg)
+    return out, syncs
+
+
+def reference_forward(stack, name, x, grid, *, seed=0):
+    """Tower ``name`` with the weights of ``seed`` in float64, every attention layer
+    :func:`npu_shim.testing.attention_f64`."""
+    import torch
+
+    ref = build(stack, name, None, seed=seed).double()
+    towers._f64_attention_layers(ref)
+    with torch.inference_mode(), towers.registered(None):
+        return CENSUS[name].call(ref, x.double(), CENSUS[name].grid_arg(grid))

@@ -1,0 +1,95 @@
+"""Census for issue 18: vLLM vision towers beyond Qwen2.5-VL, Qwen3-VL, Kimi-VL and
+GLM-4.1V, and the device->host reads one whole forward makes, upstream (vllm-ascend's
+untouched ``AscendMMEncoderAttention``) -> with ``vllm.mm_encoder_host_lengths`` +
+``vllm.mm_encoder_attn``.
+
+Towers, stand-ins and how each is called: :mod:`npu_shim.testing.census`. A2, in
+``torch.inference_mode()``, two forwards with different grids, each with a
+multi-frame item. The attention change reaches only the ``cu_seqlens`` vLLM
+copies through ``MMEncoderAttention.maybe_recompute_cu_seqlens``; where a tower
+copies it another way, vllm.mm_encoder_attn's one read per tensor per forward
+stays, and the counts below say so.
+
+Gate: the shim's count per forward as measured (the comment on each row says
+what remains and why), upstream's beside it; outputs ``torch.equal`` to
+upstream's, close to vLLM's own TORCH_SDPA tower and to a float64 copy whose
+attention is ``npu_shim.testing.attention_f64``.
+"""
+
+import pytest
+
+pytestmark = [pytest.mark.lanes("latest-vllm", "vllm-0.30"),
+              pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn")]
+
+TOWER_TOL = 2e-4          # float32 tower vs. float64 / TORCH_SDPA, relative to max |reference|
+ATTENTION_READ = "mm_encoder/common.py"     # vllm.mm_encoder_attn's one read of a cu_seqlens tensor
+
+# tower: ((upstream, shim) for forward 0, (upstream, shim) for forward 1), the same in vLLM
+# 0.26.0 and 0.30.0. Upstream reads cu_seqlens back once per layer (3 layers here).
+EXPECTED = {
+    # 1 left: the attention's read. cu_seqlens is built with NumPy on the host, but copied by
+    # the tower itself (0.26: .to(device, non_blocking=True); 0.30: async_tensor_h2d), not
+    # through maybe_recompute_cu_seqlens, so no host copy is kept for the attention.
+    "Qwen2-VL": ((3, 1), (3, 1)),
+    # 1 left: the attention's read. cu_seqlens is built on the host from the host grid
+    # (repeat_interleave) and copied by the tower (0.26: .to(device); 0.30: async_tensor_h2d);
+    # the host sequence_lengths it also passes are not what vllm-ascend's class uses.
+    "Qwen3-Omni": ((3, 1), (3, 1)),
+    # 2 left: cu_seqlens is built on the device (grid list -> torch.tensor(device=...), a
+    # blocking copy), so repeat_interleave with device repeats reads them back (shape), and
+    # the attention reads cu_seqlens once.
+    "dots.ocr": ((4, 2), (4, 2)),
+    # 1 left, none of them the attention's: cu_seqlens goes through maybe_recompute_cu_seqlens
+    # (0 attention reads); _build_window_cu_seqlens reads the device image_grid_thw (.tolist()).
+    "LLaVA-OneVision-2": ((4, 1), (4, 1)),
+    # 24 / 38 left: the grid is on the device (Ernie's field config), and rot_pos_emb iterates
+    # it (torch.arange of device scalars: 7 reads per frame row), the rotary table reads
+    # max(grid), cu_seqlens is built on the device (repeat_interleave: shape), and the
+    # attention reads cu_seqlens once.
+    "Ernie4.5-VL": ((26, 24), (40, 38)),
+}
+
+
+@pytest.fixture(scope="module")
+def stack():
+    from npu_shim.testing import census
+
+    return census.setup()
+
+
+def release():
+    from importlib.metadata import version
+
+    return version("vllm")
+
+
+@pytest.mark.parametrize("name", list(EXPECTED))
+def test_census(stack, name):
+    import torch
+
+    from npu_shim.testing import census
+
+    attention, untouched = stack.attention["A2"], stack.upstream["A2"]
+    patched = census.build(stack, name, attention)
+    upstream = census.build(stack, name, untouched)
+    sdpa = census.build(stack, name, None)
+    for forward in range(2):
+        grid = census.grids(forward)
+        x = census.pixel_values(name, patched, grid, seed=forward)
+        out, syncs = census.call(name, patched, attention, x, grid)
+        up, up_syncs = census.call(name, upstream, untouched, x, grid)
+        sd, _ = census.call(name, sdpa, None, x, grid)
+        print("census %s vllm %s A2 forward %d: upstream %s -> shim %s"
+              % (name, release(), forward, up_syncs.summary(), syncs.summary()))
+        for event in syncs.events:
+            print("    shim: %s" % (event,))
+        assert (up_syncs.count, syncs.count) == EXPECTED[name][forward], \
+            (up_syncs.summary(), [str(e) for e in syncs.events])
+        attention_reads = sum(ATTENTION_READ in e.location for e in syncs.events)
+        assert attention_reads == (0 if name == "LLaVA-OneVision-2" else 1), syncs.summary()
+        assert syncs.h2d_count == up_syncs.h2d_count
+        assert torch.equal(out, up)
+        ref = census.reference_forward(stack, name, x, grid)
+        scale = max(1.0, ref.abs().max().item())
+        assert (out.double() - ref).abs().max().item() <= TOWER_TOL * scale
+        assert (out - sd).abs().max().item() <= TOWER_TOL * scale
