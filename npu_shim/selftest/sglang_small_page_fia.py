@@ -100,6 +100,7 @@ def run(device=None):
         extend_seq_lens=torch.tensor(EXTEND_LENS), extend_prefix_lens=torch.tensor(PREFIX_LENS),
         extend_seq_lens_cpu=list(EXTEND_LENS), extend_prefix_lens_cpu=list(PREFIX_LENS))
     forward_batch.num_token_non_padded_cpu = forward_batch.global_num_token_non_padded_cpu = total
+    forward_batch.token_to_kv_pool = pool     # 0.5.12's forward_extend reads the pool from the batch
     packed_q = torch.cat(q).reshape(total, -1).to(device, dtype)
     new_k = torch.cat([ks[p:] for ks, p in zip(k, PREFIX_LENS)]).reshape(total, -1).to(device, dtype)
     new_v = torch.cat([vs[p:] for vs, p in zip(v, PREFIX_LENS)]).reshape(total, -1).to(device, dtype)

@@ -4,9 +4,11 @@ The check reads the installed code, not the version (see the patch module's
 docstring); these tests import the real target through npu-shim's import hook
 and read the outcome from ``npu_shim.status()``:
 
-* 0.5.12: the method has the single-sequence shape and so does the metadata
-  (scalar CP lengths) -- correct for the one sequence its CP admits, skipped;
-* 0.5.13: fixed upstream (PR 26705), skipped;
+* 0.5.11, 0.5.12: the method has the single-sequence shape and so does the
+  metadata (scalar CP lengths) -- correct for the one sequence its CP admits,
+  skipped;
+* 0.5.13-0.5.22: fixed upstream (PR 26705), skipped (from 0.5.20 the old
+  ContextParallelMetadata is gone from cp_utils; the method is unchanged);
 * 0.5.23: the method is a closure run by the CP strategy object, skipped.
 
 The broken window (new metadata, old method), where the patch applies, is
@@ -17,7 +19,8 @@ import importlib
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("sglang-0.5.12", "sglang-0.5.13", "latest-sglang"),
+pytestmark = [pytest.mark.lanes("sglang-0.5.12", "sglang-0.5.13", "latest-sglang", "sglang-0.5.11", "sglang-0.5.14",
+                                "sglang-0.5.15", "sglang-0.5.17", "sglang-0.5.20", "sglang-0.5.22"),
               pytest.mark.patch("sglang.cp_fia")]
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
@@ -26,10 +29,26 @@ TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 def expected_reason(version):
     from npu_shim.patches.sglang import cp_fia as patch
 
-    reasons = {"0.5.12": patch.SINGLE_SEQUENCE_ONLY, "0.5.13": patch.FIXED_UPSTREAM,
+    reasons = {"0.5.11": patch.SINGLE_SEQUENCE_ONLY, "0.5.12": patch.SINGLE_SEQUENCE_ONLY,
                "0.5.23": patch.STRATEGY_REWRITE}
+    reasons.update({"0.5.%d" % minor: patch.FIXED_UPSTREAM for minor in range(13, 23)})
     assert version in reasons, "lane pins sglang %s, which this test does not know" % version
     return reasons[version]
+
+
+def upstream_method(module):
+    """Upstream's do_cp_attn_fia, read back through uninstall where another patch owns the slot
+    (sglang.cp_pad_gather on 0.5.16-0.5.19, sglang.cp_fia_host_lengths on 0.5.23)."""
+    import npu_shim
+
+    method = module.AscendAttnBackend.__dict__["do_cp_attn_fia"]
+    if not hasattr(method, "__npu_shim_patch__"):
+        return method
+    npu_shim.uninstall()
+    try:
+        return module.AscendAttnBackend.__dict__["do_cp_attn_fia"]
+    finally:
+        npu_shim.install()
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +70,20 @@ def test_patch_is_skipped_with_the_reason_for_this_release(module):
     version = row["versions"]["sglang"]
     reason = expected_reason(version)
     assert (row["state"], row["reason"]) == ("skipped", reason), row
-    with pytest.raises(NotNeeded) as raised:
-        patch.check(module)
-    assert str(raised.value) == reason
     method = module.AscendAttnBackend.__dict__["do_cp_attn_fia"]
-    # 0.5.23: sglang.cp_fia_host_lengths may own the method; sglang.cp_fia never does here.
-    assert getattr(method, "__npu_shim_patch__", None) in (None, "sglang.cp_fia_host_lengths")
-    if not hasattr(method, "__npu_shim_patch__"):
-        assert method.__module__ == TARGET
+    # sglang.cp_pad_gather (0.5.16-0.5.19) or sglang.cp_fia_host_lengths (0.5.23) may own the
+    # method; sglang.cp_fia never does here. Its check reads upstream's method.
+    assert getattr(method, "__npu_shim_patch__", None) in (None, "sglang.cp_pad_gather",
+                                                           "sglang.cp_fia_host_lengths")
+    upstream = upstream_method(module)
+    assert upstream.__module__ == TARGET and not hasattr(upstream, "__npu_shim_patch__")
+    npu_shim.uninstall()
+    try:
+        with pytest.raises(NotNeeded) as raised:
+            patch.check(module)
+    finally:
+        npu_shim.install()
+    assert str(raised.value) == reason
 
 
 def test_the_check_reads_what_this_release_has(module):
@@ -67,15 +92,19 @@ def test_the_check_reads_what_this_release_has(module):
     from npu_shim.patches.sglang import cp_fia as patch
 
     version = next(r for r in npu_shim.status() if r["name"] == patch.NAME)["versions"]["sglang"]
-    names = patch.code_names(module.AscendAttnBackend.do_cp_attn_fia)
+    names = patch.code_names(upstream_method(module))
     if version == "0.5.23":
         assert names & patch.STRATEGY_NAMES
         assert not names & (patch.SINGLE_SEQUENCE_NAMES - {"chunk"})
         return
     from sglang.srt.layers.utils import cp_utils
 
+    if expected_reason(version) == patch.FIXED_UPSTREAM:
+        assert patch.FIXED_NAMES <= names and "chunk" not in names
+        if not hasattr(cp_utils, "ContextParallelMetadata"):     # 0.5.20-0.5.22: cp_utils is stubs
+            return
     fields = {f.name for f in dataclasses.fields(cp_utils.ContextParallelMetadata)}
-    if version == "0.5.12":
+    if version in ("0.5.11", "0.5.12"):
         assert patch.SINGLE_SEQUENCE_NAMES <= names and not names & patch.FIXED_NAMES
         assert patch.SCALAR_FIELDS <= fields and not fields & patch.PER_SEQUENCE_FIELDS
     else:

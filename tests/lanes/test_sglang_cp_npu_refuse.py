@@ -1,4 +1,4 @@
-"""sglang.cp_npu_refuse on the real sglang 0.5.21 wheel (issue 11, finding 4).
+"""sglang.cp_npu_refuse on the real sglang 0.5.20, 0.5.21 and 0.5.22 wheels (issue 11, finding 4).
 
 First the finding, run on upstream (no shim): the NPU CP KV gather is a stub
 that raises, and the Ascend backend's prefill CP path reaches it at the first
@@ -7,6 +7,9 @@ metadata), while ``ServerArgs`` resolution accepts ``--enable-prefill-cp`` on
 an NPU platform. Then the patch: the same ``ServerArgs`` is refused at
 resolution with one message; CP off, or a non-NPU platform, still resolves;
 disabled = upstream; uninstall restores; strict mode raises on a mismatch.
+On 0.5.20 the gather is the same stub, but upstream's own start-up check still
+refuses NPU prefill CP: the patch skips with that reason and the refusal is
+upstream's.
 
 The platform is set with sglang's own test hook ``override_platform(is_npu=...)``.
 """
@@ -16,13 +19,15 @@ import os
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("sglang-0.5.21"), pytest.mark.patch("sglang.cp_npu_refuse")]
+ALL = ("sglang-0.5.20", "sglang-0.5.21", "sglang-0.5.22")
+APPLIES = ("sglang-0.5.21", "sglang-0.5.22")     # the family's releases; 0.5.20 refuses by itself
+pytestmark = [pytest.mark.lanes(*ALL), pytest.mark.patch("sglang.cp_npu_refuse")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
 HOOK = "sglang.srt.arg_groups.parallel_hook"
 BACKEND = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
-STUB_MESSAGE = "Prefill CP on HIP/NPU/MUSA is deprecated"
+STUB_MESSAGE = r"Prefill CP on (HIP/)?NPU/MUSA is deprecated"   # 0.5.20-0.5.21, 0.5.22
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +65,7 @@ def test_the_npu_kv_gather_is_a_stub_that_raises(shim):
         cp_utils.cp_all_gather_rerange_kv_cache(None, 2, None, None)
 
 
-def test_upstream_prefill_cp_fails_at_the_first_cp_prefill(shim):
+def test_upstream_prefill_cp_fails_at_the_first_cp_prefill(shim, monkeypatch):
     """forward_extend on a CP-v2 batch built by upstream's prepare_cp_forward hits the stub."""
     import torch
 
@@ -71,6 +76,10 @@ def test_upstream_prefill_cp_fails_at_the_first_cp_prefill(shim):
     from sglang.srt.runtime_context import get_context, get_parallel
 
     module = importlib.import_module(BACKEND)
+    # The stream handed to the gather: upstream asks torch.get_device_module(), which is torch.cpu
+    # with torch 2.11 here but torch.cuda with torch 2.14 (0.5.22's pin) on a machine without a
+    # GPU; on Ascend it is torch.npu. The CPU stream, as with torch 2.11.
+    monkeypatch.setattr(module, "get_current_device_stream_fast", torch.cpu.current_stream)
     spec = cp_case.Spec(extend_lens=(16, 24))     # no pad rows: fails for every length
     # a consistent topology for rank 0 of tp 2 = attn-cp 2 (0.5.21 validates overrides)
     topology = dict(tp_size=2, tp_rank=0, moe_tp_size=2, moe_ep_size=1, moe_dp_size=1, attn_tp_size=1,
@@ -98,6 +107,28 @@ def test_upstream_prefill_cp_fails_at_the_first_cp_prefill(shim):
     assert isinstance(local[0], torch.Tensor)
 
 
+def sglang_version():
+    from importlib.metadata import version
+
+    return version("sglang")
+
+
+@pytest.mark.lanes("sglang-0.5.20")
+def test_skipped_where_upstream_already_refuses_npu_prefill_cp(shim):
+    from npu_shim.patch import NotNeeded
+    from npu_shim.patches.sglang import cp_npu_refuse as patch
+
+    row = next(r for r in shim.status() if r["name"] == patch.NAME)
+    hook = importlib.import_module(HOOK)
+    assert (row["state"], row["reason"]) == ("skipped", patch.ALREADY_REFUSED), row
+    with pytest.raises(NotNeeded):
+        patch.check(hook)
+    assert not hasattr(hook.validate_prefill_cp_platform, "__npu_shim_patch__")
+    with pytest.raises(ValueError, match="Prefill CP on HIP/NPU/MUSA is deprecated"):
+        resolve(server_args(cp=True, device="npu"), npu=True)       # upstream's own refusal
+
+
+@pytest.mark.lanes(*APPLIES)
 def test_patch_applies_and_refuses_npu_prefill_cp_at_resolution(shim):
     from npu_shim.patches.sglang import cp_npu_refuse as patch
 
@@ -109,7 +140,7 @@ def test_patch_applies_and_refuses_npu_prefill_cp_at_resolution(shim):
     with pytest.raises(ValueError) as raised:
         resolve(server_args(cp=True, device="npu"), npu=True)
     message = str(raised.value)
-    assert "sglang 0.5.21 cannot run prefill context parallelism on Ascend NPU" in message
+    assert "sglang %s cannot run prefill context parallelism on Ascend NPU" % sglang_version() in message
     assert "0.5.23 has a working NPU CP path" in message and "--enable-prefill-cp" in message
 
 
@@ -135,6 +166,7 @@ print(json.dumps([row["state"], hook.validate_prefill_cp_platform.__module__ == 
 """ % HOOK
 
 
+@pytest.mark.lanes(*APPLIES)
 def test_upstream_accepts_npu_prefill_cp_and_disabled_is_upstream(run_python, make_env):
     env = make_env(NPU_SHIM_DISABLE="sglang.cp_npu_refuse",
                    PYTHONPATH=os.path.join(REPO, "tests", "placeholders"))
@@ -142,6 +174,7 @@ def test_upstream_accepts_npu_prefill_cp_and_disabled_is_upstream(run_python, ma
     assert json.loads(out) == ["disabled", True, False]
 
 
+@pytest.mark.lanes(*APPLIES)
 def test_uninstall_restores_upstream_check(run_python, make_env):
     code = UPSTREAM_CODE.replace("row = next(", "npu_shim.uninstall()\nrow = next(")
     env = make_env(PYTHONPATH=os.path.join(REPO, "tests", "placeholders"))

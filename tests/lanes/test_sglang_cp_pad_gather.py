@@ -1,4 +1,4 @@
-"""sglang.cp_pad_gather on the real sglang 0.5.16 / 0.5.19 wheels (issue 11, finding 1).
+"""sglang.cp_pad_gather on the real sglang 0.5.16 / 0.5.17 / 0.5.19 wheels (issue 11, finding 1).
 
 Two CP ranks as two processes (sglang_support/cp_pad_worker.py, a gloo group
 under sglang's own ``GroupCoordinator``) run one attention layer of a CP-v2
@@ -21,7 +21,8 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("sglang-0.5.16", "sglang-0.5.19"), pytest.mark.patch("sglang.cp_pad_gather")]
+pytestmark = [pytest.mark.lanes("sglang-0.5.16", "sglang-0.5.19", "sglang-0.5.17"),
+              pytest.mark.patch("sglang.cp_pad_gather")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))

@@ -1,4 +1,4 @@
-"""Patch ``sglang.small_page_fia`` on the real sglang wheels (lanes sglang-0.5.13, 0.5.16, 0.5.19, latest-sglang).
+"""Patch ``sglang.small_page_fia`` on the real sglang wheels (lanes sglang-0.5.12-0.5.22, latest-sglang; 0.5.11 skips).
 
 What is and is not shown here: the emulation computes what the torch_npu
 documentation says, so it cannot show the hardware bug of
@@ -18,7 +18,9 @@ real):
 * ``ASCEND_USE_FIA`` set explicitly (0 or 1) is respected;
 * uninstall restores upstream's method; switched off
   (``NPU_SHIM_SGLANG_SMALL_PAGE_FIA=0``) the patch is "disabled" and the method
-  is upstream's; strict mode raises when the check cannot read the method.
+  is upstream's; strict mode raises when the check cannot read the method;
+* 0.5.11 (outside the window): skipped, and the reason shown -- its own FIA
+  prefill branch is right without a cached prefix and wrong with one.
 """
 import importlib
 import json
@@ -28,7 +30,8 @@ import pytest
 
 import npu_shim
 
-pytestmark = [pytest.mark.lanes("sglang-0.5.13", "latest-sglang", "sglang-0.5.16", "sglang-0.5.19"),
+pytestmark = [pytest.mark.lanes("sglang-0.5.13", "latest-sglang", "sglang-0.5.16", "sglang-0.5.19", "sglang-0.5.12",
+                                "sglang-0.5.14", "sglang-0.5.15", "sglang-0.5.17", "sglang-0.5.20", "sglang-0.5.22"),
               pytest.mark.patch("sglang.small_page_fia")]
 
 from sglang_support import prefill_case  # noqa: E402  (tests/lanes/conftest.py)
@@ -39,8 +42,8 @@ TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 POOL = "sglang.srt.hardware_backend.npu.memory_pool_npu"
 NAME = "sglang.small_page_fia"
 FIA, QLENS = "npu_fused_infer_attention_score", "_npu_flash_attention_qlens"
-ADAPTERS = {"0.5.12": "0.5.11-0.5.12", "0.5.13": "0.5.13", "0.5.16": "0.5.15-0.5.23",
-            "0.5.19": "0.5.15-0.5.23", "0.5.23": "0.5.15-0.5.23"}
+ADAPTERS = {"0.5.12": "0.5.12", "0.5.13": "0.5.13", "0.5.14": "0.5.14"}
+ADAPTERS.update({"0.5.%d" % minor: "0.5.15-0.5.23" for minor in range(15, 24)})
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +119,34 @@ def test_applies_with_the_adapter_of_this_release(modules):
     version = row["versions"]["sglang"]
     assert row["state"] == "applied", row
     assert npu_shim.stats()[NAME]["family"] == ADAPTERS[version]
+
+
+@pytest.mark.lanes("sglang-0.5.11")
+def test_skipped_on_0_5_11_whose_fia_prefill_ignores_the_kv_cache(modules):
+    """0.5.11 has the qlens/FIA split, but its FIA branch attends to the new tokens only."""
+    from npu_shim.testing import record_npu_calls
+
+    row = next(r for r in npu_shim.status() if r["name"] == NAME)
+    assert row["state"] == "skipped" and row["reason"].startswith("sglang 0.5.11 is outside >=0.5.12"), row
+    assert "ignores the paged KV cache" in row["reason"]
+    upstream = modules[0].AscendAttnBackend.__dict__["forward_extend"]
+    assert not hasattr(upstream, "__npu_shim_patch__") and upstream.__module__ == TARGET
+    errors = []
+    for prefixes in ((0, 0), (0, 16)):
+        spec = cp_case.Spec(extend_lens=(37, 20), prefix_lens=prefixes, page_size=16, num_heads=8,
+                            num_kv_heads=2, qk_head_dim=128, v_head_dim=128, seed=1)
+        batch = cp_case.make_batch(spec)
+        backend, layer, forward_batch, q, k, v = prefill_case.prefill_inputs(*modules, batch)
+        backend.use_fia = True           # upstream's FIA prefill branch, as with ASCEND_USE_FIA=1
+        with record_npu_calls() as calls:   # k/v as RadixAttention passes them: (tokens, heads, dim)
+            out = upstream(backend, q, k.view(-1, spec.num_kv_heads, spec.qk_head_dim),
+                           v.view(-1, spec.num_kv_heads, spec.v_head_dim), layer, forward_batch,
+                           save_kv_cache=False)
+        assert [c.name for c in calls] == [FIA] * len(spec.extend_lens)      # one BSND call per sequence
+        assert all(c.kwargs["input_layout"] == "BSND" and "block_table" not in c.kwargs for c in calls)
+        errors.append(cp_case.max_abs_err(out, prefill_case.expected(batch)))
+    tolerance = cp_case.tolerance(spec.dtype)
+    assert errors[0] <= tolerance and errors[1] > 1000 * tolerance, errors
 
 
 SMALL = [

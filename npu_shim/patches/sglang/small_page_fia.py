@@ -8,7 +8,11 @@ Why: with the ascend attention backend, ``--page-size 16`` gives fluent
   and 64 (NaN at 64), right at 128; sglang's FIA prefill path
   (``npu_fused_infer_attention_score``) is right at the small page sizes.
   Every release from 0.5.11 to 0.5.23 sends a plain prefill to the qlens op
-  unless ``ASCEND_USE_FIA=1``.
+  unless ``ASCEND_USE_FIA=1``. Patched from 0.5.12: 0.5.11's FIA prefill branch
+  attends to the new tokens only (one BSND call per sequence over ``k``/``v``,
+  no paged KV cache), so it is wrong whenever a prefix is cached (run in lane
+  sglang-0.5.11: max abs error 3.4 against the float64 reference with a
+  16-token prefix, 1e-6 without); there is no right path to route to.
 How: wrap ``AscendAttnBackend.forward_extend``. A call that upstream would
   send to the qlens op (same gates as the installed release: not MLA, not
   sparse / speculative / CP / sinks, head dim <= 128, causal, no encoder,
@@ -41,8 +45,9 @@ trees, must include the gates the family mirrors):
 =============  ==========================================================
 family         what differs
 =============  ==========================================================
-0.5.11-0.5.12  speculative = target verify / draft extend (v1, v2); sinks
-               have their own branch
+0.5.12         speculative = target verify / draft extend (v1, v2); sinks
+               have their own branch (0.5.11 has the same gates, but its
+               FIA prefill branch ignores the KV cache: not patched)
 0.5.13         as above; hybrid-SWA layers go to the sinks branch
 0.5.14         speculative = target verify / draft extend v2; SWA layers
                reach qlens while use_fia is off (so they route, to the SWA
@@ -51,7 +56,7 @@ family         what differs
 =============  ==========================================================
 
 (checked on every wheel from 0.5.11 to 0.5.23 by reading the syntax tree;
-run in the lanes on 0.5.13, 0.5.16, 0.5.19 and 0.5.23.)
+run in the lanes on 0.5.12-0.5.17 and 0.5.19-0.5.23, 0.5.18 standing with 0.5.17.)
 """
 import ast
 import inspect
@@ -149,7 +154,7 @@ class Adapter:
 
 
 class Sinks012(Adapter):
-    name = "0.5.11-0.5.12"
+    name = "0.5.12"
     gates = COMMON_GATES | {SPECULATIVE_V1_V2, "sinks is not None"}
     absent = frozenset({"sinks is not None or (self.is_hybrid_swa and layer.sliding_window_size != -1)"})
 
@@ -273,11 +278,12 @@ PATCH = Patch(
     name=NAME,
     target=TARGET,
     replaces=("AscendAttnBackend.%s" % METHOD,),
-    requires={"sglang": ">=0.5.11,<0.5.24"},
-    outside_window={"sglang": "no qlens/FIA prefill split before 0.5.11; releases after 0.5.23 not verified"},
+    requires={"sglang": ">=0.5.12,<0.5.24"},
+    outside_window={"sglang": "before 0.5.12 the FIA prefill branch ignores the paged KV cache (wrong with a "
+                              "cached prefix: nothing right to route to); releases after 0.5.23 not verified"},
     needs_npu=True,
     families=(
-        Family(("0.5.11", "0.5.12"), __name__ + ":SINKS_ONLY", fence=">=0.5.11,<0.5.13", keeps=FIA_KEPT),
+        Family(("0.5.12",), __name__ + ":SINKS_ONLY", fence=">=0.5.12,<0.5.13", keeps=FIA_KEPT),
         Family(("0.5.13",), __name__ + ":HYBRID_SWA", fence=">=0.5.13,<0.5.14", keeps=FIA_KEPT),
         Family(("0.5.14",), __name__ + ":SWA_FIA", fence=">=0.5.14,<0.5.15", keeps=FIA_KEPT),
         Family(("0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"),

@@ -57,6 +57,7 @@ def prefill_inputs(module, module_pool, batch):
     backend.is_dllm_model = False
     backend.attn_cp_size = 1
     backend.token_to_kv_pool = make_pool(module_pool, batch)
+    forward_batch.token_to_kv_pool = backend.token_to_kv_pool     # 0.5.11-0.5.12 read it here
     backend.mask = module.AscendAttnMaskBuilder.generate_attn_mask(128, "norm", spec.dtype)
     k_new, v_new = batch.packed_new_kv()
     q = batch.packed_q()
