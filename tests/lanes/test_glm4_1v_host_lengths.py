@@ -196,6 +196,42 @@ def test_checks_refuse_another_body(stack):
     assert families._digest(original) in families.EMBEDDINGS_FORWARD
 
 
+STRICT_CODE = """
+import json, npu_shim
+from npu_shim import emulation
+from npu_shim.testing import towers
+emulation.install(); npu_shim.install()
+from npu_shim.patches.vllm.glm4_1v_host_lengths import families
+families.EMBEDDINGS_FORWARD.clear()          # as if the installed embeddings were another body
+with towers._placeholder_torchvision():
+    import vllm.model_executor.models.glm4_1v as m
+row = next(r for r in npu_shim.status() if r["name"] == %r)
+print(json.dumps([row["state"], row["reason"], hasattr(m.Glm4vVisionEmbeddings.forward, "__wrapped_upstream__")]))
+""" % PATCH_NAME
+
+
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_a_mismatch_inside_the_window_skips_or_raises_in_strict_mode(stack, strict):
+    if not applies():
+        pytest.skip("vLLM %s is outside the window: no family is asked" % vllm_minor())
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NPU_SHIM_STRICT=strict)
+    env.pop("NPU_SHIM_DISABLE", None)
+    proc = subprocess.run([sys.executable, "-P", "-c", STRICT_CODE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if strict == "1":
+        assert proc.returncode != 0
+        assert "PatchError" in proc.stderr and "not the body" in proc.stderr, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        state, reason, patched = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert state == "skipped" and "not the body" in reason and not patched, (state, reason)
+
+
 def test_disable_switch(stack):
     from npu_shim.testing import towers
 
