@@ -198,13 +198,10 @@ def test_checks_refuse_another_body(stack):
 
 STRICT_CODE = """
 import json, npu_shim
-from npu_shim import emulation
-from npu_shim.testing import towers
-emulation.install(); npu_shim.install()
 from npu_shim.patches.vllm.glm4_1v_host_lengths import families
 families.EMBEDDINGS_FORWARD.clear()          # as if the installed embeddings were another body
-with towers._placeholder_torchvision():
-    import vllm.model_executor.models.glm4_1v as m
+from npu_shim.testing import towers
+m = towers.setup().modules["GLM-4.1V"]
 row = next(r for r in npu_shim.status() if r["name"] == %r)
 print(json.dumps([row["state"], row["reason"], hasattr(m.Glm4vVisionEmbeddings.forward, "__wrapped_upstream__")]))
 """ % PATCH_NAME
