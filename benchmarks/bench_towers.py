@@ -4,12 +4,13 @@ upstream vs. npu-shim, side by side in one run.
     python benchmarks/bench_towers.py [--repeat N]
 
 Run in a lane venv (vLLM + vllm-ascend installed; npu-shim installed there).
-For each tower (vLLM's own Qwen2.5-VL and Qwen3-VL vision classes, tiny random
-configs, :mod:`npu_shim.testing.towers`) and each device class (A2, 310P) it
-builds two towers with the same weights: one whose attention is vllm-ascend's
-class as the shim patched it, one whose attention is the same vllm-ascend file
-executed untouched ("upstream"). Both run the same two grids (each with a
-multi-frame item) in ``torch.inference_mode()``. The table gives per forward:
+For each tower (vLLM's own Qwen2.5-VL, Qwen3-VL and GLM-4.1V vision classes,
+tiny random configs, :mod:`npu_shim.testing.towers`) and each device class (A2,
+310P) it builds two towers with the same weights: one whose attention is
+vllm-ascend's class as the shim patched it, and "upstream": the same
+vllm-ascend file executed untouched, with vLLM's own tower methods
+(``towers.upstream_code`` puts back what a tower patch replaced). Both run the
+same two grids (each with a multi-frame item) in ``torch.inference_mode()``. The table gives per forward:
 device->host reads (upstream -> shim, counted by
 ``npu_shim.testing.count_host_syncs`` with the tower's parameters and inputs
 as device stand-ins), blocking host->device copies (upstream -> shim), and the
@@ -40,6 +41,8 @@ def main(argv=None):
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args(argv)
 
+    import contextlib
+
     import torch
     from importlib.metadata import version
 
@@ -58,7 +61,8 @@ def main(argv=None):
                 for forward in range(2):
                     grid = towers.grids(forward)
                     x = towers.pixel_values(tower, grid, seed=forward)
-                    with torch.inference_mode(), towers.registered(cls):
+                    code = towers.upstream_code(stack, name) if side == "upstream" else contextlib.nullcontext()
+                    with torch.inference_mode(), towers.registered(cls), code:
                         with count_host_syncs(device_tensors=[x], device_modules=[tower]) as syncs:
                             tower(x, grid_thw=grid)
                         reads.append(syncs.count)

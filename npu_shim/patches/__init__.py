@@ -16,6 +16,7 @@ BUILTIN_PATCHES = (
     ("vllm.mm_encoder_host_lengths", "npu_shim.patches.vllm.mm_encoder_host_lengths"),
     ("vllm.qwen2_5_vl_host_lengths", "npu_shim.patches.vllm.qwen2_5_vl_host_lengths"),
     ("vllm.kimi_vl_host_grid", "npu_shim.patches.vllm.kimi_vl_host_grid"),
+    ("vllm.glm4_1v_host_lengths", "npu_shim.patches.vllm.glm4_1v_host_lengths"),
     ("sglang.cp_fia", "npu_shim.patches.sglang.cp_fia"),
     ("sglang.cp_pad_gather", "npu_shim.patches.sglang.cp_pad_gather"),
     ("sglang.cp_npu_refuse", "npu_shim.patches.sglang.cp_npu_refuse"),

@@ -33,6 +33,7 @@ import contextlib
 import importlib
 import importlib.machinery
 import importlib.util
+import inspect
 import os
 import sys
 import tempfile
@@ -40,7 +41,7 @@ import types
 
 __all__ = ["DEVICE_CLASSES", "MOONVIT", "MOONVIT_GRIDS", "TOWERS", "Stack", "build_moonvit", "build_tower",
            "grids", "moonvit_pixel_values", "moonvit_reference_forward", "pixel_values", "reference_forward",
-           "registered", "setup"]
+           "registered", "setup", "upstream_code"]
 
 DEVICE_CLASSES = {
     "A2": ("vllm_ascend.ops.mm_encoder_attention", "AscendMMEncoderAttention"),
@@ -70,6 +71,23 @@ def _qwen3_config():
                                deepstack_visual_indexes=[1])
 
 
+def _glm4v_config():
+    from transformers.models.glm4v.configuration_glm4v import Glm4vVisionConfig
+
+    # head dim 80: padded to 128 by vllm-ascend's rule; an 8x8 learnable position grid
+    # (image_size / patch_size), interpolated to each image's grid.
+    return Glm4vVisionConfig(depth=3, hidden_size=160, num_heads=2, intermediate_size=128,
+                             out_hidden_size=64, patch_size=14, image_size=112, spatial_merge_size=2,
+                             temporal_patch_size=2, rms_norm_eps=1e-5)
+
+
+def _glm4v_text_config():
+    from transformers.models.glm4v.configuration_glm4v import Glm4vTextConfig
+
+    return Glm4vTextConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                           num_attention_heads=2, num_key_value_heads=1)
+
+
 def _moonvit_config():
     from vllm.transformers_utils.configs.moonvit import MoonViTConfig
 
@@ -90,6 +108,7 @@ TOWERS = {
     # name: (vLLM module, tower class, config builder)
     "Qwen2.5-VL": ("vllm.model_executor.models.qwen2_5_vl", "Qwen2_5_VisionTransformer", _qwen2_5_config),
     "Qwen3-VL": ("vllm.model_executor.models.qwen3_vl", "Qwen3_VisionTransformer", _qwen3_config),
+    "GLM-4.1V": ("vllm.model_executor.models.glm4_1v", "Glm4vVisionTransformer", _glm4v_config),
 }
 
 
@@ -214,6 +233,29 @@ def registered(cls):
             registry["MMEncoderAttention"] = saved
 
 
+@contextlib.contextmanager
+def upstream_code(stack, name):
+    """vLLM's own code for tower ``name`` in the block: every method of the classes its
+    module defines that a patch replaced (the replacement names it in
+    ``__wrapped_upstream__``) is put back, and the replacement restored after."""
+    module = stack.modules[name]
+    saved = []
+    for cls in vars(module).values():
+        if not isinstance(cls, type) or cls.__module__ != module.__name__:
+            continue
+        for attr, value in list(vars(cls).items()):
+            function = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
+            original = getattr(function, "__wrapped_upstream__", None)
+            if original is not None:
+                saved.append((cls, attr, value))
+                setattr(cls, attr, type(value)(original) if function is not value else original)
+    try:
+        yield
+    finally:
+        for cls, attr, value in reversed(saved):
+            setattr(cls, attr, value)
+
+
 def _init_weights(model, seed):
     import torch
 
@@ -280,8 +322,13 @@ def build_tower(stack, name, attention_class=None, *, seed=0):
     from vllm.config import set_current_vllm_config
 
     module_name, class_name, make_config = TOWERS[name]
+    cls = getattr(stack.modules[name], class_name)
     with registered(attention_class), set_current_vllm_config(stack.config):
-        tower = getattr(stack.modules[name], class_name)(make_config(), norm_eps=1e-6, prefix="visual")
+        if "text_config" in inspect.signature(cls).parameters:
+            # GLM-4.1V from vLLM 0.23: a required first argument the vision tower does not read
+            tower = cls(_glm4v_text_config(), make_config(), norm_eps=1e-6, prefix="visual")
+        else:
+            tower = cls(make_config(), norm_eps=1e-6, prefix="visual")
     _init_weights(tower, seed)
     tower.to(torch.float32).eval()
     return _route_custom_ops(tower, attention_class)
@@ -324,7 +371,7 @@ def reference_forward(stack, name, x, grid, *, seed=0):
 
     ref = build_tower(stack, name, None, seed=seed).double()
     _f64_attention_layers(ref)
-    with torch.inference_mode(), registered(None):
+    with torch.inference_mode(), registered(None), upstream_code(stack, name):
         return ref(x.double(), grid_thw=grid)
 
 

@@ -1,0 +1,78 @@
+"""vllm.glm4_1v_host_lengths — GLM-4.1V's vision tower takes its lengths from the host.
+
+Why: GLM-4.1V's vision embeddings (``Glm4vVisionEmbeddings.forward``, the same
+  code in every release read from 0.18.0 to 0.27.1) turn the per-frame
+  ``lengths``, which the tower already holds as a host list, into a device
+  tensor and then use each element as a repeat count
+  (``image_shapes[i, 1].repeat(lengths[i])``, ``glm4_1v.py:586``/``:589`` in
+  0.26.0): two device->host reads per frame. The coordinates and the lengths
+  go to the device with blocking copies (``:539``, ``:549``) and, from 0.26.0,
+  the image shape too (``:819`` in ``pos_embeds_interpolate``): 4 per image.
+  On 0.18.0 the tower also copies ``cu_seqlens`` to the device before taking
+  ``.tolist()`` of it (``:765``). In 0.18.0 .. 0.23.0 the tower copies
+  ``cu_seqlens`` itself, so ``vllm.mm_encoder_host_lengths`` never sees the
+  host array and vllm-ascend's attention (``vllm.mm_encoder_attn``) reads the
+  tensor back once per forward. On an NPU each read drains the queue before
+  the first token of every multimodal request.
+How: every number is already on the host; the families change only where the
+  tower takes it from, and blocking copies become ``non_blocking=True``:
+  * ``Glm4vVisionEmbeddings.forward`` (every family): upstream's ops in
+    upstream's order, with ``lengths`` and a list ``image_shapes`` kept on
+    the host, the target sizes built there and copied non-blocking, the
+    coordinates copied non-blocking. A device ``lengths`` runs upstream's.
+  * 0.18.0: ``Glm4vVisionTransformer.forward`` takes ``seqlens`` from the
+    host ``cu_seqlens`` before copying it (0.19.0's order) and keeps the host
+    array on the copy
+    (:func:`npu_shim.patches.vllm.mm_encoder_host_lengths.record.remember`).
+  * 0.19.1 .. 0.23.0: ``compute_attn_mask_seqlen`` is wrapped as
+    ``vllm.qwen2_5_vl_host_lengths`` wraps Qwen2.5-VL's: the host
+    ``cu_seqlens`` it is handed keeps its values on the tensor its next
+    ``.to`` returns (upstream's copy, upstream's arguments).
+  * 0.26.0 .. 0.27.1: ``cu_seqlens`` goes through
+    ``maybe_recompute_cu_seqlens`` (``vllm.mm_encoder_host_lengths``);
+    ``Glm4vVisionTransformer.forward``, for the eager call that builds its
+    own metadata, has ``pos_embeds_interpolate`` keep the image shape on the
+    host and copy the coordinates non-blocking, for that one call.
+  Counted on vLLM's own tower (two grids with a two- and a three-frame item,
+  ``npu_shim.testing.count_host_syncs``): 0 reads per forward with
+  ``vllm.mm_encoder_attn`` and ``vllm.mm_encoder_host_lengths`` (upstream:
+  13-14), and 0 blocking host->device copies (upstream: 3 on 0.18.0, 1 on
+  0.22.1, 12 on 0.26.0).
+Window: read in the wheels: 0.18.0 (lane vllm-0.18); 0.19.1, 0.20.2, 0.21.0,
+  0.22.1 (lane vllm-0.22), 0.23.0; 0.26.0 (lane latest-vllm), 0.27.1. 0.28.0,
+  0.29.0 and 0.30.0 (lane vllm-0.30) build the target sizes with NumPy on
+  the host, pass the image shape as a list and copy the coordinates with
+  ``async_tensor_h2d``: outside the window (the check says "not needed" on
+  that shape).
+Upstream fix: vLLM 0.28.0's ``Glm4vVisionEmbeddings.forward`` (host
+  ``np.repeat`` of the lengths, ``async_tensor_h2d``).
+Remove when: the pinned vLLM is 0.28.0 or later.
+"""
+from npu_shim.patch import Family, Patch
+
+PATCH_NAME = "vllm.glm4_1v_host_lengths"
+EMBEDDINGS = "Glm4vVisionEmbeddings"
+TOWER = "Glm4vVisionTransformer"
+FAMILIES = "npu_shim.patches.vllm.glm4_1v_host_lengths.families:"
+
+PATCH = Patch(
+    name=PATCH_NAME,
+    target="vllm.model_executor.models.glm4_1v",
+    replaces=(EMBEDDINGS + ".forward", TOWER + ".forward", TOWER + ".compute_attn_mask_seqlen"),
+    requires={"vllm": ">=0.18.0,<0.28.0"},
+    outside_window={"vllm": "releases before 0.18.0 were not read for this patch; 0.28.0 and later build "
+                            "GLM-4.1V's embedding sizes on the host and copy them non-blocking themselves"},
+    needs_npu=True,
+    families=(
+        Family(("0.18.0",), FAMILIES + "COPY_THEN_TOLIST", fence=">=0.18.0,<0.19.0",
+               keeps="cu_seqlens.to(self.device, non_blocking=True) and the embeddings' repeat / cat"),
+        Family(("0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0"), FAMILIES + "TOWER_COPY",
+               fence=">=0.19.0,<0.24.0",
+               keeps="cu_seqlens.to(self.device, non_blocking=True) and the embeddings' repeat / cat"),
+        Family(("0.26.0", "0.27.1"), FAMILIES + "ENCODER_METADATA", fence=">=0.24.0,<0.28.0",
+               keeps="pos_embeds_interpolate's coordinate ops and the embeddings' repeat / cat"),
+    ),
+    summary="GLM-4.1V's vision embeddings take lengths and shapes from the host and copy non-blocking; "
+            "the tower's own cu_seqlens copy keeps its host array: 0 reads per tower forward",
+    selftest="npu_shim.selftest.vllm_glm4_1v_host_lengths",
+)

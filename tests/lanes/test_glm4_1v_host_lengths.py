@@ -1,0 +1,246 @@
+"""Patch ``vllm.glm4_1v_host_lengths`` (with ``vllm.mm_encoder_attn`` and
+``vllm.mm_encoder_host_lengths``): whole GLM-4.1V vision-tower forwards with no
+device->host read.
+
+vLLM's own ``Glm4vVisionTransformer`` from a tiny random config
+(:mod:`npu_shim.testing.towers`), its ``MMEncoderAttention`` layers handed back
+as vllm-ascend's class of each device class (A2, 310P) through the out-of-tree
+registration, run in ``torch.inference_mode()``: two forwards with different
+grids, each with a multi-frame item. The tower's parameters and
+``pixel_values`` stand in for device tensors; placement is followed from there.
+
+Gate, per device class: 0 reads and 0 blocking host->device copies per whole
+forward with the shim; upstream (vLLM's own GLM-4.1V code,
+``towers.upstream_code``, with the untouched vllm-ascend class) counted beside
+it, and where the patch applies it reads the embeddings' lengths back (two per
+frame) and makes blocking copies; outputs ``torch.equal`` to upstream's (the same
+ops on the same data), close to vLLM's own TORCH_SDPA tower and to a float64 copy
+(vLLM's own code, ``npu_shim.testing.attention_f64``). On vLLM 0.28 and later the
+patch stays out (upstream builds the sizes on the host); the gate still holds
+there with ``vllm.mm_encoder_host_lengths``.
+"""
+import pytest
+
+pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.30"),
+              pytest.mark.patch("vllm.glm4_1v_host_lengths", "vllm.mm_encoder_host_lengths",
+                                "vllm.mm_encoder_attn")]
+
+PATCH_NAME = "vllm.glm4_1v_host_lengths"
+TOWER = "GLM-4.1V"
+TOWER_TOL = 2e-4          # float32 tower vs. float64 / TORCH_SDPA, relative to max |reference|
+FAMILY = {"0.18": "0.18.0", "0.22": "0.19.1-0.23.0", "0.26": "0.26.0-0.27.1"}
+
+
+def vllm_minor():
+    from importlib.metadata import version
+
+    return ".".join(version("vllm").split(".")[:2])
+
+
+def applies():
+    return vllm_minor() in FAMILY
+
+
+@pytest.fixture(scope="module")
+def stack():
+    from npu_shim.testing import towers
+
+    return towers.setup()
+
+
+@pytest.fixture(params=["A2", "310P"])
+def device_class(request, monkeypatch):
+    if request.param == "310P":
+        from npu_shim.testing.towers import SOC_310P
+
+        monkeypatch.setenv("NPU_SHIM_EMULATE_SOC", SOC_310P)
+    return request.param
+
+
+def row():
+    import npu_shim
+
+    return next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
+
+
+def run(stack, tower, attention_class, x, grid, *, upstream):
+    import contextlib
+
+    import torch
+
+    from npu_shim.testing import count_host_syncs, towers
+
+    code = towers.upstream_code(stack, TOWER) if upstream else contextlib.nullcontext()
+    with torch.inference_mode(), towers.registered(attention_class), code:
+        with count_host_syncs(device_tensors=[x], device_modules=[tower]) as syncs:
+            out = tower(x, grid_thw=grid)
+    return out, syncs
+
+
+def embedding_reads(syncs):
+    """The reads made in vLLM's glm4_1v.py (the embeddings' repeat counts; 0.18.0's tolist)."""
+    return sum("models/glm4_1v.py:" in str(event) for event in syncs.events)
+
+
+def test_status(stack):
+    found = row()
+    if applies():
+        assert (found["state"], found["family"]) == ("applied", FAMILY[vllm_minor()]), found
+    else:
+        assert found["state"] == "skipped" and "0.28.0 and later" in found["reason"], found
+
+
+def test_whole_tower_forward_reads_nothing_back(stack, device_class):
+    import torch
+
+    from npu_shim.testing import towers
+
+    patched = towers.build_tower(stack, TOWER, stack.attention[device_class])
+    upstream = towers.build_tower(stack, TOWER, stack.upstream[device_class])
+    sdpa = towers.build_tower(stack, TOWER, None)
+    for forward in range(2):
+        grid = towers.grids(forward)
+        frames = sum(t for t, _, _ in grid)
+        x = towers.pixel_values(patched, grid, seed=forward)
+        out, syncs = run(stack, patched, stack.attention[device_class], x, grid, upstream=False)
+        up, up_syncs = run(stack, upstream, stack.upstream[device_class], x, grid, upstream=True)
+        sd, _ = run(stack, sdpa, None, x, grid, upstream=True)
+        print("GLM-4.1V vllm %s %s forward %d: upstream %s -> shim %s" % (
+            vllm_minor(), device_class, forward, up_syncs.summary(), syncs.summary()))
+        assert syncs.count == 0, [str(e) for e in syncs.events]
+        assert syncs.h2d_count == 0, [str(e) for e in syncs.h2d_events]
+        assert up_syncs.count > 0, up_syncs.summary()              # the attention's read(s), at least
+        if applies():
+            tolist = 1 if vllm_minor() == "0.18" else 0            # 0.18.0's tolist of the device cu_seqlens
+            assert embedding_reads(up_syncs) == 2 * frames + tolist, [str(e) for e in up_syncs.events]
+            assert up_syncs.h2d_count > 0, up_syncs.summary()
+        else:
+            assert embedding_reads(up_syncs) == 0, [str(e) for e in up_syncs.events]
+        assert torch.equal(out, up)
+        with towers.upstream_code(stack, TOWER):
+            ref = towers.reference_forward(stack, TOWER, x, grid)
+        scale = max(1.0, ref.abs().max().item())
+        assert (out.double() - ref).abs().max().item() <= TOWER_TOL * scale
+        assert (out - sd).abs().max().item() <= TOWER_TOL * scale
+
+
+def test_replacements_name_upstream_and_upstream_code_restores_them(stack):
+    if not applies():
+        pytest.skip("vLLM %s builds the embedding sizes on the host: the patch is out" % vllm_minor())
+    from npu_shim.testing import towers
+
+    module = stack.modules[TOWER]
+    classes = (module.Glm4vVisionEmbeddings, module.Glm4vVisionTransformer)
+    replaced = {(cls.__name__, name): value for cls in classes for name, value in vars(cls).items()
+                if hasattr(value, "__wrapped_upstream__")}
+    assert replaced, "nothing replaced"
+    for value in replaced.values():
+        assert value.__wrapped_upstream__.__code__.co_filename == module.__file__
+    with towers.upstream_code(stack, TOWER):
+        for (cls_name, name), value in replaced.items():
+            assert vars(getattr(module, cls_name))[name] is value.__wrapped_upstream__
+    for (cls_name, name), value in replaced.items():
+        assert vars(getattr(module, cls_name))[name] is value
+
+
+def test_device_lengths_run_upstreams_embeddings(stack):
+    """Lengths that are not on the host go to upstream's embeddings, which read them (the same
+    output as the host lengths give)."""
+    if not applies():
+        pytest.skip("vLLM %s builds the embedding sizes on the host: the patch is out" % vllm_minor())
+    import torch
+
+    from npu_shim.testing import count_host_syncs, towers
+
+    tower = towers.build_tower(stack, TOWER, stack.attention["A2"])
+    embeddings = tower.embeddings
+    h = torch.arange(4).repeat_interleave(4).repeat(2)
+    w = torch.arange(4).repeat(4).repeat(2)
+    x = torch.zeros(32, embeddings.embed_dim)
+    shapes = torch.tensor([[2, 4, 4]])
+    device_lengths = torch.tensor([16, 16])
+    with torch.inference_mode(), count_host_syncs(device_tensors=[device_lengths, x],
+                                                  device_modules=[tower]) as syncs:
+        from_device = embeddings(x, device_lengths, shapes, h, w)
+    assert syncs.count == 2 * 2, syncs.summary()                    # upstream's path: two per frame
+    with torch.inference_mode(), count_host_syncs(device_tensors=[x], device_modules=[tower]) as syncs:
+        from_host = embeddings(x, [16, 16], shapes, h, w)
+    assert syncs.count == 0 and syncs.h2d_count == 0, syncs.summary()
+    assert torch.equal(from_device, from_host)
+
+
+def _another_forward(self, embeddings, lengths, image_shapes, h_coords, w_coords):
+    return embeddings
+
+
+def test_checks_refuse_another_body(stack):
+    """Each family accepts only the body its replacement was written from."""
+    if not applies():
+        pytest.skip("vLLM %s builds the embedding sizes on the host: the patch is out" % vllm_minor())
+    import types
+
+    from npu_shim.patch import TargetMismatch
+    from npu_shim.patches.vllm.glm4_1v_host_lengths import families
+
+    module = stack.modules[TOWER]
+    family = {"0.18.0": families.COPY_THEN_TOLIST, "0.19.1-0.23.0": families.TOWER_COPY,
+              "0.26.0-0.27.1": families.ENCODER_METADATA}[row()["family"]]
+    original = vars(module.Glm4vVisionEmbeddings)["forward"].__wrapped_upstream__
+    other = type(module.Glm4vVisionEmbeddings.__name__, (), {"forward": _another_forward})
+    fake = types.SimpleNamespace(__name__=module.__name__, Glm4vVisionEmbeddings=other,
+                                 Glm4vVisionTransformer=module.Glm4vVisionTransformer)
+    with pytest.raises(TargetMismatch):
+        families._check_embeddings(other)
+    with pytest.raises(TargetMismatch):
+        family.check(fake)
+    assert families._digest(original) in families.EMBEDDINGS_FORWARD
+
+
+STRICT_CODE = """
+import json, npu_shim
+from npu_shim.patches.vllm.glm4_1v_host_lengths import families
+families.EMBEDDINGS_FORWARD.clear()          # as if the installed embeddings were another body
+from npu_shim.testing import towers
+m = towers.setup().modules["GLM-4.1V"]
+row = next(r for r in npu_shim.status() if r["name"] == %r)
+print(json.dumps([row["state"], row["reason"], hasattr(m.Glm4vVisionEmbeddings.forward, "__wrapped_upstream__")]))
+""" % PATCH_NAME
+
+
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_a_mismatch_inside_the_window_skips_or_raises_in_strict_mode(stack, strict):
+    if not applies():
+        pytest.skip("vLLM %s is outside the window: no family is asked" % vllm_minor())
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NPU_SHIM_STRICT=strict)
+    env.pop("NPU_SHIM_DISABLE", None)
+    proc = subprocess.run([sys.executable, "-P", "-c", STRICT_CODE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if strict == "1":
+        assert proc.returncode != 0
+        assert "PatchError" in proc.stderr and "not the body" in proc.stderr, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        state, reason, patched = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert state == "skipped" and "not the body" in reason and not patched, (state, reason)
+
+
+def test_disable_switch(stack):
+    from npu_shim.testing import towers
+
+    assert towers.state_with_disabled(PATCH_NAME) == "disabled"
+
+
+def test_selftest(stack):
+    if not applies():
+        pytest.skip("vLLM %s builds the embedding sizes on the host: the patch is out, "
+                    "its selftest runs only the patched path" % vllm_minor())
+    from npu_shim.selftest import vllm_glm4_1v_host_lengths as selftest
+
+    result = selftest.run(device="cpu")
+    assert result["max_abs_err"] <= result["tolerance"], result
+    assert result["host_syncs"] == 0, result
