@@ -66,14 +66,22 @@ def run_pytest(junit_path, pytest_args, env):
 # registered with its real __path__ but without running that __init__; the real
 # ``vllm_ascend.ops.mm_encoder_attention`` file is then imported by the shim as usual.
 STATUS_SNIPPET = """
-import importlib.util, sys
+import contextlib, importlib.util, sys
 if importlib.util.find_spec("vllm_ascend") is not None:
     from npu_shim.testing.isolation import import_vllm_ascend_ops_module
     import_vllm_ascend_ops_module()
+placeholder = contextlib.nullcontext()
+if importlib.util.find_spec("vllm") is not None:
+    from npu_shim.testing.towers import placeholder_torchvision
+    placeholder = placeholder_torchvision()
 from npu_shim.cli import main
-sys.exit(main(["status", "--json", "--import"]))
+with placeholder:
+    status = main(["status", "--json", "--import"])
+sys.exit(status)
 """
-STATUS_NOTE = "status: npu-shim status --json --import (vllm_ascend.ops loaded without its __init__)"
+STATUS_NOTE = ("status: npu-shim status --json --import (vllm_ascend.ops loaded without its __init__; "
+               "torchvision, which vLLM's GLM-4.1V module imports and the lanes do not install, as the "
+               "tests' import-only placeholder)")
 
 
 def patch_status(env):

@@ -139,7 +139,7 @@ def setup():
         from vllm.config import set_current_vllm_config
         import vllm.utils.torch_utils as torch_utils
 
-        with set_current_vllm_config(stack.config), towers._placeholder_torchvision():
+        with set_current_vllm_config(stack.config), towers.placeholder_torchvision():
             for name, spec in CENSUS.items():
                 _MODULES[name] = importlib.import_module(spec.module)
         for module in (torch_utils, *_MODULES.values()):

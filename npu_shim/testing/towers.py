@@ -113,7 +113,11 @@ TOWERS = {
 
 
 @contextlib.contextmanager
-def _placeholder_torchvision():
+def placeholder_torchvision():
+    """Import-only placeholders for ``torchvision`` (and the transforms modules vLLM's GLM-4.1V
+    and Qwen processors import at module top) while the block runs, where torchvision is not
+    installed (it has no CPU build on the lanes' index; the towers never call it). Any use of
+    one raises RuntimeError naming it."""
     if importlib.util.find_spec("torchvision") is not None:
         yield
         return
@@ -186,7 +190,7 @@ def setup(emulate=True):
                 world_size=1, rank=0, local_rank=0, distributed_init_method="file://" + init_file.name,
                 backend="gloo")
             parallel_state.ensure_model_parallel_initialized(1, 1)
-        with _placeholder_torchvision():
+        with placeholder_torchvision():
             modules = {name: importlib.import_module(spec[0]) for name, spec in TOWERS.items()}
             modules["Kimi-VL"] = importlib.import_module(MOONVIT[0])
             modules["Kimi-VL model"] = importlib.import_module(MOONVIT[3])
