@@ -15,6 +15,8 @@ BUILTIN_PATCHES = (
     ("vllm.mm_encoder_attn_310p", "npu_shim.patches.vllm_ascend.mm_encoder_attn_310p"),
     ("vllm.mm_encoder_host_lengths", "npu_shim.patches.vllm.mm_encoder_host_lengths"),
     ("vllm.qwen2_5_vl_host_lengths", "npu_shim.patches.vllm.qwen2_5_vl_host_lengths"),
+    ("vllm.qwen2_vl_host_lengths", "npu_shim.patches.vllm.qwen2_vl_host_lengths"),
+    ("vllm.qwen3_omni_vision_host_lengths", "npu_shim.patches.vllm.qwen3_omni_vision_host_lengths"),
     ("vllm.kimi_vl_host_grid", "npu_shim.patches.vllm.kimi_vl_host_grid"),
     ("vllm.glm4_1v_host_lengths", "npu_shim.patches.vllm.glm4_1v_host_lengths"),
     ("sglang.cp_fia", "npu_shim.patches.sglang.cp_fia"),

@@ -5,10 +5,12 @@ untouched ``AscendMMEncoderAttention``) -> with ``vllm.mm_encoder_host_lengths``
 
 Towers, stand-ins and how each is called: :mod:`npu_shim.testing.census`. A2, in
 ``torch.inference_mode()``, two forwards with different grids, each with a
-multi-frame item. The attention change reaches only the ``cu_seqlens`` vLLM
-copies through ``MMEncoderAttention.maybe_recompute_cu_seqlens``; where a tower
-copies it another way, vllm.mm_encoder_attn's one read per tensor per forward
-stays, and the counts below say so.
+multi-frame item. The attention change reaches the ``cu_seqlens`` vLLM copies
+through ``MMEncoderAttention.maybe_recompute_cu_seqlens``, and the copies Qwen2-VL
+and Qwen3-Omni's vision tower make themselves (``vllm.qwen2_vl_host_lengths``,
+``vllm.qwen3_omni_vision_host_lengths``); where a tower builds ``cu_seqlens`` on
+the device, vllm.mm_encoder_attn's one read per tensor per forward stays, and
+the counts below say so.
 
 Gate: the shim's count per forward as measured (the comment on each row says
 what remains and why), upstream's beside it; outputs ``torch.equal`` to
@@ -19,22 +21,26 @@ attention is ``npu_shim.testing.attention_f64``.
 import pytest
 
 pytestmark = [pytest.mark.lanes("latest-vllm", "vllm-0.30"),
-              pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn")]
+              pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn",
+                                "vllm.qwen2_vl_host_lengths", "vllm.qwen3_omni_vision_host_lengths")]
 
 TOWER_TOL = 2e-4          # float32 tower vs. float64 / TORCH_SDPA, relative to max |reference|
 ATTENTION_READ = "mm_encoder/common.py"     # vllm.mm_encoder_attn's one read of a cu_seqlens tensor
 
+# towers whose cu_seqlens is built on the device: vllm.mm_encoder_attn's one read stays
+ATTENTION_READS_ONCE = ("dots.ocr", "Ernie4.5-VL")
+
 # tower: ((upstream, shim) for forward 0, (upstream, shim) for forward 1), the same in vLLM
 # 0.26.0 and 0.30.0. Upstream reads cu_seqlens back once per layer (3 layers here).
 EXPECTED = {
-    # 1 left: the attention's read. cu_seqlens is built with NumPy on the host, but copied by
-    # the tower itself (0.26: .to(device, non_blocking=True); 0.30: async_tensor_h2d), not
-    # through maybe_recompute_cu_seqlens, so no host copy is kept for the attention.
-    "Qwen2-VL": ((3, 1), (3, 1)),
-    # 1 left: the attention's read. cu_seqlens is built on the host from the host grid
-    # (repeat_interleave) and copied by the tower (0.26: .to(device); 0.30: async_tensor_h2d);
-    # the host sequence_lengths it also passes are not what vllm-ascend's class uses.
-    "Qwen3-Omni": ((3, 1), (3, 1)),
+    # 0 left: cu_seqlens is built with NumPy on the host and copied by the tower itself
+    # (0.26: .to(device, non_blocking=True); 0.30: async_tensor_h2d); vllm.qwen2_vl_host_lengths
+    # keeps the host array on the copy, so the attention reads nothing (without it: 1).
+    "Qwen2-VL": ((3, 0), (3, 0)),
+    # 0 left: cu_seqlens is built on the host from the host grid (repeat_interleave) and copied
+    # by the tower (0.26: .to(device, non_blocking=True); 0.30: async_tensor_h2d);
+    # vllm.qwen3_omni_vision_host_lengths keeps the grid's host lengths on the copy (without it: 1).
+    "Qwen3-Omni": ((3, 0), (3, 0)),
     # 2 left: cu_seqlens is built on the device (grid list -> torch.tensor(device=...), a
     # blocking copy), so repeat_interleave with device repeats reads them back (shape), and
     # the attention reads cu_seqlens once.
@@ -86,7 +92,7 @@ def test_census(stack, name):
         assert (up_syncs.count, syncs.count) == EXPECTED[name][forward], \
             (up_syncs.summary(), [str(e) for e in syncs.events])
         attention_reads = sum(ATTENTION_READ in e.location for e in syncs.events)
-        assert attention_reads == (0 if name == "LLaVA-OneVision-2" else 1), syncs.summary()
+        assert attention_reads == (1 if name in ATTENTION_READS_ONCE else 0), syncs.summary()
         assert syncs.h2d_count == up_syncs.h2d_count
         assert torch.equal(out, up)
         ref = census.reference_forward(stack, name, x, grid)

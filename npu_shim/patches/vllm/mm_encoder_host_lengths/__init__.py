@@ -27,7 +27,9 @@ Window: vllm 0.18.0 (``torch.from_numpy(...).to(device, non_blocking=True)``),
   0.26.0 and 0.30.0 (``async_tensor_h2d``, from 0.24.0), read in the wheels
   and run in the lanes. Towers
   that copy ``cu_seqlens`` themselves instead: Qwen2.5-VL in 0.18.0 .. 0.21.0
-  (served by ``vllm.qwen2_5_vl_host_lengths``); GLM-4.1V in 0.18.0 ..
+  (served by ``vllm.qwen2_5_vl_host_lengths``); Qwen2-VL from 0.22 and
+  Qwen3-Omni's vision tower from 0.24 (served by ``vllm.qwen2_vl_host_lengths``
+  and ``vllm.qwen3_omni_vision_host_lengths``); GLM-4.1V in 0.18.0 ..
   0.23.0 (served by ``vllm.glm4_1v_host_lengths``).
 Upstream fix: none (vllm-ascend reads ``cu_seqlens`` back in every release read).
 Remove when: vllm-ascend's attention takes host lengths from vLLM for every tower.

@@ -1,0 +1,122 @@
+"""Release families of ``vllm.qwen3_omni_vision_host_lengths`` (on ``Qwen3Omni_VisionTransformer``).
+
+``forward(self, x, grid_thw)`` builds ``cu_seqlens`` from ``grid_thw``
+(``repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])``),
+copies it with ``cu_seqlens.to(self.device, non_blocking=True)`` (0.24.0 ..
+0.29.0) or ``async_tensor_h2d(cu_seqlens, self.device)`` (0.30.0), hands the
+copy to ``self.compute_attn_mask_seqlen``, then rebuilds the same lengths in
+NumPy from ``grid_thw.cpu().numpy()``. ``check`` looks for that shape (and
+says "not needed" where the copy goes through ``maybe_recompute_cu_seqlens``).
+``build`` wraps ``forward`` (notes its ``grid_thw``) and
+``compute_attn_mask_seqlen`` (keeps the host lengths of a host grid on the
+device tensor it is given).
+"""
+import inspect
+import threading
+
+import numpy as np
+import torch
+
+from npu_shim.patch import NotNeeded, TargetMismatch
+from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+from npu_shim.patches.vllm.qwen3_omni_vision_host_lengths import PATCH_NAME
+
+METHOD = "compute_attn_mask_seqlen"
+PARAMS = ("self", "cu_seqlens")
+FORWARD_PARAMS = ("self", "x", "grid_thw")
+BUILT = "cu_seqlens = torch.repeat_interleave( grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0] )"
+CALL = "max_seqlen = self.compute_attn_mask_seqlen(cu_seqlens)"
+REBUILT = ("cu_seqlens_np = np.repeat( grid_thw_np[:, 1] * grid_thw_np[:, 2], grid_thw_np[:, 0] )"
+           ".cumsum(axis=0, dtype=np.int32)")
+
+
+def host_lengths(grid_thw):
+    """``cu_seqlens`` of a host ``grid_thw`` tensor, as the tower's ``cu_seqlens_np``; None if
+    the grid is not a 2-D host tensor."""
+    if not isinstance(grid_thw, torch.Tensor) or grid_thw.device.type != "cpu" or grid_thw.dim() != 2:
+        return None
+    grid = grid_thw.numpy()
+    lengths = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0]).cumsum(axis=0, dtype=np.int32)
+    return torch.from_numpy(np.concatenate([np.zeros(1, dtype=np.int32), lengths]))
+
+
+def keep_host(device, grid_thw):
+    """Keep the host lengths of ``grid_thw`` on ``device`` (its ``cu_seqlens``) where they match."""
+    if not isinstance(device, torch.Tensor) or device.dim() != 1 or device.dtype != torch.int32 \
+            or record.ATTR in device.__dict__:
+        return
+    host = host_lengths(grid_thw)
+    if host is not None and host.shape == device.shape:
+        record.remember(device, host)
+
+
+def _defined(cls, name):
+    function = vars(cls).get(name)
+    if not inspect.isfunction(function):
+        raise TargetMismatch("%s.%s is not a function defined by the class" % (cls.__name__, name))
+    return function
+
+
+class _ForwardCopy:
+    def __init__(self, copy, op):
+        self.copy = copy                            # upstream's copy statement
+        self.op = op
+
+    def check(self, cls):
+        params = tuple(inspect.signature(_defined(cls, METHOD)).parameters)
+        if params != PARAMS:
+            raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
+        forward = _defined(cls, "forward")
+        params = tuple(inspect.signature(forward).parameters)
+        if params != FORWARD_PARAMS:
+            raise TargetMismatch("%s.forward takes %s; the family knows %s" % (cls.__name__, params, FORWARD_PARAMS))
+        names = forward.__code__.co_names
+        if "maybe_recompute_cu_seqlens" in names:
+            raise NotNeeded("%s.forward copies cu_seqlens through MMEncoderAttention.maybe_recompute_cu_seqlens "
+                            "(vllm.mm_encoder_host_lengths)" % cls.__name__)
+        if METHOD not in names or self.op not in names:
+            raise TargetMismatch("%s.forward does not call %s and %s" % (cls.__name__, METHOD, self.op))
+        try:
+            text = " ".join(inspect.getsource(forward).split())
+        except (OSError, TypeError):
+            raise TargetMismatch("%s.forward: no source to find its cu_seqlens copy in" % cls.__name__)
+        steps = (BUILT, self.copy, CALL, REBUILT)
+        if not all(step in text for step in steps):
+            raise TargetMismatch("%s.forward does not %s" % (cls.__name__, " then ".join(
+                step for step in steps)))
+        places = [text.index(step) for step in steps]
+        if places != sorted(places):
+            raise TargetMismatch("%s.forward builds, copies and hands over cu_seqlens in another order"
+                                 % cls.__name__)
+
+    def build(self, cls):
+        compute, forward = _defined(cls, METHOD), _defined(cls, "forward")
+        local = threading.local()
+
+        def compute_attn_mask_seqlen(self, cu_seqlens):
+            grids = getattr(local, "grids", None)
+            if grids:
+                keep_host(cu_seqlens, grids[-1])
+            return compute(self, cu_seqlens)
+
+        def forward_(self, x, grid_thw):
+            grids = local.__dict__.setdefault("grids", [])
+            grids.append(grid_thw)
+            try:
+                return forward(self, x, grid_thw)
+            finally:
+                grids.pop()
+
+        for new, original in ((compute_attn_mask_seqlen, compute), (forward_, forward)):
+            new.__name__ = original.__name__
+            new.__qualname__ = original.__qualname__
+            new.__doc__ = ("npu-shim (%s) replacement of %s.%s: upstream's, and the host lengths of a host "
+                           "grid kept on the device cu_seqlens; see %s."
+                           % (PATCH_NAME, original.__module__, original.__qualname__, __name__))
+            new.__signature__ = inspect.signature(original)
+            new.__wrapped_upstream__ = original
+        return {METHOD: compute_attn_mask_seqlen, "forward": forward_}
+
+
+TENSOR_TO = _ForwardCopy("cu_seqlens = cu_seqlens.to(self.device, non_blocking=True)", "to")
+ASYNC_H2D = _ForwardCopy("cu_seqlens = async_tensor_h2d(cu_seqlens, self.device)", "async_tensor_h2d")

@@ -1,0 +1,44 @@
+"""One whole forward of a census tower (:mod:`npu_shim.testing.census`) for the selftests of
+the patches that serve those towers: the largest deviation from the same tower in float64
+with the reference attention, the device->host reads of the forward, the time, the family."""
+import time
+
+TOLERANCE = {"float32": 2e-4}
+
+
+def run_tower(name, patch_name, device=None):
+    """One forward of census tower ``name`` with vllm-ascend's ``AscendMMEncoderAttention``
+    (A2) in ``torch.inference_mode()``; the family reported is ``patch_name``'s."""
+    import torch
+
+    from npu_shim import status
+    from npu_shim.testing import census, count_host_syncs, towers
+
+    device = device or "cpu"
+    stack = census.setup()
+    family = next(r for r in status() if r["name"] == patch_name)["family"]
+    attention = stack.attention["A2"]
+    tower = census.build(stack, name, attention)
+    grid = census.grids(0)
+    x = census.pixel_values(name, tower, grid)
+    tower.to(device)
+    x_on_device = x.to(device)
+    arg = census.CENSUS[name].grid_arg(grid)
+    started = time.perf_counter()
+    with torch.inference_mode(), towers.registered(attention), \
+            count_host_syncs(device_tensors=[x_on_device], device_modules=[tower]) as syncs:
+        out = census.CENSUS[name].call(tower, x_on_device, arg)
+    if device != "cpu":
+        torch.npu.synchronize()
+    seconds = time.perf_counter() - started
+    tower.to("cpu")
+    ref = census.reference_forward(stack, name, x, grid)
+    err = (out.double().cpu() - ref).abs().max().item() / max(1.0, ref.abs().max().item())
+    return {
+        "max_abs_err": err,
+        "tolerance": TOLERANCE["float32"],
+        "host_syncs": syncs.count,
+        "seconds": seconds,
+        "detail": "vLLM %s vision tower (%d blocks), grid %s, float32 on %s, family %s; error relative "
+                  "to max |reference|" % (name, len(tower.blocks), grid, device, family),
+    }
