@@ -1,4 +1,5 @@
-"""Lets lane tests import their helper package ``sglang_support``.
+"""Lets lane tests import their helper package ``sglang_support``, and holds the
+fixtures the vision-tower tests share.
 
 pytest runs in importlib mode (test basenames repeat across lanes), which does
 not put test directories on ``sys.path``.
@@ -6,6 +7,19 @@ not put test directories on ``sys.path``.
 import os
 import sys
 
+import pytest
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
+
+
+@pytest.fixture(params=["A2", "310P"])
+def device_class(request, monkeypatch):
+    """vllm-ascend's device class under test: A2, or 310P (the emulation's SoC set to a 310P
+    for the test, so vllm-ascend's own SoC check takes its 310P path)."""
+    if request.param == "310P":
+        from npu_shim.testing.towers import SOC_310P
+
+        monkeypatch.setenv("NPU_SHIM_EMULATE_SOC", SOC_310P)
+    return request.param

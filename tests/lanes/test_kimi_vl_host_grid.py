@@ -44,15 +44,6 @@ def stack():
     return towers.setup()
 
 
-@pytest.fixture(params=["A2", "310P"])
-def device_class(request, monkeypatch):
-    if request.param == "310P":
-        from npu_shim.testing.towers import SOC_310P
-
-        monkeypatch.setenv("NPU_SHIM_EMULATE_SOC", SOC_310P)
-    return request.param
-
-
 def grid_reads(syncs):
     """The reads made in vLLM's moonvit.py (the grid's ``tolist()``; the attention's are elsewhere)."""
     return sum("models/moonvit.py:" in str(event) for event in syncs.events)

@@ -37,15 +37,6 @@ def stack():
     return towers.setup()
 
 
-@pytest.fixture(params=["A2", "310P"])
-def device_class(request, monkeypatch):
-    if request.param == "310P":
-        from npu_shim.testing.towers import SOC_310P
-
-        monkeypatch.setenv("NPU_SHIM_EMULATE_SOC", SOC_310P)
-    return request.param
-
-
 def vllm_minor():
     from importlib.metadata import version
 

@@ -22,6 +22,7 @@ from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.vllm.glm4_1v_host_lengths import EMBEDDINGS, PATCH_NAME, TOWER
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
 from npu_shim.patches.vllm.qwen2_5_vl_host_lengths.families import keep_at_next_copy
+from npu_shim.patches._structure import own_function
 
 HOST = torch.device("cpu")
 
@@ -46,13 +47,6 @@ def _digest(function):
         node.body = body[1:] or [ast.Pass()]
     node.decorator_list = []
     return hashlib.sha256(ast.unparse(node).encode()).hexdigest()[:12]
-
-
-def _own_function(cls, name):
-    function = vars(cls).get(name)
-    if not inspect.isfunction(function):
-        raise TargetMismatch("%s.%s is not a function defined by the class" % (cls.__name__, name))
-    return function
 
 
 def _classes(module):
@@ -249,7 +243,7 @@ def attn_mask_seqlen_keeping_host(original):
 
 
 def _check_embeddings(embeddings):
-    forward = _own_function(embeddings, "forward")
+    forward = own_function(embeddings, "forward")
     source = " ".join(inspect.getsource(forward).split())
     if all(name in source for name in FIXED_UPSTREAM):
         raise NotNeeded("%s.forward builds the target sizes on the host (np.repeat) and copies them with "
@@ -264,12 +258,12 @@ class _CopyThenTolist:
     def check(self, module):
         embeddings, tower = _classes(module)
         _check_embeddings(embeddings)
-        _expect(_own_function(tower, "forward"), TOWER_FORWARD_0_18, "0.18.0's tower forward")
+        _expect(own_function(tower, "forward"), TOWER_FORWARD_0_18, "0.18.0's tower forward")
 
     def build(self, module):
         embeddings, tower = _classes(module)
-        return {EMBEDDINGS + ".forward": embeddings_forward(_own_function(embeddings, "forward")),
-                TOWER + ".forward": tower_forward_0_18(_own_function(tower, "forward"))}
+        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward")),
+                TOWER + ".forward": tower_forward_0_18(own_function(tower, "forward"))}
 
 
 class _TowerCopy:
@@ -283,7 +277,7 @@ class _TowerCopy:
     def check(self, module):
         embeddings, tower = _classes(module)
         _check_embeddings(embeddings)
-        forward = _own_function(tower, "forward")
+        forward = own_function(tower, "forward")
         if "maybe_recompute_cu_seqlens" in forward.__code__.co_names or "prepare_encoder_metadata" in \
                 forward.__code__.co_names:
             raise TargetMismatch("%s.forward builds its metadata elsewhere" % TOWER)
@@ -291,15 +285,15 @@ class _TowerCopy:
         at = [text.find(line) for line in self.ORDER]
         if -1 in at or at != sorted(at):
             raise TargetMismatch("%s.forward does not %s, in that order" % (TOWER, "; ".join(self.ORDER)))
-        params = tuple(inspect.signature(_own_function(tower, "compute_attn_mask_seqlen")).parameters)
+        params = tuple(inspect.signature(own_function(tower, "compute_attn_mask_seqlen")).parameters)
         if params != ("self", "cu_seqlens"):
             raise TargetMismatch("%s.compute_attn_mask_seqlen takes %s" % (TOWER, params))
 
     def build(self, module):
         embeddings, tower = _classes(module)
-        return {EMBEDDINGS + ".forward": embeddings_forward(_own_function(embeddings, "forward")),
+        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward")),
                 TOWER + ".compute_attn_mask_seqlen": attn_mask_seqlen_keeping_host(
-                    _own_function(tower, "compute_attn_mask_seqlen"))}
+                    own_function(tower, "compute_attn_mask_seqlen"))}
 
 
 class _EncoderMetadata:
@@ -309,23 +303,23 @@ class _EncoderMetadata:
     def check(self, module):
         embeddings, tower = _classes(module)
         _check_embeddings(embeddings)
-        forward = _own_function(tower, "forward")
+        forward = own_function(tower, "forward")
         if "encoder_metadata" not in inspect.signature(forward).parameters:
             raise TargetMismatch("%s.forward takes no encoder_metadata" % TOWER)
         if "prepare_encoder_metadata" not in forward.__code__.co_names:
             raise TargetMismatch("%s.forward does not call prepare_encoder_metadata" % TOWER)
-        prepare = _own_function(tower, "prepare_encoder_metadata")
+        prepare = own_function(tower, "prepare_encoder_metadata")
         names = prepare.__code__.co_names
         if "pos_embeds_interpolate" not in names or "maybe_recompute_cu_seqlens" not in names:
             raise TargetMismatch("%s.prepare_encoder_metadata does not call pos_embeds_interpolate and "
                                  "maybe_recompute_cu_seqlens" % TOWER)
-        _expect(_own_function(tower, "pos_embeds_interpolate"), POS_EMBEDS_INTERPOLATE,
+        _expect(own_function(tower, "pos_embeds_interpolate"), POS_EMBEDS_INTERPOLATE,
                 "the pos_embeds_interpolate replacement")
 
     def build(self, module):
         embeddings, tower = _classes(module)
-        return {EMBEDDINGS + ".forward": embeddings_forward(_own_function(embeddings, "forward")),
-                TOWER + ".forward": tower_forward_with_host_shapes(_own_function(tower, "forward"))}
+        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward")),
+                TOWER + ".forward": tower_forward_with_host_shapes(own_function(tower, "forward"))}
 
 
 COPY_THEN_TOLIST = _CopyThenTolist()

@@ -18,6 +18,7 @@ import torch
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
 from npu_shim.patches.vllm.qwen2_vl_host_lengths import PATCH_NAME
+from npu_shim.patches._structure import own_function
 
 METHOD = "compute_attn_mask_seqlen"
 COPIER = "prepare_encoder_metadata"
@@ -38,23 +39,16 @@ def keep_host(metadata, seen):
     record.remember(device, host)
 
 
-def _defined(cls, name):
-    function = vars(cls).get(name)
-    if not inspect.isfunction(function):
-        raise TargetMismatch("%s.%s is not a function defined by the class" % (cls.__name__, name))
-    return function
-
-
 class _MetadataCopy:
     def __init__(self, copy, op):
         self.copy = '"cu_seqlens": ' + copy          # the entry of the dict upstream returns
         self.op = op                                # the name the copy calls
 
     def check(self, cls):
-        params = tuple(inspect.signature(_defined(cls, METHOD)).parameters)
+        params = tuple(inspect.signature(own_function(cls, METHOD)).parameters)
         if params != PARAMS:
             raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
-        copier = _defined(cls, COPIER)
+        copier = own_function(cls, COPIER)
         names = copier.__code__.co_names
         if "maybe_recompute_cu_seqlens" in names:
             raise NotNeeded("%s.%s copies cu_seqlens through MMEncoderAttention.maybe_recompute_cu_seqlens "
@@ -72,7 +66,7 @@ class _MetadataCopy:
                                  % (cls.__name__, COPIER, METHOD))
 
     def build(self, cls):
-        compute, prepare = _defined(cls, METHOD), _defined(cls, COPIER)
+        compute, prepare = own_function(cls, METHOD), own_function(cls, COPIER)
         local = threading.local()
 
         def compute_attn_mask_seqlen(self, cu_seqlens):

@@ -20,6 +20,7 @@ import torch
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
 from npu_shim.patches.vllm.qwen3_omni_vision_host_lengths import PATCH_NAME
+from npu_shim.patches._structure import own_function
 
 METHOD = "compute_attn_mask_seqlen"
 PARAMS = ("self", "cu_seqlens")
@@ -50,23 +51,16 @@ def keep_host(device, grid_thw):
         record.remember(device, host)
 
 
-def _defined(cls, name):
-    function = vars(cls).get(name)
-    if not inspect.isfunction(function):
-        raise TargetMismatch("%s.%s is not a function defined by the class" % (cls.__name__, name))
-    return function
-
-
 class _ForwardCopy:
     def __init__(self, copy, op):
         self.copy = copy                            # upstream's copy statement
         self.op = op
 
     def check(self, cls):
-        params = tuple(inspect.signature(_defined(cls, METHOD)).parameters)
+        params = tuple(inspect.signature(own_function(cls, METHOD)).parameters)
         if params != PARAMS:
             raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
-        forward = _defined(cls, "forward")
+        forward = own_function(cls, "forward")
         params = tuple(inspect.signature(forward).parameters)
         if params != FORWARD_PARAMS:
             raise TargetMismatch("%s.forward takes %s; the family knows %s" % (cls.__name__, params, FORWARD_PARAMS))
@@ -90,7 +84,7 @@ class _ForwardCopy:
                                  % cls.__name__)
 
     def build(self, cls):
-        compute, forward = _defined(cls, METHOD), _defined(cls, "forward")
+        compute, forward = own_function(cls, METHOD), own_function(cls, "forward")
         local = threading.local()
 
         def compute_attn_mask_seqlen(self, cu_seqlens):

@@ -56,6 +56,7 @@ import torch
 from npu_shim.engine import counters
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches._transient import Transient
+from npu_shim.patches._structure import own_function
 
 __all__ = ["LayerState", "count", "host_values", "vllms_host_copy", "layer_state", "own_function", "check_params",
            "pad_head_dim", "repeat_kv_to_heads", "wrap", "PAD_MIN", "PAD_TO"]
@@ -181,13 +182,6 @@ def to_upstream_shape(out, query, head_size, num_heads):
 
 
 # -------------------------------------------------- structure and wrappers
-
-def own_function(cls, name):
-    function = vars(cls).get(name)
-    if not inspect.isfunction(function):
-        raise TargetMismatch("%s.%s is not a function defined by the class" % (cls.__name__, name))
-    return function
-
 
 def check_params(function, required, optional_tails, what):
     params = tuple(inspect.signature(function).parameters)
