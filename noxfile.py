@@ -267,8 +267,9 @@ def lane(session, lane):
 
 def lane_jobs():
     """How many lanes run at once: ``$NPU_SHIM_LANE_JOBS``, else one per CPU core. A lane is
-    one pytest process (and short-lived subprocesses of it) that keeps one core busy while it
-    imports vLLM or sglang; two on two cores took the run from 25 to about 14 minutes."""
+    one pytest process (and short-lived subprocesses of it) that keeps about one core busy, so
+    one per core comes close to halving the wall time (the figures of the last recorded run
+    are in benchmarks/results/ci-lanes.txt)."""
     value = os.environ.get("NPU_SHIM_LANE_JOBS", "")
     if value:
         if not value.isdigit() or int(value) < 1:

@@ -28,6 +28,7 @@ import argparse
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -175,6 +176,22 @@ def disk_use(top):
     return own, shared
 
 
+def drop_bytecode(venv):
+    """Remove the ``__pycache__`` directories under ``venv``, once the lane's tests and status
+    have run: the venv is installed without bytecode and made anew by every run, so what the
+    tests compiled on import is never read again (about 3 GiB over all lanes). Returns the
+    bytes freed."""
+    freed = 0
+    for directory, subdirs, _ in os.walk(venv):
+        if "__pycache__" in subdirs:
+            cache = os.path.join(directory, "__pycache__")
+            for entry in os.scandir(cache):
+                freed += entry.stat(follow_symlinks=False).st_size
+            shutil.rmtree(cache, ignore_errors=True)
+            subdirs.remove("__pycache__")
+    return freed
+
+
 def venv_size_mib():
     """This lane's venv (sys.prefix) in MiB: (own files, hardlinked files)."""
     own, shared = disk_use(sys.prefix)
@@ -207,9 +224,11 @@ def lane_costs(summary):
     def seconds(key):
         value = summary.get(key)
         return "?" if value is None else "%.0f" % value
-    return "Python %s, install %s s, tests %s s, venv %s MiB own + %s MiB hardlinked" % (
+    dropped = summary.get("bytecode_mib_dropped")
+    return "Python %s, install %s s, tests %s s, venv %s MiB own + %s MiB hardlinked%s" % (
         summary.get("python", "?"), seconds("install_seconds"), seconds("test_seconds"),
-        summary.get("venv_mib", "?"), summary.get("venv_shared_mib", "?"))
+        summary.get("venv_mib", "?"), summary.get("venv_shared_mib", "?"),
+        "" if dropped is None else " (after dropping %s MiB of test bytecode)" % dropped)
 
 
 def closing_line(counts):
@@ -249,6 +268,7 @@ def cmd_run(args):
         "test_seconds": round(test_seconds, 1),
         "python": "%d.%d.%d" % sys.version_info[:3],
     }
+    summary["bytecode_mib_dropped"] = round(drop_bytecode(sys.prefix) / 2**20)
     summary["venv_mib"], summary["venv_shared_mib"] = venv_size_mib()
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as handle:
         json.dump(summary, handle, indent=2, sort_keys=True)
