@@ -264,3 +264,17 @@ def test_cpu_is_device_with_placement_keeps_host_made_tensors_on_the_host():
         layer.weight.sum().item()                                 # made outside: device
         torch.arange(4, device=layer.weight.device).sum().item()  # placed on the device
     assert syncs.kinds() == {"item": 2}
+
+
+def test_to_with_copy_is_followed_like_any_to():
+    """``Tensor.to(..., copy=...)`` (vLLM 0.31's multimodal input norm passes it) is placement
+    like any ``.to``: a read when it leaves the device, a blocking copy when it arrives."""
+    anchor = _dev(0, 3)
+    host = torch.arange(3)
+    with count_host_syncs(device_tensors=[anchor], follow_placement=True) as syncs:
+        same = anchor.to(torch.float32, copy=False)                # stays on the device
+        host.to(anchor.device, copy=True)                          # blocking copy to the device
+        host.to(anchor.device, non_blocking=True, copy=True)       # not blocking
+        same.to("cpu", copy=True)                                  # a read
+    assert [e.kind for e in syncs.events] == ["to"]
+    assert syncs.h2d_count == 1

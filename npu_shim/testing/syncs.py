@@ -289,7 +289,9 @@ class _SyncMode(TorchFunctionMode):
                 c._record("cpu")
             return "host"
         if func is _T.to:
-            device, _dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            # _parse_to knows Tensor.to's placement arguments, not copy= (vLLM 0.31 passes it)
+            placement = {key: value for key, value in kwargs.items() if key != "copy"}
+            device, _dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **placement)
             other = args[1] if len(args) > 1 else kwargs.get("other")
             if isinstance(other, torch.Tensor) and device is not None \
                     and device.type == "cpu" and c.is_device(other):   # .to(device stand-in)
