@@ -22,7 +22,7 @@ from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.vllm.glm4_1v_host_lengths import EMBEDDINGS, PATCH_NAME, TOWER
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
 from npu_shim.patches.vllm.qwen2_5_vl_host_lengths.families import keep_at_next_copy
-from npu_shim.patches._structure import own_function
+from npu_shim.patches._structure import own_function, present_as
 
 HOST = torch.device("cpu")
 
@@ -74,11 +74,7 @@ def _host_list(lengths):
 
 
 def _mark(replacement, original, what):
-    replacement.__qualname__ = original.__qualname__
-    replacement.__doc__ = ("npu-shim (%s) replacement of %s.%s: %s; see %s."
-                           % (PATCH_NAME, original.__module__, original.__qualname__, what, __name__))
-    replacement.__signature__ = inspect.signature(original)
-    replacement.__wrapped_upstream__ = original
+    present_as(replacement, original, PATCH_NAME, what, __name__)
     return replacement
 
 

@@ -20,6 +20,7 @@ import torch
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches.vllm.kimi_vl_host_grid import PATCH_NAME, PROCESSOR, TOWER
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+from npu_shim.patches._structure import present_as
 
 FIELD = "image_grid_hws"
 DECLARED = 'image_grid_hws=MultiModalFieldConfig.batched("image")'
@@ -122,11 +123,7 @@ class _HostGrid:
         replaced = ((_get_mm_fields_config, fields_original),) if self.fields else ()
         replaced += ((forward, forward_original),)
         for new, original in replaced:
-            new.__qualname__ = original.__qualname__
-            new.__doc__ = ("npu-shim (%s) replacement of %s.%s: upstream's, see %s."
-                           % (PATCH_NAME, original.__module__, original.__qualname__, __name__))
-            new.__signature__ = inspect.signature(original)
-            new.__wrapped_upstream__ = original
+            present_as(new, original, PATCH_NAME, "upstream's, with the grid's host lengths kept", __name__)
         if not self.fields:
             return {TOWER + ".forward": forward}
         return {PROCESSOR + "._get_mm_fields_config": _get_mm_fields_config, TOWER + ".forward": forward}

@@ -16,6 +16,7 @@ import torch
 
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches.vllm.mm_encoder_host_lengths import PATCH_NAME, record
+from npu_shim.patches._structure import present_as
 
 METHOD = "maybe_recompute_cu_seqlens"
 PARAMS = ("cls", "attn_backend", "cu_seqlens", "hidden_size", "tp_size", "device")
@@ -64,12 +65,8 @@ class _Family:
             keep_host_copy(result, attn_backend, cu_seqlens)
             return result
 
-        maybe_recompute_cu_seqlens.__qualname__ = original.__qualname__
-        maybe_recompute_cu_seqlens.__doc__ = ("npu-shim (%s) replacement of %s.%s: upstream's, and the host "
-                                              "array kept on the tensor it returns; see %s."
-                                              % (PATCH_NAME, original.__module__, original.__qualname__, __name__))
-        maybe_recompute_cu_seqlens.__signature__ = inspect.signature(original)
-        maybe_recompute_cu_seqlens.__wrapped_upstream__ = original
+        present_as(maybe_recompute_cu_seqlens, original, PATCH_NAME,
+                   "upstream's, and the host array kept on the tensor it returns", __name__)
         return {METHOD: classmethod(maybe_recompute_cu_seqlens)}
 
 

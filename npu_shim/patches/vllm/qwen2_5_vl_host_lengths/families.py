@@ -18,6 +18,7 @@ import torch
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
 from npu_shim.patches.vllm.qwen2_5_vl_host_lengths import PATCH_NAME
+from npu_shim.patches._structure import present_as
 
 METHOD = "compute_attn_mask_seqlen"
 PARAMS = ("self", "cu_seqlens")
@@ -94,12 +95,8 @@ class _TowerCopy:
             keep_at_next_copy(cu_seqlens)
             return result
 
-        compute_attn_mask_seqlen.__qualname__ = original.__qualname__
-        compute_attn_mask_seqlen.__doc__ = ("npu-shim (%s) replacement of %s.%s: upstream's, then the host "
-                                            "tensor's next copy keeps its values; see %s."
-                                            % (PATCH_NAME, original.__module__, original.__qualname__, __name__))
-        compute_attn_mask_seqlen.__signature__ = inspect.signature(original)
-        compute_attn_mask_seqlen.__wrapped_upstream__ = original
+        present_as(compute_attn_mask_seqlen, original, PATCH_NAME,
+                   "upstream's, then the host tensor's next copy keeps its values", __name__)
         return {METHOD: compute_attn_mask_seqlen}
 
 

@@ -18,7 +18,7 @@ import torch
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
 from npu_shim.patches.vllm.qwen2_vl_host_lengths import PATCH_NAME
-from npu_shim.patches._structure import own_function
+from npu_shim.patches._structure import own_function, present_as
 
 METHOD = "compute_attn_mask_seqlen"
 COPIER = "prepare_encoder_metadata"
@@ -87,12 +87,8 @@ class _MetadataCopy:
             return metadata
 
         for new, original in ((compute_attn_mask_seqlen, compute), (prepare_encoder_metadata, prepare)):
-            new.__qualname__ = original.__qualname__
-            new.__doc__ = ("npu-shim (%s) replacement of %s.%s: upstream's, and the host cu_seqlens kept on "
-                           "the device copy; see %s." % (PATCH_NAME, original.__module__, original.__qualname__,
-                                                         __name__))
-            new.__signature__ = inspect.signature(original)
-            new.__wrapped_upstream__ = original
+            present_as(new, original, PATCH_NAME, "upstream's, and the host cu_seqlens kept on the device copy",
+                       __name__)
         return {METHOD: compute_attn_mask_seqlen, COPIER: prepare_encoder_metadata}
 
 

@@ -20,7 +20,7 @@ import torch
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
 from npu_shim.patches.vllm.qwen3_omni_vision_host_lengths import PATCH_NAME
-from npu_shim.patches._structure import own_function
+from npu_shim.patches._structure import own_function, present_as
 
 METHOD = "compute_attn_mask_seqlen"
 PARAMS = ("self", "cu_seqlens")
@@ -102,13 +102,8 @@ class _ForwardCopy:
                 grids.pop()
 
         for new, original in ((compute_attn_mask_seqlen, compute), (forward_, forward)):
-            new.__name__ = original.__name__
-            new.__qualname__ = original.__qualname__
-            new.__doc__ = ("npu-shim (%s) replacement of %s.%s: upstream's, and the host lengths of a host "
-                           "grid kept on the device cu_seqlens; see %s."
-                           % (PATCH_NAME, original.__module__, original.__qualname__, __name__))
-            new.__signature__ = inspect.signature(original)
-            new.__wrapped_upstream__ = original
+            present_as(new, original, PATCH_NAME,
+                       "upstream's, and the host lengths of a host grid kept on the device cu_seqlens", __name__)
         return {METHOD: compute_attn_mask_seqlen, "forward": forward_}
 
 
