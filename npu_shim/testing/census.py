@@ -174,6 +174,43 @@ def pixel_values(name, tower, grid, seed=0):
     return torch.randn(tokens, CENSUS[name].width(tower), generator=torch.Generator().manual_seed(seed))
 
 
+class Forward(types.SimpleNamespace):
+    """One forward of a census tower on three sides: ``out``/``syncs`` (the shim's attention),
+    ``up``/``up_syncs`` (vllm-ascend's untouched class), ``sdpa`` (vLLM's TORCH_SDPA); the
+    ``grid`` and pixels ``x`` they all ran on."""
+
+
+def side_by_side(stack, name, device_class="A2", forwards=2):
+    """The three towers of ``name`` (one seed), each run over the same inputs for ``forwards``
+    grids (:func:`grids`): a list of :class:`Forward`."""
+    attention, untouched = stack.attention[device_class], stack.upstream[device_class]
+    patched = build(stack, name, attention)
+    upstream = build(stack, name, untouched)
+    sdpa = build(stack, name, None)
+    runs = []
+    for forward in range(forwards):
+        grid = grids(forward)
+        x = pixel_values(name, patched, grid, seed=forward)
+        out, syncs = call(name, patched, attention, x, grid)
+        up, up_syncs = call(name, upstream, untouched, x, grid)
+        sd, _ = call(name, sdpa, None, x, grid)
+        runs.append(Forward(index=forward, grid=grid, x=x, out=out, syncs=syncs, up=up, up_syncs=up_syncs,
+                            sdpa=sd))
+    return runs
+
+
+def assert_matches_references(stack, name, run, tolerance):
+    """``run.out`` equals upstream's bit for bit (the same ops on the same data) and is within
+    ``tolerance`` x max |reference| of the float64 tower and of vLLM's TORCH_SDPA tower."""
+    import torch
+
+    assert torch.equal(run.out, run.up)
+    ref = reference_forward(stack, name, run.x, run.grid)
+    scale = max(1.0, ref.abs().max().item())
+    assert (run.out.double() - ref).abs().max().item() <= tolerance * scale
+    assert (run.out - run.sdpa).abs().max().item() <= tolerance * scale
+
+
 def call(name, tower, attention_class, x, grid):
     """One whole tower forward in ``torch.inference_mode()`` with ``attention_class``
     registered, device->host reads counted: (output, counter)."""

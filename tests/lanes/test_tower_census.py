@@ -71,31 +71,17 @@ def release():
 
 @pytest.mark.parametrize("name", list(EXPECTED))
 def test_census(stack, name):
-    import torch
-
     from npu_shim.testing import census
 
-    attention, untouched = stack.attention["A2"], stack.upstream["A2"]
-    patched = census.build(stack, name, attention)
-    upstream = census.build(stack, name, untouched)
-    sdpa = census.build(stack, name, None)
-    for forward in range(2):
-        grid = census.grids(forward)
-        x = census.pixel_values(name, patched, grid, seed=forward)
-        out, syncs = census.call(name, patched, attention, x, grid)
-        up, up_syncs = census.call(name, upstream, untouched, x, grid)
-        sd, _ = census.call(name, sdpa, None, x, grid)
+    for run in census.side_by_side(stack, name):
+        syncs, up_syncs = run.syncs, run.up_syncs
         print("census %s vllm %s A2 forward %d: upstream %s -> shim %s"
-              % (name, release(), forward, up_syncs.summary(), syncs.summary()))
+              % (name, release(), run.index, up_syncs.summary(), syncs.summary()))
         for event in syncs.events:
             print("    shim: %s" % (event,))
-        assert (up_syncs.count, syncs.count) == EXPECTED[name][forward], \
+        assert (up_syncs.count, syncs.count) == EXPECTED[name][run.index], \
             (up_syncs.summary(), [str(e) for e in syncs.events])
         attention_reads = sum(ATTENTION_READ in e.location for e in syncs.events)
         assert attention_reads == (1 if name in ATTENTION_READS_ONCE else 0), syncs.summary()
         assert syncs.h2d_count == up_syncs.h2d_count
-        assert torch.equal(out, up)
-        ref = census.reference_forward(stack, name, x, grid)
-        scale = max(1.0, ref.abs().max().item())
-        assert (out.double() - ref).abs().max().item() <= TOWER_TOL * scale
-        assert (out - sd).abs().max().item() <= TOWER_TOL * scale
+        census.assert_matches_references(stack, name, run, TOWER_TOL)

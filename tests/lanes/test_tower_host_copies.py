@@ -58,30 +58,16 @@ def test_status_names_the_family(stack, name):
 
 @pytest.mark.parametrize("name", list(PATCHES))
 def test_whole_tower_forward_reads_nothing_back(stack, name, device_class):
-    import torch
-
     from npu_shim.testing import census
 
-    attention, untouched = stack.attention[device_class], stack.upstream[device_class]
-    patched = census.build(stack, name, attention)
-    upstream = census.build(stack, name, untouched)
-    sdpa = census.build(stack, name, None)
-    for forward in range(2):
-        grid = census.grids(forward)
-        x = census.pixel_values(name, patched, grid, seed=forward)
-        out, syncs = census.call(name, patched, attention, x, grid)
-        up, up_syncs = census.call(name, upstream, untouched, x, grid)
-        sd, _ = census.call(name, sdpa, None, x, grid)
+    for run in census.side_by_side(stack, name, device_class):
+        syncs, up_syncs = run.syncs, run.up_syncs
         print("%s vllm %s %s forward %d: upstream %s -> shim %s"
-              % (name, release(), device_class, forward, up_syncs.summary(), syncs.summary()))
+              % (name, release(), device_class, run.index, up_syncs.summary(), syncs.summary()))
         assert (up_syncs.count, syncs.count) == (UPSTREAM_READS, 0), \
             (up_syncs.summary(), [str(e) for e in syncs.events])
         assert syncs.h2d_count == up_syncs.h2d_count == 0
-        assert torch.equal(out, up)
-        ref = census.reference_forward(stack, name, x, grid)
-        scale = max(1.0, ref.abs().max().item())
-        assert (out.double() - ref).abs().max().item() <= TOWER_TOL * scale
-        assert (out - sd).abs().max().item() <= TOWER_TOL * scale
+        census.assert_matches_references(stack, name, run, TOWER_TOL)
 
 
 def test_qwen2_vl_the_copy_is_upstreams_and_holds_the_host_array(stack, monkeypatch):
