@@ -36,6 +36,9 @@ import subprocess
 import sys
 import tarfile
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _cachefile, also when loaded by path
+from _cachefile import one_maker, unique_partial  # noqa: E402
+
 
 def cache_dir():
     default = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "npu-shim", "sdists")
@@ -73,14 +76,29 @@ def _normal(name):
     return re.sub(r"[-_.]+", "_", name).lower()
 
 
-def fetch(name, version):
-    """Path of the cached archive of ``name==version``, downloaded if missing."""
+def _cached(name, version):
     directory = cache_dir()
     prefix = "%s-%s." % (_normal(name), version)
     if os.path.isdir(directory):
         for entry in sorted(os.listdir(directory)):
             if entry.lower().startswith(prefix) and entry.endswith((".tar.gz", ".zip")):
                 return os.path.join(directory, entry)
+    return None
+
+
+def fetch(name, version):
+    """Path of the cached archive of ``name==version``, downloaded if missing (one lane
+    downloads while the others needing it wait: _cachefile.one_maker)."""
+    cached = _cached(name, version)
+    if cached:
+        return cached
+    with one_maker(os.path.join(cache_dir(), "%s-%s" % (_normal(name), version))):
+        return _cached(name, version) or _download(name, version)
+
+
+def _download(name, version):
+    directory = cache_dir()
+
     def download(session, sdists):
         found = sdists(name)
         link = found.get(version)
@@ -93,7 +111,7 @@ def fetch(name, version):
     link, response = with_index(download)
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, link.filename)
-    partial = path + ".part"
+    partial = unique_partial(path)
     with open(partial, "wb") as handle:
         handle.write(response.content)
     if link.hash_name and link.hash:

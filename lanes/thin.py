@@ -11,35 +11,77 @@ ImportError as "no CUDA ops". Seventeen vLLM lanes held 20 GiB of these files. W
 the same import raises ``ModuleNotFoundError`` (an ImportError) and vLLM takes the same path.
 
 What a thin wheel is: the release's own wheel, every file byte for byte except the extension
-modules (``*.so``, ``*.so.*``) under the wheel's packages, which are left out; METADATA, the
+modules (``*.so``, ``*.so.*``) under the wheel's packages that link a CUDA library (their ELF
+``DT_NEEDED`` entries name one of CUDA_LIBRARIES), which are left out; an extension that
+links none (vLLM's ``_rust_tool_parser.abi3.so``) stays, since it loads anywhere. METADATA, the
 version and the entry points unchanged (the version fences read them); RECORD without the
 removed files; and ``npu_shim_thinned.txt`` in the .dist-info naming the original wheel, its
 sha256 and every file left out with its size, so a lane's venv says what it lacks.
 
 Cache: ``$NPU_SHIM_THIN_CACHE``, default ``~/.cache/npu-shim/thin-wheels`` (outside the
-checkout). The original wheel is fetched with ``pip download --no-deps --only-binary :all:``
-(pip's own index configuration) into a temporary directory, thinned, and deleted: only the
-thin wheel is kept (about 5 MB for vLLM). Standard library only (this runs under nox's Python).
+checkout), in a subdirectory named after the rule (RULE_KEY: a digest of the rule's source), so
+a changed rule never serves a wheel the old rule made. The original wheel is fetched with
+``pip download --no-deps --only-binary :all:`` (pip's own index configuration) into a temporary
+directory, thinned, and deleted: only the thin wheel is kept (tens of MB zipped for vLLM).
+Lanes run in parallel: one lane makes a given wheel while the others wait for it, and every
+writer has its own partial file (``_cachefile.py``). Standard library only (this runs under
+nox's Python).
 """
 import argparse
 import base64
 import fnmatch
 import glob
 import hashlib
+import inspect
 import os
+import re
+import struct
 import subprocess
 import sys
 import tempfile
 import zipfile
 
-LEFT_OUT = ("*.so", "*.so.*")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _cachefile, also when loaded by path
+from _cachefile import one_maker, unique_partial  # noqa: E402
+
+EXTENSIONS = ("*.so", "*.so.*")
+# Shared libraries that exist only with a CUDA toolkit and a CUDA build of torch; an extension
+# module that needs one cannot load on the lanes' machines.
+CUDA_LIBRARIES = re.compile(r"^lib(cuda|cudart|cublas|cublasLt|cufft|curand|cusolver|cusparse|cudnn\w*|nccl|nvrtc"
+                            r"|nvToolsExt|nvJitLink|c10_cuda|torch_cuda)\.so(\.|$)")
 NOTE = "npu_shim_thinned.txt"
 
 
 def cache_dir():
     default = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "npu-shim",
                            "thin-wheels")
-    return os.environ.get("NPU_SHIM_THIN_CACHE") or default
+    return os.path.join(os.environ.get("NPU_SHIM_THIN_CACHE") or default, RULE_KEY)
+
+
+def elf_needed(data):
+    """The ``DT_NEEDED`` names of a 64-bit little-endian ELF shared object (bytes); [] if
+    ``data`` is not one."""
+    if data[:4] != b"\x7fELF" or data[4] != 2 or data[5] != 1:
+        return []
+    phoff, = struct.unpack_from("<Q", data, 0x20)
+    phentsize, phnum = struct.unpack_from("<HH", data, 0x36)
+    loads, dynamic = [], None
+    for index in range(phnum):
+        p_type, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from("<IIQQQQ", data, phoff + index * phentsize)
+        if p_type == 1:
+            loads.append((p_vaddr, p_offset, p_filesz))
+        elif p_type == 2:
+            dynamic = (p_offset, p_filesz)
+    if dynamic is None:
+        return []
+    entries = [struct.unpack_from("<qQ", data, dynamic[0] + at) for at in range(0, dynamic[1], 16)]
+    strtab = next((value for tag, value in entries if tag == 5), None)
+    if strtab is None:
+        return []
+    base = next((offset + strtab - vaddr for vaddr, offset, size in loads if vaddr <= strtab < vaddr + size), None)
+    if base is None:
+        return []
+    return [data[base + value:data.index(b"\0", base + value)].decode() for tag, value in entries if tag == 1]
 
 
 def _normalized(name):
@@ -52,9 +94,19 @@ def _cached(name, version):
     return found[0] if found else None
 
 
-def _left_out(member):
+def _left_out(member, read):
+    """Whether wheel member ``member`` (``read()`` gives its bytes) is an extension module that
+    links a CUDA library."""
     base = os.path.basename(member)
-    return ".dist-info/" not in member and any(fnmatch.fnmatch(base, pattern) for pattern in LEFT_OUT)
+    if ".dist-info/" in member or not any(fnmatch.fnmatch(base, pattern) for pattern in EXTENSIONS):
+        return False
+    return any(CUDA_LIBRARIES.match(name) for name in elf_needed(read()))
+
+
+# The cache key: the rule's own source (patterns and code), so changing it makes new wheels.
+RULE_KEY = "rule-" + hashlib.sha256("".join(
+    [repr(EXTENSIONS), CUDA_LIBRARIES.pattern, inspect.getsource(elf_needed), inspect.getsource(_left_out)]
+).encode()).hexdigest()[:12]
 
 
 def _sha256(path):
@@ -74,13 +126,13 @@ def thin(original, destination):
             raise SystemExit("%s: expected one .dist-info/RECORD, found %d" % (original, len(records)))
         record_name = records[0]
         dist_info = record_name[: -len("RECORD")]
-        removed = [m for m in members if _left_out(m.filename)]
+        removed = [m for m in members if _left_out(m.filename, lambda m=m: source.read(m))]
         if not removed:
-            raise SystemExit("%s: no extension module to leave out; install the wheel itself" % original)
+            raise SystemExit("%s: no extension module links a CUDA library; install the wheel itself" % original)
         removed_names = {m.filename for m in removed}
         note = "".join(
             ["npu-shim lanes: thin copy of %s (sha256 %s)\n" % (os.path.basename(original), _sha256(original)),
-             "left out, compiled extensions that cannot load without CUDA (lanes/thin.py):\n"]
+             "left out, compiled extensions that link a CUDA library (lanes/thin.py, %s):\n" % RULE_KEY]
             + ["%s %d\n" % (m.filename, m.file_size) for m in removed]).encode()
         note_hash = base64.urlsafe_b64encode(hashlib.sha256(note).digest()).rstrip(b"=").decode()
         kept_records = []
@@ -88,14 +140,18 @@ def thin(original, destination):
             if line and line.split(",", 1)[0] not in removed_names:
                 kept_records.append(line)
         kept_records.append("%s%s,sha256=%s,%d" % (dist_info, NOTE, note_hash, len(note)))
-        partial = destination + ".partial"
-        with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED) as target:
-            for member in members:
-                if member.filename in removed_names or member.filename == record_name:
-                    continue
-                target.writestr(member, source.read(member))
-            target.writestr(dist_info + NOTE, note)
-            target.writestr(record_name, "\n".join(kept_records) + "\n")
+        partial = unique_partial(destination)
+        try:
+            with zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_DEFLATED) as target:
+                for member in members:
+                    if member.filename in removed_names or member.filename == record_name:
+                        continue
+                    target.writestr(member, source.read(member))
+                target.writestr(dist_info + NOTE, note)
+                target.writestr(record_name, "\n".join(kept_records) + "\n")
+        except BaseException:
+            os.remove(partial)
+            raise
     os.replace(partial, destination)
     return sum(m.file_size for m in removed), len(removed)
 
@@ -105,7 +161,11 @@ def wheel(name, version):
     cached = _cached(name, version)
     if cached:
         return cached
-    os.makedirs(cache_dir(), exist_ok=True)
+    with one_maker(os.path.join(cache_dir(), "%s-%s" % (_normalized(name), version))):
+        return _cached(name, version) or _make(name, version)
+
+
+def _make(name, version):
     with tempfile.TemporaryDirectory(prefix="npu-shim-thin-") as scratch:
         # --no-cache-dir: the thin wheel is what is kept; pip's cache would keep the 0.5 GB original too.
         subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--disable-pip-version-check",
