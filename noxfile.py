@@ -28,6 +28,9 @@ adding a release is adding one file. Its leading comment block holds, one per li
     # Tests of: <lane>                              optional: run that lane's tests
                                                     (NPU_SHIM_LANE=<lane>), e.g. lane base on
                                                     another Python; default: its own name
+    # Expected skip: <text>                         optional, repeatable: a test of this lane
+                                                    may skip when its message contains <text>;
+                                                    any other skip fails the lane
 
 then free prose (why each pin), then the requirement lines: every package pinned with ``==``
 (``-r _x.txt`` includes allowed), installed with ``uv pip install --no-deps`` (nothing is
@@ -83,13 +86,14 @@ KIND_ENV = {
     "sglang": {"PYTHONPATH": PLACEHOLDERS},
 }
 HEADER_KEYS = {"Stands for": "stands_for", "Kind": "kind", "Python": "python", "Sdist": "sdist",
-               "Thin": "thin", "Tests of": "tests_of"}
+               "Thin": "thin", "Tests of": "tests_of", "Expected skip": "expected_skips"}
+REPEATABLE = ("sdist", "thin", "expected_skips")
 
 
 def read_lane(path):
     """The header of one pin file: {name, description, stands_for, kind, python, sdist: [...]}."""
     name = os.path.splitext(os.path.basename(path))[0]
-    lane = {"name": name, "path": path, "sdist": [], "thin": []}
+    lane = {"name": name, "path": path, "sdist": [], "thin": [], "expected_skips": []}
     with open(path, encoding="utf-8") as handle:
         lines = handle.read().splitlines()
     first = re.match(r"# Lane (\S+): (.+)$", lines[0] if lines else "")
@@ -99,10 +103,10 @@ def read_lane(path):
     for line in lines[1:]:
         if not line.startswith("#"):
             break
-        match = re.match(r"# (Stands for|Kind|Python|Sdist|Thin|Tests of): (.+)$", line)
+        match = re.match(r"# (%s): (.+)$" % "|".join(HEADER_KEYS), line)
         if match:
             key, value = HEADER_KEYS[match.group(1)], match.group(2).strip()
-            if key in ("sdist", "thin"):
+            if key in REPEATABLE:
                 lane[key].append(value)
             else:
                 lane[key] = value
@@ -257,6 +261,9 @@ def lane(session, lane):
         "%.1f" % install_seconds,
         "--tests-of",
         spec.get("tests_of", lane),
+        "--stands-for",
+        spec["stands_for"],
+        *[argument for text in spec["expected_skips"] for argument in ("--expected-skip", text)],
         "--",
         "-q",
         "-p",

@@ -7,11 +7,18 @@ Called by ``noxfile.py`` inside the lane's virtual environment::
 
 ``run`` runs pytest (writing a junit xml), then asks the shim what each patch does in this
 environment (``npu-shim status --json --import``, see STATUS_SNIPPET), prints the lane table and
-writes ``summary.json`` next to the junit file. Its exit status is non-zero when pytest
-failed or ran no test (pytest's exit code 5 counts as a failure: a lane that selects
-nothing is a broken lane, not a green one). If the status command is missing or fails,
-the table says so instead of rows (none are made up); that alone does not fail the lane,
-the tests decide.
+writes ``summary.json`` next to the junit file. The lane fails (non-zero exit, each
+reason printed as ``LANE FAILED: ...``) when
+
+- the installed upstream releases are not the ones its pin file's ``# Stands for:`` line
+  names (checked first, before any test: a mis-edited pin file must not stay green);
+- pytest failed, or ran no test, or passed none (an all-skipped lane is not a green one);
+- a test skipped for a reason the pin file does not declare with ``# Expected skip:``;
+- a patch one of whose families claims the installed release (its fence admits it: the
+  status row's ``admitted``) is not applied with one of those families, or no test marked
+  for it passed: a claim no test exercised on the lane standing for it is a defect;
+- the status command is missing or fails (the claim above cannot be checked then; the
+  table says so instead of rows, none are made up).
 
 "Tests passed" per patch is counted from the tests' markers: a test that exercises a patch
 carries ``pytest.mark.patch("<name>")``, which tests/conftest.py writes into the junit xml
@@ -120,28 +127,30 @@ def _json_list_in(text):
 
 
 def read_junit(junit_path):
-    """Per test case: (patch names, outcome); the names are the case's ``patch`` properties
-    (its ``pytest.mark.patch`` markers, see tests/conftest.py), the outcome is
-    passed/failed/error/skipped."""
+    """Per test case: (patch names, outcome, test id, skip message); the names are the case's
+    ``patch`` properties (its ``pytest.mark.patch`` markers, see tests/conftest.py), the
+    outcome is passed/failed/error/skipped."""
     if not os.path.exists(junit_path):
         return []
     cases = []
     for case in ET.parse(junit_path).getroot().iter("testcase"):
-        outcome = "passed"
+        outcome, message = "passed", ""
         for child in case:
             if child.tag in ("failure", "error", "skipped"):
                 outcome = "failed" if child.tag == "failure" else child.tag
+                message = child.get("message") or ""
                 break
         patches = tuple(prop.get("value") for prop in case.findall("properties/property")
                         if prop.get("name") == "patch")
-        cases.append((patches, outcome))
+        test_id = "%s::%s" % (case.get("classname", ""), case.get("name", ""))
+        cases.append((patches, outcome, test_id, message))
     return cases
 
 
 def totals(cases):
     counts = {"passed": 0, "failed": 0, "error": 0, "skipped": 0}
-    for _, outcome in cases:
-        counts[outcome] += 1
+    for case in cases:
+        counts[case[1]] += 1
     return counts
 
 
@@ -149,9 +158,63 @@ def tests_per_patch(rows, cases):
     """For each patch row: passed/total over the test cases that name the patch."""
     result = {}
     for row in rows:
-        mine = [outcome for patches, outcome in cases if row["name"] in patches]
+        mine = [case[1] for case in cases if row["name"] in case[0]]
         result[row["name"]] = {"passed": mine.count("passed"), "total": len(mine)}
     return result
+
+
+def stands_for(text):
+    """{dist: [versions]} from a pin file's ``# Stands for:`` value."""
+    out = {}
+    for part in (text or "").split(";"):
+        words = part.replace(",", " ").split()
+        if len(words) >= 2:
+            out.setdefault(words[0].lower(), []).extend(words[1:])
+    return out
+
+
+def release_mismatches(text):
+    """Why the installed releases are not those ``# Stands for: <text>`` names ([] if they are).
+    A local version label (torch's ``+cpu``) is not part of the release."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    problems = []
+    for dist, versions in stands_for(text).items():
+        if dist == "python":
+            installed = "%d.%d" % sys.version_info[:2]
+        else:
+            try:
+                installed = version(dist).split("+", 1)[0]
+            except PackageNotFoundError:
+                installed = None
+        if installed not in versions:
+            problems.append("the pin file says the lane stands for %s %s, but %s is installed"
+                            % (dist, ", ".join(versions), "%s %s" % (dist, installed) if installed else "no " + dist))
+    return problems
+
+
+def undeclared_skips(cases, expected):
+    """Skipped cases whose message contains none of the ``# Expected skip:`` texts."""
+    return ["%s (%s)" % (case[2], case[3]) for case in cases
+            if case[1] == "skipped" and not any(text in case[3] for text in expected)]
+
+
+def unexercised_claims(rows, per_patch):
+    """Patches a family of which claims the installed release (fence admits it) but that are
+    not applied with such a family, or that no test marked for them passed here."""
+    problems = []
+    for row in rows:
+        admitted = row.get("admitted") or []
+        if not admitted or row["state"] == "disabled":
+            continue
+        if row["state"] != "applied" or row.get("family") not in admitted:
+            problems.append("%s: family %s claims this release, but the patch is %s%s: %s"
+                            % (row["name"], " / ".join(admitted), row["state"],
+                               " (%s)" % row["family"] if row.get("family") else "", row["reason"]))
+        elif not per_patch.get(row["name"], {}).get("passed"):
+            problems.append("%s: applied (%s) on the release its family claims, but no test marked for it passed "
+                            "on this lane" % (row["name"], row["family"]))
+    return problems
 
 
 def disk_use(top):
@@ -245,6 +308,17 @@ def cmd_run(args):
     if os.path.exists(junit_path):
         os.remove(junit_path)
     env = dict(os.environ, NPU_SHIM_LANE=args.tests_of or args.lane)
+    mismatches = release_mismatches(args.stands_for) if args.stands_for is not None else []
+    if mismatches:
+        # Before any test: the lane's results would be credited to a release it did not run.
+        for problem in mismatches:
+            print("LANE FAILED: lane %s: %s" % (args.lane, problem), file=sys.stderr)
+        with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as handle:
+            json.dump({"lane": args.lane, "tests_of": args.tests_of or args.lane, "pytest_exit_code": None,
+                       "tests": totals([]), "patches": [], "status_problem": "not run", "tests_per_patch": {},
+                       "problems": mismatches, "install_seconds": args.install_seconds,
+                       "python": "%d.%d.%d" % sys.version_info[:3]}, handle, indent=2, sort_keys=True)
+        return 1
     started = time.monotonic()
     pytest_rc = run_pytest(junit_path, args.pytest_args, env)
     test_seconds = time.monotonic() - started
@@ -268,6 +342,19 @@ def cmd_run(args):
         "test_seconds": round(test_seconds, 1),
         "python": "%d.%d.%d" % sys.version_info[:3],
     }
+    problems = []
+    if pytest_rc == PYTEST_NO_TESTS or not cases:
+        problems.append("no test ran")
+    elif pytest_rc != 0:
+        problems.append("pytest failed (exit code %d)" % pytest_rc)
+    elif not counts["passed"]:
+        problems.append("no test passed (%d skipped)" % counts["skipped"])
+    problems += ["a test skipped for a reason the pin file does not declare (# Expected skip:): " + skip
+                 for skip in undeclared_skips(cases, args.expected_skip)]
+    if status_problem:
+        problems.append("which patches claim this release cannot be checked: " + status_problem)
+    problems += unexercised_claims(rows or [], summary["tests_per_patch"])
+    summary["problems"] = problems
     summary["bytecode_mib_dropped"] = round(drop_bytecode(sys.prefix) / 2**20)
     summary["venv_mib"], summary["venv_shared_mib"] = venv_size_mib()
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as handle:
@@ -285,13 +372,8 @@ def cmd_run(args):
         % (args.lane, closing_line(counts), pytest_rc, summary["junit"], lane_costs(summary))
     )
 
-    problems = []
-    if pytest_rc == PYTEST_NO_TESTS or not cases:
-        problems.append("no test ran in lane %s" % args.lane)
-    elif pytest_rc != 0:
-        problems.append("pytest failed in lane %s (exit code %d)" % (args.lane, pytest_rc))
     for problem in problems:
-        print("LANE FAILED: " + problem, file=sys.stderr)
+        print("LANE FAILED: lane %s: %s" % (args.lane, problem), file=sys.stderr)
     return 1 if problems else 0
 
 
@@ -341,20 +423,54 @@ def cmd_summary(args):
     tests = [s.get("test_seconds") or 0 for s in summaries]
     costs.append(("(%d lanes)" % len(summaries), "", "%.0f" % sum(installs), "%.0f" % sum(tests), "", "",
                   closing_line(overall)))
-    print(format_table(("lane", "python", "install s", "tests s", "venv own MiB", "hardlinked MiB", "tests"), costs))
+    record = [format_table(("lane", "python", "install s", "tests s", "venv own MiB", "hardlinked MiB", "tests"),
+                           costs)]
     if args.wall_seconds is not None:
-        print("lanes: wall time %.0f s (%.1f min)%s" % (args.wall_seconds, args.wall_seconds / 60,
-                                                        ", %d lanes at a time" % args.jobs if args.jobs else ""))
+        record.append("lanes: wall time %.0f s (%.1f min)%s" % (args.wall_seconds, args.wall_seconds / 60,
+                                                                ", %d lanes at a time" % args.jobs if args.jobs else ""))
     if args.disk:
         own, shared = disk_use(args.disk)
-        print("lanes: venvs under %s use %.1f GiB on disk (du: each file once; %.1f GiB of it hardlinked "
-              "with the uv cache)" % (os.path.relpath(args.disk), (own + shared) / 2**30, shared / 2**30))
-    failed = [s["lane"] for s in summaries if s["pytest_exit_code"] != 0 or not sum(s["tests"].values())]
+        record.append("lanes: venvs under %s use %.1f GiB on disk (du: each file once; %.1f GiB of it hardlinked "
+                      "with the uv cache)" % (os.path.relpath(args.disk), (own + shared) / 2**30, shared / 2**30))
+    print("\n".join(record))
+    for summary in summaries:
+        for problem in summary.get("problems") or []:
+            print("lane %s: %s" % (summary["lane"], problem))
+    failed = [s["lane"] for s in summaries
+              if s["pytest_exit_code"] != 0 or not s["tests"]["passed"] or s.get("problems")]
     failed += ["%s (no report)" % lane for lane in missing]
     if failed:
         print("lanes with failures or no tests: " + ", ".join(failed))
-    print("lanes: " + closing_line(overall))
+    record.append("lanes: " + closing_line(overall))
+    if args.record:
+        with open(args.record, "w", encoding="utf-8") as handle:
+            handle.write(run_header(args) + "\n\n" + "\n".join(record[:1]) + "\n" + "\n".join(record[1:]) + "\n")
+    print(record[-1])
     return 1 if failed else 0
+
+
+def run_header(args):
+    """Where and when the recorded run ran: UTC start-end, machine, commit (and whether the
+    tree had uncommitted changes), the caches' state at the start, the command."""
+    import platform
+
+    def git(*words):
+        proc = subprocess.run(["git", *words], cwd=REPO, capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as handle:
+            cpu = next((line.split(":", 1)[1].strip() for line in handle if line.startswith("model name")), "")
+    except OSError:
+        pass
+    commit = git("rev-parse", "--short=12", "HEAD") or "unknown commit"
+    dirty = " + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else ""
+    started = time.strftime("%Y-%m-%d %H:%M", time.gmtime(args.started)) if args.started else "?"
+    return ("ran %s-%s UTC on %s %s, %d cores%s: bash .ci/run at %s%s; %s; written by lanes/report.py summary --record"
+            % (started, time.strftime("%H:%M", time.gmtime()), platform.system(), platform.machine(),
+               os.cpu_count() or 0, " (%s)" % cpu if cpu else "", commit, dirty,
+               args.caches or "caches at start not given"))
 
 
 def _secs(value):
@@ -369,6 +485,10 @@ def main(argv=None):
     run.add_argument("--out", required=True, help="directory for junit.xml and summary.json")
     run.add_argument("--install-seconds", type=float, default=None, help="how long the lane's install took")
     run.add_argument("--tests-of", default=None, help="run this lane's tests (NPU_SHIM_LANE); default --lane")
+    run.add_argument("--stands-for", default=None,
+                     help="the pin file's '# Stands for:' value: the installed releases must be among them")
+    run.add_argument("--expected-skip", action="append", default=[],
+                     help="a text every skip message must contain one of (the pin file's '# Expected skip:')")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: arguments for pytest")
     run.set_defaults(func=cmd_run)
     summary = sub.add_parser("summary", help="one table over every lane summary under REPORTS")
@@ -377,6 +497,10 @@ def main(argv=None):
     summary.add_argument("--wall-seconds", type=float, default=None, help="wall time of the whole run")
     summary.add_argument("--jobs", type=int, default=None, help="how many lanes ran at once")
     summary.add_argument("--disk", default=None, help="directory whose disk use to print (the venvs)")
+    summary.add_argument("--record", default=None,
+                         help="also write the cost table with the run's header (commit, machine) to this file")
+    summary.add_argument("--started", type=float, default=None, help="the run's start, seconds since the epoch")
+    summary.add_argument("--caches", default=None, help="the caches' state at the start, for the header")
     summary.set_defaults(func=cmd_summary)
     args = parser.parse_args(argv)
     if getattr(args, "pytest_args", None) and args.pytest_args[0] == "--":

@@ -282,3 +282,20 @@ def test_version_guard_reason_carries_the_patch_note():
     assert guards.guard_failure(patch, {"vllm": "0.13.0"}) is None
     with pytest.raises(ValueError, match="outside_window names \\['torch'\\]"):
         Patch(name="x", target="m", replaces=("f",), outside_window={"torch": "no"})
+
+
+def test_admitting_families_are_the_fences_that_hold_inside_the_window():
+    """The status row's ``admitted`` (what the lanes require to be applied and tested) follows
+    the fences and the patch's window, by versions alone."""
+    from npu_shim.engine import guards
+    from npu_shim.patch import Family, Patch
+
+    patch = Patch(name="demo.p", target="demo", replaces=("f",), requires={"demo": ">=1.0,<3"},
+                  families=(Family(("1.0", "1.4"), "x", keeps="", fence="<1.5"),
+                            Family(("1.5",), "x", keeps="", fence=">=1.5"),
+                            Family(("1.2",), "x", keeps="", fence=">=1.2,<2")))
+    assert guards.admitting_families(patch, {"demo": "1.0"}) == ["1.0-1.4"]
+    assert guards.admitting_families(patch, {"demo": "1.3"}) == ["1.0-1.4", "1.2"]
+    assert guards.admitting_families(patch, {"demo": "2.0rc1"}) == ["1.5+"]
+    assert guards.admitting_families(patch, {"demo": "3.0"}) == []        # outside the window
+    assert guards.admitting_families(patch, {"demo": None}) == []         # not installed

@@ -99,3 +99,119 @@ def test_report_runs_without_importing_npu_shim(tmp_path, make_env):
     assert proc.returncode == 1, proc.stderr
     assert proc.stdout.splitlines()[0] == "[]"
     assert "no lane summaries under" in proc.stdout
+
+
+# The lane gates: each test shows the gate failing on the defect it exists for.
+
+def test_a_lane_whose_tests_all_skip_fails(report, tmp_path):
+    """Defect caught: every test of a lane skips (exit 0 from pytest) and the lane stays green."""
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuites><testsuite>'
+                     '<testcase classname="t" name="a"><skipped message="vLLM 0.30 is outside"/></testcase>'
+                     '<testcase classname="t" name="b"><skipped message="vLLM 0.30 is outside"/></testcase>'
+                     '</testsuite></testsuites>')
+    summary = _run_gated(report, tmp_path / "out", junit, expected=["vLLM 0.30 is outside"])
+    assert summary["tests"]["skipped"] == 2
+    assert "no test passed (2 skipped)" in summary["problems"]
+
+
+def _run_gated(report, out, junit, expected=(), rows=None, stands_for=None):
+    """report.cmd_run with pytest and the status command replaced by canned results."""
+    import argparse
+    import shutil
+
+    def fake_pytest(junit_path, args, env):
+        shutil.copy(str(junit), junit_path)
+        return 0
+
+    original = report.run_pytest, report.patch_status, report.drop_bytecode, report.venv_size_mib
+    report.run_pytest = fake_pytest
+    report.patch_status = lambda env: (rows or [], None)
+    report.drop_bytecode = lambda prefix: 0
+    report.venv_size_mib = lambda: (0, 0)
+    try:
+        code = report.cmd_run(argparse.Namespace(out=str(out), lane="demo", tests_of=None, pytest_args=[],
+                                                 install_seconds=1.0, stands_for=stands_for,
+                                                 expected_skip=list(expected)))
+    finally:
+        report.run_pytest, report.patch_status, report.drop_bytecode, report.venv_size_mib = original
+    import json
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert code == (1 if summary["problems"] else 0)
+    return summary
+
+
+def test_an_undeclared_skip_fails_the_lane(report, tmp_path):
+    """Defect caught: a test skips on a lane for a reason nobody declared (a claim silently untested)."""
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuites><testsuite>'
+                     '<testcase classname="t" name="ok"/>'
+                     '<testcase classname="t" name="declared"><skipped message="needs a CUDA device"/></testcase>'
+                     '<testcase classname="t" name="other"><skipped message="target failed to import"/></testcase>'
+                     '</testsuite></testsuites>')
+    summary = _run_gated(report, tmp_path / "out", junit, expected=["needs a CUDA device"])
+    assert summary["problems"] == ["a test skipped for a reason the pin file does not declare (# Expected skip:): "
+                                   "t::other (target failed to import)"]
+    passing = _run_gated(report, tmp_path / "out2", junit,
+                         expected=["needs a CUDA device", "target failed to import"])
+    assert passing["problems"] == []
+
+
+def test_a_claimed_family_must_apply_and_be_exercised(report, tmp_path):
+    """Defect caught: a patch whose family claims the lane's release is skipped ('target failed to
+    import') or applied with no passing test marked for it, and the lane stays green."""
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuites><testsuite><testcase classname="t" name="a">'
+                     '<properties><property name="patch" value="p.tested"/></properties></testcase>'
+                     '</testsuite></testsuites>')
+    rows_ = [
+        {"name": "p.tested", "state": "applied", "family": "f1", "admitted": ["f1"], "reason": "ok"},
+        {"name": "p.untested", "state": "applied", "family": "f2", "admitted": ["f2"], "reason": "ok"},
+        {"name": "p.broken", "state": "skipped", "family": None, "admitted": ["f3"],
+         "reason": "target failed to import: ModuleNotFoundError: No module named 'compressed_tensors'"},
+        {"name": "p.elsewhere", "state": "skipped", "family": None, "admitted": [], "reason": "outside"},
+        {"name": "p.off", "state": "disabled", "family": None, "admitted": ["f4"], "reason": "NPU_SHIM_DISABLE"},
+    ]
+    summary = _run_gated(report, tmp_path / "out", junit, rows=rows_)
+    assert summary["problems"] == [
+        "p.untested: applied (f2) on the release its family claims, but no test marked for it passed on this lane",
+        "p.broken: family f3 claims this release, but the patch is skipped: target failed to import: "
+        "ModuleNotFoundError: No module named 'compressed_tensors'",
+    ]
+
+
+def test_a_lane_with_another_release_than_its_header_fails_before_testing(report, tmp_path):
+    """Defect caught: a mis-edited pin file installs a release other than the one its
+    '# Stands for:' header names, and the lane's results are credited to the wrong release."""
+    import json
+    from importlib.metadata import version
+
+    pytest_version = version("pytest")
+    assert report.release_mismatches("pytest %s; python %d.%d" % ((pytest_version,) + sys.version_info[:2])) == []
+    problems = report.release_mismatches("pytest 0.0.1, 0.0.2; python 2.7; no-such-dist 1.0")
+    assert problems == [
+        "the pin file says the lane stands for pytest 0.0.1, 0.0.2, but pytest %s is installed" % pytest_version,
+        "the pin file says the lane stands for python 2.7, but python %d.%d is installed" % sys.version_info[:2],
+        "the pin file says the lane stands for no-such-dist 1.0, but no no-such-dist is installed",
+    ]
+    ran = []
+    original = report.run_pytest
+    report.run_pytest = lambda *args: ran.append(args) or 0
+    try:
+        import argparse
+
+        code = report.cmd_run(argparse.Namespace(out=str(tmp_path), lane="demo", tests_of=None, pytest_args=[],
+                                                 install_seconds=1.0, stands_for="pytest 0.0.1", expected_skip=[]))
+    finally:
+        report.run_pytest = original
+    assert code == 1 and ran == []
+    assert json.loads((tmp_path / "summary.json").read_text())["problems"] == [
+        "the pin file says the lane stands for pytest 0.0.1, but pytest %s is installed" % pytest_version]
+
+
+def test_the_local_label_is_not_part_of_the_release(report, monkeypatch):
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version", lambda dist: "2.13.0+cpu")
+    assert report.release_mismatches("torch 2.13.0") == []

@@ -67,6 +67,25 @@ def subject_of(patch: Patch, module):
     return subject
 
 
+def admitting_families(patch: Patch, versions: dict) -> list:
+    """Names of the families whose version fence (inside the patch's own window) admits
+    ``versions``: the families that claim the installed release, by versions alone. The lanes
+    require each such patch to be applied and exercised (lanes/report.py)."""
+    if not patch.named_families or guard_failure(patch, versions):
+        return []
+    admitted = []
+    for family in patch.families:
+        if family.fence:
+            version = versions.get(patch.family_dist(family)) or installed_version(patch.family_dist(family))
+            try:
+                if version is None or not within(family.fence, version):
+                    continue
+            except (InvalidSpecifier, InvalidVersion):
+                continue
+        admitted.append(family.name)
+    return admitted
+
+
 def select_family(patch: Patch, module, versions: dict = None):
     """``(family, implementation, subject)`` for the installed code, or raise with every
     family's reason: :class:`NotNeeded` when every family in its fence says "fixed

@@ -313,6 +313,7 @@ def status(import_targets: bool = False) -> list:
                 "family": family,
                 "adapter": family,   # the name before families; kept for readers of 0.1 rows
                 "families": [f.name for f in patch.families] if patch.named_families else [],
+                "admitted": guards.admitting_families(patch, guards.versions_of(patch)),
                 "reason": reason,
                 "requires": dict(patch.requires),
                 "versions": guards.versions_of(patch),
