@@ -108,10 +108,36 @@ def render_environment():
         "naming the variable and the accepted values."]
 
 
-def render_releases(declared):
+def lane_releases(root):
+    """``{dist: {release: [lanes]}}``: the releases the lanes stand for (their ``# Stands for:``)."""
+    out = {}
+    for path in lane_files(root):
+        for part in lane_header(path, "Stands for").split(";"):
+            words = part.replace(",", " ").split()
+            for release in words[1:]:
+                out.setdefault(words[0].lower(), {}).setdefault(release, []).append(os.path.basename(path)[:-4])
+    return out
+
+
+def admitting(patch, dist, release):
+    """The families of ``patch`` whose fence, inside the patch's window on ``dist``, admits
+    ``release`` of ``dist`` (the other distributions are not looked at)."""
+    from npu_shim.engine.guards import within
+
+    if dist in patch.requires and not within(patch.requires[dist], release):
+        return []
+    return [f for f in patch.families if patch.family_dist(f) == dist and (not f.fence or within(f.fence, release))]
+
+
+def render_releases(declared, root):
     out = ["## What each upstream release gets", "",
-           "Every release a family was written from, by distribution; a cell names the family "
-           "that applies there (`npu-shim status` shows the same name), `-` none."]
+           "Every release a family was written from or a lane stands for, by distribution. A cell "
+           "names the family whose fence admits the release (`npu-shim status` shows the same name) "
+           "and how far that is proven: **tested** (a lane stands for the release, and a lane fails "
+           "when a family that claims its release is not applied or no test marked for the patch "
+           "passed there), **read only** (the family was written from, or its fence admits, this "
+           "release, but no lane runs it), or `not served`."]
+    lanes = lane_releases(root)
     dists = []
     for patch, _ in declared:
         for family in patch.families:
@@ -121,15 +147,17 @@ def render_releases(declared):
     for dist in dists:
         serving = [p for p, _ in declared if any(p.family_dist(f) == dist and f.releases for f in p.families)]
         releases = sorted({r for p in serving for f in p.families if p.family_dist(f) == dist
-                           for r in f.releases}, key=version_key)
+                           for r in f.releases} | set(lanes.get(dist, {})), key=version_key)
         rows = []
         for release in releases:
-            row = [release]
+            row = [release + (" (%s)" % ", ".join("`%s`" % lane for lane in lanes[dist][release])
+                              if release in lanes.get(dist, {}) else "")]
             for patch in serving:
-                hit = [f.name for f in patch.families if patch.family_dist(f) == dist and release in f.releases]
-                row.append("`%s`" % hit[0] if hit else "-")
+                hit = admitting(patch, dist, release)
+                proof = "tested" if release in lanes.get(dist, {}) else "read only"
+                row.append("`%s` %s" % (hit[0].name, proof) if hit else "not served")
             rows.append(row)
-        out += ["", "### %s" % dist, "", table([dist] + ["`%s`" % p.name for p in serving], rows)]
+        out += ["", "### %s" % dist, "", table([dist + " (lanes)"] + ["`%s`" % p.name for p in serving], rows)]
     return out
 
 
@@ -280,7 +308,7 @@ def render_benchmarks(root):
 def render(root):
     declared = patches()
     parts = [HEADER + "# npu-shim reference", ""]
-    for section in (render_patches(declared), render_environment(), render_releases(declared),
+    for section in (render_patches(declared), render_environment(), render_releases(declared, root),
                     render_lanes(root), render_benchmarks(root)):
         if section:
             parts += section + [""]

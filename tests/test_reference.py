@@ -83,3 +83,29 @@ def test_the_readme_lane_block_is_regenerated_between_its_markers():
     for path in reference.lane_files(REPO):
         assert "`%s`" % os.path.basename(path)[:-4] in fresh
     assert reference.render_readme(REPO, "no markers here\n") == "no markers here\n"
+
+
+def test_the_release_table_says_tested_only_where_a_lane_stands_for_the_release(tmp_path):
+    """Defect caught: the release table marking a release proven when no lane runs it (it used
+    to list releases read, not releases covered). A release gets 'tested' from a lane's
+    '# Stands for:' alone; take the lane away and the same cell says 'read only'."""
+    import shutil
+
+    from npu_shim import reference
+
+    declared = reference.patches()
+    (tmp_path / "lanes").mkdir()
+    shutil.copy(os.path.join(REPO, "lanes", "vllm-0.18.txt"), str(tmp_path / "lanes"))
+
+    def cell(root, dist, release, patch_name):
+        lines = reference.render_releases(declared, str(root))
+        section = lines[lines.index("### %s" % dist) + 2].splitlines()
+        names = [name.strip(" `") for name in section[0].split("|")[2:-1]]
+        row = next(r for r in section[2:] if r.split("|")[1].strip().split(" ")[0] == release)
+        return row.split("|")[2 + names.index(patch_name)].strip()
+
+    assert cell(tmp_path, "vllm-ascend", "0.18.0", "vllm.mm_encoder_attn") == "`0.18.0rc1-0.18.0` tested"
+    assert cell(tmp_path, "vllm-ascend", "0.13.0", "vllm.mm_encoder_attn") == "`0.13.0-0.17.0rc1` read only"
+    os.remove(str(tmp_path / "lanes" / "vllm-0.18.txt"))
+    assert cell(tmp_path, "vllm-ascend", "0.18.0", "vllm.mm_encoder_attn") == "`0.18.0rc1-0.18.0` read only"
+    assert cell(tmp_path, "vllm", "0.12.0", "vllm.glm4_1v_host_lengths") == "not served"
