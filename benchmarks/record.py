@@ -1,4 +1,4 @@
-"""Run one benchmark and keep what it printed, headed by the date and the machine it ran on.
+"""Run one benchmark and keep what it printed, headed by the date, the machine and the commit it ran on.
 
     python benchmarks/record.py NAME LANE [ARGS...]
 
@@ -27,6 +27,19 @@ def machine():
                                             platform.python_version())
 
 
+def commit():
+    """The checkout's commit, and whether its tracked files differed from it (figures from a
+    tree nobody can check out again say so)."""
+    def git(*words):
+        proc = subprocess.run(["git", *words], cwd=HERE, capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    head = git("rev-parse", "--short=12", "HEAD")
+    if not head:
+        return "no git commit"
+    return head + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
 def main(argv):
     if len(argv) < 2:
         print(__doc__.strip(), file=sys.stderr)
@@ -42,8 +55,8 @@ def main(argv):
     if status != 0:
         print("record: bench_%s.py exited %d; nothing recorded" % (name, status), file=sys.stderr)
         return status
-    header = "ran %s UTC on %s, lane %s: python benchmarks/bench_%s.py %s\n\n" % (
-        datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), machine(), lane, name,
+    header = "ran %s UTC on %s, lane %s, at %s: python benchmarks/bench_%s.py %s\n\n" % (
+        datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), machine(), lane, commit(), name,
         " ".join(args))
     os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
     with open(os.path.join(HERE, "results", "%s-%s.txt" % (name, lane)), "w") as handle:
