@@ -517,3 +517,82 @@ def probe(session):
     session.run(python, os.path.join("lanes", "report.py"), "run", "--lane", name, "--tests-of", lane_name,
                 "--out", os.path.join(REPORTS, "..", "probe-reports", name), "--", "-q", "-p", "no:cacheprovider",
                 env=env, external=True)
+
+
+# The mutation session: each gate shown to fail on the defect it exists for. A mutant is one
+# edit of a scratch copy of this checkout (tracked files only) and the lane that must catch it;
+# it counts as caught only if that lane fails AND its output contains ``expect`` (the gate that
+# should fire), so a lane failing for an unrelated reason does not pass for a catch.
+MUTANTS = (
+    # (id, defect, file, old text ("" = append), new text, lane, expected text in the lane's output)
+    ("b", "every test of one lane skips",
+     "tests/conftest.py", "", "\n\ndef pytest_runtest_setup(item):\n    pytest.skip('mutant (b): every test skips')\n",
+     "base", "no test passed"),
+    ("c", "a pin file installs a release other than the one its header stands for",
+     "lanes/sglang-0.5.11.txt", "\nsglang==0.5.11\n", "\nsglang==0.5.12\n",
+     "sglang-0.5.11", "stands for sglang 0.5.11, but sglang 0.5.12 is installed"),
+    ("g", "a family is declared for a release whose lane has no test for it",
+     "npu_shim/patches/vllm/glm4_1v_host_lengths/__init__.py", 'fence=">=0.24.0,<0.28.0"', 'fence=">=0.24.0,<0.29.0"',
+     "vllm-0.28", "vllm.glm4_1v_host_lengths: "),
+)
+
+
+def _scratch_copy(destination):
+    """The checkout's tracked files, as they are in the working tree, copied to ``destination``."""
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=HERE, check=True, capture_output=True).stdout
+    for relative in filter(None, listed.decode().split("\0")):
+        source = os.path.join(HERE, relative)
+        if os.path.isfile(source):
+            os.makedirs(os.path.dirname(os.path.join(destination, relative)), exist_ok=True)
+            shutil.copy2(source, os.path.join(destination, relative))
+
+
+def _mutate(root, path, old, new):
+    target = os.path.join(root, path)
+    with open(target, encoding="utf-8") as handle:
+        text = handle.read()
+    if old and text.count(old) != 1:
+        raise ValueError("mutant edit of %s: %r occurs %d times, not once" % (path, old, text.count(old)))
+    with open(target, "w", encoding="utf-8") as handle:
+        handle.write(text.replace(old, new) if old else text + new)
+
+
+def _evidence(output, expect):
+    """The line of the lane's output that shows the catch (the expected text's line)."""
+    return next((line.strip() for line in output.splitlines() if expect in line), "")
+
+
+@nox.session(python=False, default=False)
+def mutants(session):
+    """``nox -s mutants [-- ID ...]``: apply each mutant (MUTANTS) to a scratch copy, run the
+    lane that must catch it there (fresh venv, warm caches), print mutant -> what failed; fails
+    if any mutant was not caught by the gate it names."""
+    import tempfile
+
+    chosen = [m for m in MUTANTS if not session.posargs or m[0] in session.posargs]
+    logs = os.path.join(HERE, ".nox", "mutants")
+    os.makedirs(logs, exist_ok=True)
+    rows, missed = [], []
+    for ident, defect, path, old, new, lane_name, expect in chosen:
+        with tempfile.TemporaryDirectory(prefix="npu-shim-mutant-%s-" % ident) as scratch:
+            _scratch_copy(scratch)
+            _mutate(scratch, path, old, new)
+            started = time.monotonic()
+            proc = subprocess.run([sys.executable, "-m", "nox", "-f", os.path.join(scratch, "noxfile.py"),
+                                   "-s", "lane(%s)" % lane_name], cwd=scratch, capture_output=True, text=True)
+            output = proc.stdout + proc.stderr
+        with open(os.path.join(logs, ident + ".log"), "w", encoding="utf-8") as handle:
+            handle.write(output)
+        evidence = _evidence(output, expect)
+        caught = proc.returncode != 0 and bool(evidence)
+        if not caught:
+            missed.append(ident)
+        rows.append((ident, defect, "lane(%s)" % lane_name, "caught" if caught else "MISSED",
+                     "%.0f s" % (time.monotonic() - started), evidence[:160] or "(expected: %s)" % expect))
+        session.log("mutant %s: %s", ident, rows[-1][3])
+    sys.path.insert(0, os.path.join(HERE, "lanes"))
+    from report import format_table
+
+    print(format_table(("mutant", "defect", "ran", "verdict", "time", "what failed"), rows))
+    if missed:
+        session.error("mutants not caught: %s (logs: .nox/mutants/)" % ", ".join(missed))

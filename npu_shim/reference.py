@@ -126,7 +126,8 @@ def admitting(patch, dist, release):
 
     if dist in patch.requires and not within(patch.requires[dist], release):
         return []
-    return [f for f in patch.families if patch.family_dist(f) == dist and (not f.fence or within(f.fence, release))]
+    return [f for f in patch.families if f.releases and patch.family_dist(f) == dist
+            and (not f.fence or within(f.fence, release))]
 
 
 def render_releases(declared, root):

@@ -70,11 +70,14 @@ def subject_of(patch: Patch, module):
 def admitting_families(patch: Patch, versions: dict) -> list:
     """Names of the families whose version fence (inside the patch's own window) admits
     ``versions``: the families that claim the installed release, by versions alone. The lanes
-    require each such patch to be applied and exercised (lanes/report.py)."""
+    require each such patch to be applied and exercised (lanes/report.py). A family that names
+    no release (builds between releases, told apart by structure alone) claims none."""
     if not patch.named_families or guard_failure(patch, versions):
         return []
     admitted = []
     for family in patch.families:
+        if not family.releases:
+            continue
         if family.fence:
             version = versions.get(patch.family_dist(family)) or installed_version(patch.family_dist(family))
             try:
