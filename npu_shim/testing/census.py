@@ -23,6 +23,7 @@ multimodal field config puts it:
   ``patch_positions`` go to the device (its field config), both marked so.
 """
 import importlib
+import importlib.util
 import types
 
 from npu_shim.testing import towers
@@ -141,6 +142,8 @@ def setup():
 
         with set_current_vllm_config(stack.config), towers.placeholder_torchvision():
             for name, spec in CENSUS.items():
+                if importlib.util.find_spec(spec.module) is None:
+                    continue        # a tower this vLLM release does not have
                 _MODULES[name] = importlib.import_module(spec.module)
         for module in (torch_utils, *_MODULES.values()):
             if getattr(module, "PIN_MEMORY", False):
