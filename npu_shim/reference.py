@@ -223,18 +223,40 @@ def installed_as(path):
     return "; ".join(notes) or "wheels"
 
 
+def lane_pins(path):
+    """``{dist: version}`` a lane installs: its ``==`` pins and its ``# Sdist:`` releases."""
+    pinned = pins(path)
+    for line in open(path):
+        if not line.startswith("#"):
+            break
+        if line.startswith("# Sdist:") and "==" in line:
+            dist, version = line.split(":", 1)[1].strip().split("==", 1)
+            pinned[dist.strip().lower()] = version.strip()
+    return pinned
+
+
+def claimed_lanes(root, declared=None):
+    """``{patch name: [lanes]}``: the lanes whose pinned releases a family of the patch claims
+    (its fence admits them, inside the patch's window; :func:`guards.admitting_families`). On
+    each of them the lane gate requires the patch applied and a test marked for it passed, so
+    the tests of a patch select these lanes (``pytest.mark.claimed`` in tests/conftest.py)."""
+    from npu_shim.engine import guards
+
+    lanes = {os.path.basename(path)[:-4]: lane_pins(path) for path in lane_files(root)}
+    out = {}
+    for patch, _ in declared or patches():
+        dists = guards.dists_of(patch)
+        out[patch.name] = sorted(name for name, pinned in lanes.items()
+                                 if guards.admitting_families(patch, {dist: pinned.get(dist) for dist in dists}))
+    return out
+
+
 def lane_rows(root):
     costs = ci_costs(root)
     rows = []
     for path in lane_files(root):
         name = os.path.basename(path)[:-4]
-        pinned = pins(path)
-        for line in open(path):
-            if not line.startswith("#"):
-                break
-            if line.startswith("# Sdist:") and "==" in line:
-                dist, version = line.split(":", 1)[1].strip().split("==", 1)
-                pinned[dist.strip().lower()] = version.strip()
+        pinned = lane_pins(path)
         install, tests, counts = costs.get(name, ("-", "-", "not in the last recorded run"))
         rows.append(("`%s`" % name, lane_header(path, "Stands for") or "-",
                      ", ".join("%s %s" % (d, pinned[d]) for d in UPSTREAM if d in pinned),

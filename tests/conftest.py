@@ -12,14 +12,25 @@ A test that exercises a patch names it: ``pytest.mark.patch("sglang.cp_fia")``
 Each selected test's patch names are recorded as ``<property name="patch">`` in
 the junit XML, from which ``lanes/report.py`` counts the tests of each patch.
 
-Both markers are checked over every collected test, selected or not: a lane name
+A test of what a patch does wherever it is claimed selects its lanes from the
+declarations instead of a hand-kept list: ``pytest.mark.claimed("vllm.qwen2_vl_host_lengths")``
+adds every lane whose pinned releases a family of that patch claims (its fence admits
+them; ``npu_shim.reference.claimed_lanes``), the same lanes on which ``lanes/report.py``
+requires the patch applied and a test marked for it passed. Reading one more release
+into a fence moves the test onto its lane with no edit here.
+
+The markers are checked over every collected test, selected or not: a lane name
 that nox does not define (a pin file ``lanes/<name>.txt`` whose name does not
 start with ``_``) or a patch name that ``npu_shim.patches.BUILTIN_PATCHES`` does
 not list fails collection, naming the test and the name, instead of leaving the
 test in no lane or its patch uncounted.
 """
+import functools
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -31,6 +42,7 @@ LANES_DIR = os.path.join(REPO, "lanes")
 def pytest_configure(config):
     config.addinivalue_line("markers", "lanes(*names): pinned stacks this test runs in")
     config.addinivalue_line("markers", "patch(*names): the npu-shim patches this test exercises")
+    config.addinivalue_line("markers", "claimed(*patches): run on every lane a family of these patches claims")
 
 
 def defined_lanes(lanes_dir=LANES_DIR):
@@ -53,9 +65,37 @@ def builtin_patch_names():
     return [name for name, _ in module.BUILTIN_PATCHES]
 
 
+@functools.lru_cache(maxsize=None)
+def claimed_lanes():
+    """``{patch: [lanes]}`` from the installed npu_shim's declarations and this checkout's pin
+    files, computed in a child interpreter with the shim off (``import npu_shim`` installs it,
+    which this collecting process must not do before the tests ask for it)."""
+    code = ("import json, sys; from npu_shim import reference; "
+            "json.dump(reference.claimed_lanes(sys.argv[1]), sys.stdout)")
+    env = dict(os.environ, NPU_SHIM="0")
+    proc = subprocess.run([sys.executable, "-c", code, REPO], env=env, capture_output=True, text=True,
+                          cwd=os.path.dirname(sys.executable))
+    if proc.returncode != 0:
+        raise pytest.UsageError("cannot derive the lanes of pytest.mark.claimed: " + proc.stderr.strip()[-2000:])
+    return json.loads(proc.stdout)
+
+
 def _lanes_of(item):
-    marker = item.get_closest_marker("lanes")
-    return set(marker.args) if marker else {BASE_LANE}
+    """The lanes of the closest node (test, class, module) that names any: its ``lanes`` and
+    the lanes its ``claimed`` patches claim, together; a test's own marker replaces its
+    module's, so a test marked for one lane outside a module's claims stays there."""
+    for node in item.listchain()[::-1]:
+        marks = [m for m in node.own_markers if m.name in ("lanes", "claimed")]
+        if marks:
+            lanes = set()
+            for mark in marks:
+                if mark.name == "lanes":
+                    lanes.update(mark.args)
+                else:
+                    for patch in mark.args:
+                        lanes.update(claimed_lanes().get(patch, ()))
+            return lanes
+    return {BASE_LANE}
 
 
 def patches_of(item):
@@ -68,7 +108,8 @@ def patches_of(item):
 
 def marker_problems(items, lanes, patches):
     """One line per unknown lane or patch name (or empty marker) on ``items``."""
-    kinds = (("lanes", "lane", lanes, "nox defines"), ("patch", "patch", patches, "BUILTIN_PATCHES"))
+    kinds = (("lanes", "lane", lanes, "nox defines"), ("patch", "patch", patches, "BUILTIN_PATCHES"),
+             ("claimed", "patch", patches, "BUILTIN_PATCHES"))
     problems = []
     for item in items:
         for marker_name, what, known, source in kinds:

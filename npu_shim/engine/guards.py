@@ -21,9 +21,13 @@ def installed_version(dist: str):
         return None
 
 
+def dists_of(patch: Patch) -> list:
+    """The distributions the patch's guard and its families' fences read."""
+    return list(patch.requires) + [f.dist for f in patch.families if f.dist and f.dist not in patch.requires]
+
+
 def versions_of(patch: Patch) -> dict:
-    dists = list(patch.requires) + [f.dist for f in patch.families if f.dist and f.dist not in patch.requires]
-    return {dist: installed_version(dist) for dist in dists}
+    return {dist: installed_version(dist) for dist in dists_of(patch)}
 
 
 def within(spec: str, version: str) -> bool:
@@ -79,7 +83,8 @@ def admitting_families(patch: Patch, versions: dict) -> list:
         if not family.releases:
             continue
         if family.fence:
-            version = versions.get(patch.family_dist(family)) or installed_version(patch.family_dist(family))
+            dist = patch.family_dist(family)
+            version = versions[dist] if dist in versions else installed_version(dist)
             try:
                 if version is None or not within(family.fence, version):
                     continue
