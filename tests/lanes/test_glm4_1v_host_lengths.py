@@ -21,14 +21,14 @@ there with ``vllm.mm_encoder_host_lengths``.
 """
 import pytest
 
-pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.30"),
+pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.19", "vllm-0.20", "vllm-0.21", "vllm-0.22", "vllm-0.23",
+                                "vllm-0.24", "vllm-0.25", "latest-vllm", "vllm-0.27", "vllm-0.30"),
               pytest.mark.patch("vllm.glm4_1v_host_lengths", "vllm.mm_encoder_host_lengths",
                                 "vllm.mm_encoder_attn")]
 
 PATCH_NAME = "vllm.glm4_1v_host_lengths"
 TOWER = "GLM-4.1V"
 TOWER_TOL = 2e-4          # float32 tower vs. float64 / TORCH_SDPA, relative to max |reference|
-FAMILY = {"0.18": "0.18.0", "0.22": "0.19.1-0.23.0", "0.26": "0.26.0-0.27.1"}
 
 
 def vllm_minor():
@@ -37,8 +37,15 @@ def vllm_minor():
     return ".".join(version("vllm").split(".")[:2])
 
 
+def claimed():
+    """The family whose fence admits the installed vLLM (the declaration's claim), or None."""
+    from npu_shim.testing import claims
+
+    return claims.claimed_family(PATCH_NAME)
+
+
 def applies():
-    return vllm_minor() in FAMILY
+    return claimed() is not None
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +83,7 @@ def embedding_reads(syncs):
 def test_status(stack):
     found = row()
     if applies():
-        assert (found["state"], found["family"]) == ("applied", FAMILY[vllm_minor()]), found
+        assert (found["state"], found["family"]) == ("applied", claimed().name), found
     else:
         assert found["state"] == "skipped" and "0.28.0 and later" in found["reason"], found
 
@@ -84,6 +91,7 @@ def test_status(stack):
 def test_whole_tower_forward_reads_nothing_back(stack, device_class):
     import torch
 
+    from npu_shim.patches.vllm.glm4_1v_host_lengths import families
     from npu_shim.testing import towers
 
     patched = towers.build_tower(stack, TOWER, stack.attention[device_class])
@@ -102,7 +110,7 @@ def test_whole_tower_forward_reads_nothing_back(stack, device_class):
         assert syncs.h2d_count == 0, [str(e) for e in syncs.h2d_events]
         assert up_syncs.count > 0, up_syncs.summary()              # the attention's read(s), at least
         if applies():
-            tolist = 1 if vllm_minor() == "0.18" else 0            # 0.18.0's tolist of the device cu_seqlens
+            tolist = int(claimed().load() is families.COPY_THEN_TOLIST)   # 0.18.0's tolist of the device cu_seqlens
             assert embedding_reads(up_syncs) == 2 * frames + tolist, [str(e) for e in up_syncs.events]
             assert up_syncs.h2d_count > 0, up_syncs.summary()
         else:
@@ -174,8 +182,7 @@ def test_checks_refuse_another_body(stack):
     from npu_shim.patches.vllm.glm4_1v_host_lengths import families
 
     module = stack.modules[TOWER]
-    family = {"0.18.0": families.COPY_THEN_TOLIST, "0.19.1-0.23.0": families.TOWER_COPY,
-              "0.26.0-0.27.1": families.ENCODER_METADATA}[row()["family"]]
+    family = claimed().load()
     original = vars(module.Glm4vVisionEmbeddings)["forward"].__wrapped_upstream__
     other = type(module.Glm4vVisionEmbeddings.__name__, (), {"forward": _another_forward})
     fake = types.SimpleNamespace(__name__=module.__name__, Glm4vVisionEmbeddings=other,

@@ -20,21 +20,30 @@ vLLM's own TORCH_SDPA tower and to a float64 copy with
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.29", "vllm-0.30"),
+pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.19", "vllm-0.20", "vllm-0.21", "vllm-0.22", "vllm-0.23",
+                                "vllm-0.24", "vllm-0.25", "latest-vllm", "vllm-0.27", "vllm-0.28", "vllm-0.29",
+                                "vllm-0.30"),
               pytest.mark.patch("vllm.kimi_vl_host_grid", "vllm.mm_encoder_attn")]
 
 PATCH_NAME = "vllm.kimi_vl_host_grid"
 TOWER_TOL = 2e-4          # float32 tower vs. float64 / TORCH_SDPA, relative to max |reference|
 GRID_READS = 3            # upstream's grid_hws.tolist(): position embedding, rope, patch_merger
-HOST_GRID_RELEASE = "0.29.0"   # from here vLLM's own field config keeps image_grid_hws on the host
+
+
+def claimed():
+    """The family whose fence admits the installed vLLM (the declaration's claim)."""
+    from npu_shim.testing import claims
+
+    family = claims.claimed_family(PATCH_NAME)
+    assert family is not None, "no family of %s claims this vLLM: the lane marker names a lane it has none for" % PATCH_NAME
+    return family
 
 
 def grid_on_host_upstream():
-    from importlib.metadata import version
+    """Whether vLLM's own field config keeps image_grid_hws on the host (the family that leaves it alone)."""
+    from npu_shim.patches.vllm.kimi_vl_host_grid import families
 
-    from packaging.version import Version
-
-    return Version(version("vllm")) >= Version(HOST_GRID_RELEASE)
+    return claimed().load() is families.HOST_LENGTHS
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +76,11 @@ def test_status(stack):
     import npu_shim
 
     row = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
+    assert (row["state"], row["family"]) == ("applied", claimed().name), row
     if grid_on_host_upstream():
-        assert (row["state"], row["family"]) == ("applied", "0.29.0+"), row
         module = stack.modules["Kimi-VL model"]            # the forward only: the field config is upstream's
         assert hasattr(module.MoonVitPretrainedModel.forward, "__wrapped_upstream__")
         assert not hasattr(module.KimiVLMultiModalProcessor._get_mm_fields_config, "__wrapped_upstream__")
-    else:
-        assert (row["state"], row["family"]) == ("applied", "0.18.0-0.26.0"), row
 
 
 def test_field_config_keeps_only_the_grid_on_the_host(stack):

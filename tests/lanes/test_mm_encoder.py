@@ -1,4 +1,4 @@
-"""Patch ``vllm.mm_encoder_attn`` on the real vllm-ascend wheels (lanes vllm-0.13, vllm-0.15).
+"""Patch ``vllm.mm_encoder_attn`` on the real vllm-ascend wheels (lanes vllm-0.13 .. vllm-0.17).
 
 What runs here is upstream code at the pinned versions: vLLM's
 ``MMEncoderAttention`` and vllm-ascend's ``AscendMMEncoderAttention``. The only
@@ -27,7 +27,8 @@ import types
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("vllm-0.13", "vllm-0.15", "vllm-0.16", "vllm-0.17"), pytest.mark.patch("vllm.mm_encoder_attn")]
+pytestmark = [pytest.mark.lanes("vllm-0.13", "vllm-0.14", "vllm-0.15", "vllm-0.16", "vllm-0.17"),
+              pytest.mark.patch("vllm.mm_encoder_attn")]
 
 TARGET = "vllm_ascend.ops.mm_encoder_attention"
 PATCH_NAME = "vllm.mm_encoder_attn"

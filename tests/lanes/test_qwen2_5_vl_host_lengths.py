@@ -1,6 +1,6 @@
 """Patch ``vllm.qwen2_5_vl_host_lengths``: Qwen2.5-VL's own ``cu_seqlens`` copies keep their host arrays.
 
-Where it applies (vLLM 0.18.0 in the lanes): the whole-tower gate (0 reads,
+Where it applies (vLLM 0.18.0-0.21.0 in the lanes): the whole-tower gate (0 reads,
 ``torch.equal`` to upstream, close to float64) is
 tests/lanes/test_mm_encoder_host_lengths.py; here: which family applies on
 which release, the copy keeps upstream's arguments and leaves nothing on the
@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm"),
+pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.19", "vllm-0.20", "vllm-0.21", "vllm-0.22", "latest-vllm"),
               pytest.mark.patch("vllm.qwen2_5_vl_host_lengths", "vllm.mm_encoder_host_lengths",
                                 "vllm.mm_encoder_attn")]
 
@@ -29,9 +29,10 @@ def vllm_version():
 
 
 def tower_copies():
-    from packaging.version import Version
+    """Whether a family of the patch claims the installed vLLM (its tower copies cu_seqlens itself)."""
+    from npu_shim.testing import claims
 
-    return vllm_version() < Version("0.22.0")
+    return claims.claimed_family(PATCH_NAME) is not None
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +51,9 @@ def row():
 def test_status(stack):
     found = row()
     if tower_copies():
-        assert (found["state"], found["family"]) == ("applied", "0.18.0-0.20.2"), found
+        from npu_shim.testing import claims
+
+        assert (found["state"], found["family"]) == ("applied", claims.claimed_family(PATCH_NAME).name), found
     else:
         assert found["state"] != "applied", found
         assert "maybe_recompute_cu_seqlens" in found["reason"], found
