@@ -20,9 +20,7 @@ vLLM's own TORCH_SDPA tower and to a float64 copy with
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.19", "vllm-0.20", "vllm-0.21", "vllm-0.22", "vllm-0.23",
-                                "vllm-0.24", "vllm-0.25", "latest-vllm", "vllm-0.27", "vllm-0.28", "vllm-0.29",
-                                "vllm-0.30"),
+pytestmark = [pytest.mark.claimed("vllm.kimi_vl_host_grid"),
               pytest.mark.patch("vllm.kimi_vl_host_grid", "vllm.mm_encoder_attn")]
 
 PATCH_NAME = "vllm.kimi_vl_host_grid"

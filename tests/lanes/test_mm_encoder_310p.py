@@ -33,7 +33,7 @@ import pytest
 
 import npu_shim
 
-pytestmark = [pytest.mark.lanes("vllm-0.14", "vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.19", "vllm-0.20", "vllm-0.21", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30"),
+pytestmark = [pytest.mark.claimed("vllm.mm_encoder_attn_310p"),
               pytest.mark.patch("vllm.mm_encoder_attn_310p")]
 
 TARGET = "vllm_ascend._310p.ops.mm_encoder_attention"

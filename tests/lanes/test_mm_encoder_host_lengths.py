@@ -22,9 +22,7 @@ own TORCH_SDPA tower and to a float64 copy whose attention is
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.19", "vllm-0.20", "vllm-0.21", "vllm-0.22", "vllm-0.23",
-                                "vllm-0.24", "vllm-0.25", "latest-vllm", "vllm-0.27", "vllm-0.28", "vllm-0.29",
-                                "vllm-0.30"),
+pytestmark = [pytest.mark.claimed("vllm.mm_encoder_host_lengths"),
               pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn",
                                 "vllm.qwen2_5_vl_host_lengths")]
 

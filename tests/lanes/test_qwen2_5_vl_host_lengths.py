@@ -12,7 +12,8 @@ import os
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.19", "vllm-0.20", "vllm-0.21", "vllm-0.22", "latest-vllm"),
+pytestmark = [pytest.mark.claimed("vllm.qwen2_5_vl_host_lengths"),
+              pytest.mark.lanes("vllm-0.22", "latest-vllm"),   # the patch is out there, and why,
               pytest.mark.patch("vllm.qwen2_5_vl_host_lengths", "vllm.mm_encoder_host_lengths",
                                 "vllm.mm_encoder_attn")]
 

@@ -30,8 +30,7 @@ import pytest
 
 import npu_shim
 
-pytestmark = [pytest.mark.lanes("sglang-0.5.13", "latest-sglang", "sglang-0.5.16", "sglang-0.5.19", "sglang-0.5.12",
-                                "sglang-0.5.14", "sglang-0.5.15", "sglang-0.5.17", "sglang-0.5.20", "sglang-0.5.22"),
+pytestmark = [pytest.mark.claimed("sglang.small_page_fia"),
               pytest.mark.patch("sglang.small_page_fia")]
 
 from sglang_support import prefill_case  # noqa: E402  (tests/lanes/conftest.py)

@@ -19,7 +19,7 @@ How: wrap ``sglang.srt.arg_groups.parallel_hook.validate_prefill_cp_platform``:
   KV gather, its metadata use and its FIA call rebuilt around the CP-v2 strategy --
   that is 0.5.23's rewrite, not a small patch.
 Upstream fix: 0.5.23 runs NPU CP through ``ZigzagCPStrategy`` (its own gather).
-Remove when: no pinned sglang is in 0.5.21-0.5.22.
+Remove when: no pinned sglang is in 0.5.21-0.5.22 (the window; 0.5.20 refuses by itself).
 """
 from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch
 
@@ -87,8 +87,11 @@ PATCH = Patch(
     name=NAME,
     target=TARGET,
     replaces=(CHECK,),
-    requires={"sglang": ">=0.5.20,<0.5.23"},
-    outside_window={"sglang": "the NPU KV gather is a stub only in 0.5.20-0.5.22"},
+    # 0.5.20's gather is the same stub, but its own start-up check refuses NPU prefill CP
+    # (check() says so too, by structure): no family claims it.
+    requires={"sglang": ">=0.5.21,<0.5.23"},
+    outside_window={"sglang": "the NPU KV gather is a stub only in 0.5.20-0.5.22, and 0.5.20's "
+                              + ALREADY_REFUSED},
     families=(Family(("0.5.21", "0.5.22"), __name__, keeps="upstream's validate_prefill_cp_platform for every other case"),),
     summary="refuse --enable-prefill-cp on NPU at start-up (the NPU KV gather is a stub)",
     selftest="npu_shim.selftest.sglang_cp_npu_refuse",
