@@ -13,13 +13,16 @@
 Schemas follow the documented torch_npu signatures (``SymInt[]`` written as
 ``int[]``).
 """
+import inspect
+
 import torch
 from torch.overrides import handle_torch_function, has_torch_function
 from torch.utils._pytree import tree_flatten
 
+from npu_shim.emulation import fusion_attention, prompt_flash_attention, unpad
 from npu_shim.emulation._common import INT_MAX
 from npu_shim.emulation.fused_infer_attention import (
-    npu_fused_infer_attention_score, npu_incre_flash_attention)
+    FIA_HOST_ARGS, IFA_HOST_ARGS, npu_fused_infer_attention_score, npu_incre_flash_attention)
 from npu_shim.emulation.fusion_attention import npu_fusion_attention
 from npu_shim.emulation.kv_cache import _npu_reshape_and_cache
 from npu_shim.emulation.prompt_flash_attention import (
@@ -100,6 +103,46 @@ SCHEMAS = {
         "npu_scatter_nd_update_(Tensor(a!) input, Tensor indices, Tensor updates) -> Tensor(a!)",
     ),
 }
+
+
+def _positions(impl, names):
+    """{argument: its position when passed positionally, or None if keyword-only}."""
+    params = list(inspect.signature(impl).parameters.values())
+    out = {}
+    for name in names:
+        index = next(i for i, p in enumerate(params) if p.name == name)
+        out[name] = index if params[index].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD else None
+    return out
+
+
+# The arguments each op reads on the host (declared, with the vendor's documentation,
+# beside each op), keyed like SCHEMAS: what a caller hands there must be host data.
+HOST_ARGS = {
+    name: _positions(SCHEMAS[name][0], names) for name, names in (
+        ("_npu_flash_attention_unpad", unpad.HOST_ARGS),
+        ("npu_fusion_attention", fusion_attention.HOST_ARGS),
+        ("npu_prompt_flash_attention", prompt_flash_attention.HOST_ARGS),
+        ("npu_fused_infer_attention_score", FIA_HOST_ARGS),
+        ("npu_incre_flash_attention", IFA_HOST_ARGS),
+    )
+}
+
+
+def host_arguments(name, args, kwargs):
+    """``[(argument, value)]`` of op ``name``'s host-only arguments in one call (those
+    passed, None left out); empty for an op with none."""
+    found = []
+    for arg, index in HOST_ARGS.get(name, {}).items():
+        if arg in kwargs:
+            value = kwargs[arg]
+        elif index is not None and index < len(args):
+            value = args[index]
+        else:
+            continue
+        if value is not None:
+            found.append((arg, value))
+    return found
+
 
 _library = None
 

@@ -52,6 +52,16 @@ IFA = "npu_incre_flash_attention"
 FIA_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND", "TND")
 IFA_LAYOUTS = ("BSH", "BSND", "BNSD")
 MAX_GQA_RATIO = 64
+# Arguments torch_npu reads on the host (a device tensor there is a device->host read
+# inside the op call, which npu_shim.testing.syncs counts). FIA: SymInt[]? in the API
+# reference (hiascend.com/document/detail/zh/Pytorch/700/apiref/apilist/ptaoplist_001232.html);
+# TorchAir's guide says these lengths are copied host->device for tiling and only its
+# tiling-sink graph mode takes a device tensor
+# (hiascend.com/document/detail/zh/Pytorch/710/modthirdparty/torchairuseguide/torchair_00086.html).
+# IFA: "actual_seq_lengths: Host侧的Input数组"
+# (hiascend.com/document/detail/zh/Pytorch/60RC1/apiref/apilist/ptaoplist_000451.html).
+FIA_HOST_ARGS = ("actual_seq_lengths", "actual_seq_lengths_kv")
+IFA_HOST_ARGS = ("actual_seq_lengths",)
 
 
 def npu_fused_infer_attention_score(

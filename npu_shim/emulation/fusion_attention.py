@@ -52,6 +52,11 @@ OP = "npu_fusion_attention"
 LAYOUTS = ("BSH", "SBH", "BSND", "BNSD", "TND")
 VARLEN_MAX_BATCH = 1024
 MAX_HEAD_DIM = 768
+# Arguments torch_npu reads on the host (a device tensor there is a device->host read
+# inside the op call, which npu_shim.testing.syncs counts): the API reference types them
+# int[]? and describes actual_seq_qlen / actual_seq_kvlen as host-side int64 arrays
+# ("Host侧的int64类型的数组"; hiascend.com/document/detail/zh/Pytorch/60RC3/apiref/apilist/ptaoplist_000445.html).
+HOST_ARGS = ("actual_seq_qlen", "actual_seq_kvlen")
 
 
 def npu_fusion_attention(query, key, value, head_num, input_layout, pse=None,

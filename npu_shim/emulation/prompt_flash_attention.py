@@ -35,6 +35,10 @@ from npu_shim.emulation._engine import Band, Explicit, attend_segment
 OP = "npu_prompt_flash_attention"
 LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND")
 PFA_PRE_TOKENS_DEFAULT = 2147473647
+# Arguments torch_npu reads on the host (a device tensor there is a device->host read
+# inside the op call, which npu_shim.testing.syncs counts): int[]? in the API reference,
+# hiascend.com/document/detail/zh/Pytorch/700/apiref/apilist/ptaoplist_000171.html.
+HOST_ARGS = ("actual_seq_lengths", "actual_seq_lengths_kv")
 
 
 def npu_prompt_flash_attention(query, key, value, *, pse_shift=None, padding_mask=None,

@@ -10,8 +10,9 @@ SelfAttention "constraints" page):
   (T, N, Dv) in place and returns nothing.
 * ``seq_len``: the per-segment lengths (not cumulative) as a *host* tensor —
   vllm-ascend copies ``cu_seqlens`` to the CPU because the op breaks with a
-  device tensor; the emulation refuses a non-CPU ``seq_len``. The tokens of all
-  segments sum to T.
+  device tensor; the emulation refuses a non-CPU ``seq_len``, and
+  ``npu_shim.testing.syncs`` counts a device stand-in there as a device->host
+  read (see ``HOST_ARGS``). The tokens of all segments sum to T.
 * No mask: each segment attends to itself only (non-causal, block diagonal).
 * GQA when ``num_heads > num_kv_heads``.
 * On an emulated 310P (``NPU_SHIM_EMULATE_SOC=Ascend310P*``): head sizes must be
@@ -26,6 +27,12 @@ from npu_shim.emulation._engine import attend_segment
 
 OP = "_npu_flash_attention_unpad"
 MAX_BATCH_310P = 2000
+# Arguments torch_npu reads on the host, so a device tensor there is a device->host
+# read inside the op call (npu_shim.testing.syncs counts it). ATB's PA_ENCODER
+# self-attention takes the per-segment lengths as a host tensor: "seqLenHost ...
+# host侧tensor值" in the CANN ATB fa_pa_encoder demo
+# (hiascend.com/document/detail/zh/CANNCommunityEdition/82RC1alpha001/API/ascendtbapi/ascendtb_01_0271.html).
+HOST_ARGS = ("seq_len",)
 
 
 def _npu_flash_attention_unpad(query, key, value, seq_len, scale_value, num_heads,

@@ -10,7 +10,7 @@ the torch_npu call recorder.
 """
 from npu_shim.testing.calls import NpuCall, record_npu_calls, unemulated_op
 from npu_shim.testing.reference import attention_f64, dense_segments
-from npu_shim.testing.syncs import HostSyncCounter, SyncEvent, count_host_syncs
+from npu_shim.testing.syncs import HostArgumentError, HostSyncCounter, SyncEvent, count_host_syncs
 
-__all__ = ["HostSyncCounter", "NpuCall", "SyncEvent", "attention_f64", "count_host_syncs",
-           "dense_segments", "record_npu_calls", "unemulated_op"]
+__all__ = ["HostArgumentError", "HostSyncCounter", "NpuCall", "SyncEvent", "attention_f64",
+           "count_host_syncs", "dense_segments", "record_npu_calls", "unemulated_op"]

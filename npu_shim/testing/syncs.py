@@ -30,6 +30,19 @@ mode popped, and the dispatch layer stays silent inside calls of
 internals stay invisible (its ops honour ``__torch_function__``, so the modes
 see one call and nothing of its body).
 
+Opaque, but not blind at the call: an argument torch_npu reads on the host
+(``seq_len`` of ``_npu_flash_attention_unpad``, ``actual_seq_qlen`` /
+``actual_seq_kvlen`` of ``npu_fusion_attention``, ``actual_seq_lengths[_kv]``
+of ``npu_fused_infer_attention_score`` / ``npu_prompt_flash_attention``,
+``actual_seq_lengths`` of ``npu_incre_flash_attention``; the table is
+``npu_shim.emulation._registry.HOST_ARGS``, each entry citing the vendor's
+documentation) must be host data. A device tensor there, or a device tensor
+inside a list there, is a read the op makes before it can launch: one event of
+kind ``host_arg`` per such tensor, whose ``detail`` names the op and the
+argument. With ``strict=True`` it is a :class:`HostArgumentError` instead,
+raised before the op runs. Why at the call and not in the body: the emulation
+cannot tell a CPU stand-in from host data, only the counter can.
+
 Which tensors count as "on the device": a tensor whose device is not the CPU;
 on CPU-only machines, the tensors passed in ``device_tensors`` and the
 parameters and buffers of ``device_modules`` (stand-ins for device tensors)
@@ -75,7 +88,10 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["DEVICE", "HostSyncCounter", "SyncEvent", "count_host_syncs"]
+import npu_shim.emulation as _emulation
+from npu_shim.emulation._registry import host_arguments
+
+__all__ = ["DEVICE", "HostArgumentError", "HostSyncCounter", "SyncEvent", "count_host_syncs"]
 
 # The stand-in device on CPU-only machines: what ``.device`` of a device stand-in answers.
 DEVICE = torch.device("cpu", 0)
@@ -104,19 +120,26 @@ _SHAPE_ATEN = {_aten.nonzero.default, _aten.masked_select.default, _aten._unique
 _REPEAT_ATEN = {_aten.repeat_interleave.Tensor, _aten.repeat_interleave.self_Tensor}
 _INDEX_ATEN = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}
 
-# Frames skipped when naming the caller: torch itself, this package, contextlib.
+# Frames skipped when naming the caller: torch itself, this package, the emulated
+# torch_npu's call wrappers (a host_arg read is the caller's), contextlib.
 _SKIP_DIRS = tuple(os.path.dirname(os.path.abspath(m.__file__)) + os.sep
-                   for m in (torch, sys.modules[__name__]))
+                   for m in (torch, sys.modules[__name__], _emulation))
 _SKIP_FILES = {os.path.abspath(contextlib.__file__)}
 
 
 class SyncEvent(NamedTuple):
-    kind: str       # item, tolist, numpy, cpu, to, copy_, bool, int, float, index, shape, scalar;
-                    # h2d for a blocking host->device copy (in h2d_events only)
+    kind: str       # item, tolist, numpy, cpu, to, copy_, bool, int, float, index, shape, scalar,
+                    # host_arg; h2d for a blocking host->device copy (in h2d_events only)
     location: str   # "dir/file.py:line in function" of the code that caused it
+    detail: str = ""  # host_arg: "<argument> of <op>"
 
     def __str__(self):
-        return "%s at %s" % (self.kind, self.location)
+        kind = "%s (%s)" % (self.kind, self.detail) if self.detail else self.kind
+        return "%s at %s" % (kind, self.location)
+
+
+class HostArgumentError(RuntimeError):
+    """strict mode: a device tensor handed to a torch_npu op where it reads host data."""
 
 
 class HostSyncCounter:
@@ -124,8 +147,9 @@ class HostSyncCounter:
     copies are kept apart: ``h2d_events`` / ``h2d_count``."""
 
     def __init__(self, device_tensors=(), cpu_is_device=False, device_modules=(),
-                 follow_placement=False):
+                 follow_placement=False, strict=False):
         self.events = []
+        self.strict = strict
         self.follow_placement = follow_placement or bool(device_modules)
         self.h2d_events = []
         self.cpu_is_device = cpu_is_device
@@ -192,8 +216,8 @@ class HostSyncCounter:
     def is_host(self, t):
         return isinstance(t, torch.Tensor) and not self.is_device(t)
 
-    def _record(self, kind):
-        self.events.append(SyncEvent(kind, _caller_location()))
+    def _record(self, kind, detail=""):
+        self.events.append(SyncEvent(kind, _caller_location(), detail))
         if self._frames:
             self._frames[-1][0] = True
 
@@ -223,6 +247,19 @@ def _is_device_place(device):
     return device.type not in ("cpu", "meta") or device.index is not None
 
 
+def _npu_op_name(func):
+    """The torch_npu op ``func`` calls (either spelling), or None."""
+    if isinstance(func, torch._ops.OpOverload):
+        return func._schema.name.partition("::")[2] if func.namespace == "npu" else None
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        namespace, _, name = func._qualified_op_name.partition("::")
+        return name if namespace == "npu" else None
+    module = getattr(func, "__module__", None) or ""
+    if module == "torch_npu" or module.startswith("torch_npu."):
+        return getattr(func, "__name__", None)
+    return None
+
+
 def _opaque(func):
     """torch_npu ops (the emulation): one call, nothing of the body is counted."""
     if isinstance(func, torch._ops.OpOverload):
@@ -248,6 +285,7 @@ class _SyncMode(TorchFunctionMode):
         was_device = c.is_device(this)
         c._frames.append([False, _opaque(func)])
         try:
+            self._host_argument_reads(func, args, kwargs)
             transfer_out = self._classify(func, args, kwargs)
             result = func(*args, **kwargs)
         finally:
@@ -275,6 +313,24 @@ class _SyncMode(TorchFunctionMode):
         elif not inputs and c.follow_placement:
             c.mark_host(*[o for o in outputs if o.device.type == "cpu"])
         return result
+
+    def _host_argument_reads(self, func, args, kwargs):
+        """A device tensor where a torch_npu op reads host data: one read each."""
+        op = _npu_op_name(func)
+        if op is None:
+            return
+        c = self.counter
+        for arg, value in host_arguments(op, args, kwargs):
+            items = value if isinstance(value, (list, tuple)) else (value,)
+            for item in items:
+                if not (isinstance(item, torch.Tensor) and c.is_device(item)):
+                    continue
+                if c.strict:
+                    raise HostArgumentError(
+                        "%s: %s is a device tensor; torch_npu reads this argument on the host, "
+                        "so the op call would copy it device->host (pass host data: a list of "
+                        "ints or a CPU tensor)" % (op, arg))
+                c._record("host_arg", "%s of %s" % (arg, op))
 
     def _classify(self, func, args, kwargs):
         """Record the sync ``func`` is about to make; say where its output lives."""
@@ -415,7 +471,7 @@ class _ScalarReadMode(TorchDispatchMode):
 
 @contextlib.contextmanager
 def count_host_syncs(device_tensors=(), *, cpu_is_device=False, device_modules=(),
-                     follow_placement=False):
+                     follow_placement=False, strict=False):
     """Count host syncs inside the block; yields a :class:`HostSyncCounter`.
 
     ``device_tensors``: CPU tensors that stand in for device tensors (see the
@@ -425,8 +481,11 @@ def count_host_syncs(device_tensors=(), *, cpu_is_device=False, device_modules=(
     stand-in answers :data:`DEVICE`, and tensors made by factories without a
     ``device`` are host tensors (see the module docstring).
     ``cpu_is_device``: treat every CPU tensor not known to be a host copy as a
-    device tensor.
+    device tensor. ``strict``: a device tensor handed to a torch_npu op where it
+    reads host data raises :class:`HostArgumentError` (naming the op and the
+    argument) instead of counting as a read.
     """
-    counter = HostSyncCounter(device_tensors, cpu_is_device, device_modules, follow_placement)
+    counter = HostSyncCounter(device_tensors, cpu_is_device, device_modules, follow_placement,
+                              strict)
     with _ScalarReadMode(counter), _SyncMode(counter):
         yield counter

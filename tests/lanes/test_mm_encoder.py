@@ -138,12 +138,15 @@ def lengths_case(cu_mode):
 
 def sync_counter(cu_mode, cu):
     """Count what an NPU would sync: a device cu_seqlens stand-in, or (for None) every
-    tensor the layer builds itself, since upstream 0.13 builds it on query.device."""
+    tensor the layer builds itself, since upstream 0.13 builds it on query.device.
+    Placement is followed there: a tensor made on the host (the patch's seq_len, which
+    the op reads on the host) is host data, one made on query.device is not."""
     from npu_shim.testing import count_host_syncs
 
     if cu_mode == "device":
         return count_host_syncs(device_tensors=[cu])
-    return count_host_syncs(cpu_is_device=cu_mode == "none")
+    none = cu_mode == "none"
+    return count_host_syncs(cpu_is_device=none, follow_placement=none)
 
 
 # --------------------------------------------------------------- 1. equivalence

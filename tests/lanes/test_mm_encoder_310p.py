@@ -348,18 +348,20 @@ def test_27_layers_copy_once_per_forward_under_inference_mode(stack):
 
 def test_host_cu_seqlens_and_none_cost_no_copy(stack):
     """A host cu_seqlens, or none (upstream 0.14.0rc1 builds that one on query.device and
-    copies it back per layer; counted here by treating every tensor as a device tensor)."""
+    copies it back per layer; counted here by treating every tensor as a device tensor,
+    placement followed: the patch's seq_len is made on the host, and handing it to the op
+    is no read, while a tensor made on query.device is a device tensor)."""
     from npu_shim.testing import count_host_syncs
 
     q, k, v = qkv("4d", 3, 6, 4, 4, 80, seed=2)
     patched = build(stack, stack.patched, count=4)
-    with count_host_syncs(cpu_is_device=True) as none_given:
+    with count_host_syncs(cpu_is_device=True, follow_placement=True) as none_given:
         tower_forward(patched, q, k, v, None)
     assert none_given.count == 0, none_given.summary()
     source = inspect.getsource(stack.upstream.forward_oot)
     if stack.version.startswith("0.14."):
         assert "device=query.device" in source
-        with count_host_syncs(cpu_is_device=True) as upstream_none:
+        with count_host_syncs(cpu_is_device=True, follow_placement=True) as upstream_none:
             tower_forward(build(stack, stack.upstream, count=4), q, k, v, None)
         assert upstream_none.count == 4, upstream_none.summary()
     else:   # upstream builds that one on the host: no copy there either
