@@ -138,10 +138,10 @@ class Selftest:
 
     def describe(self):
         if isinstance(self.host_syncs, Mapping):
-            reads = ", ".join("%d when %s" % (n, case) for case, n in self.host_syncs.items())
+            reads = ", ".join("%d (%s)" % (n, case) for case, n in self.host_syncs.items())
         else:
             reads = "%d" % self.host_syncs
-        return "`%s`, expects %s device→host reads" % (self.run, reads)
+        return "`%s`; device→host reads expected: %s" % (self.run, reads)
 
 
 class _Inline:
