@@ -45,7 +45,7 @@ def test_a_row_over_its_tolerance_or_off_its_reads_fails_the_command(monkeypatch
     monkeypatch.setattr(selftest, "run_all", lambda: rows)
     assert selftest.main() == selftest.EXIT_MISMATCH
     assert "FAIL (error)" in capsys.readouterr().out
-    rows[:] = [_row(host_syncs=4, failed=["reads"], ok=False)]
+    rows[:] = [_row(host_syncs=4, failed=["reads"], ok=False, verdict="FAIL (reads): counted 4")]
     assert selftest.main() == selftest.EXIT_MISMATCH
     out = capsys.readouterr().out
     line = next(line for line in out.splitlines() if line.startswith("p "))
@@ -67,7 +67,8 @@ def _measured(**over):
 
 def test_ok_needs_the_error_within_tolerance_and_the_declared_reads():
     assert selftest.judge(DECLARED, _measured())["ok"] is True
-    assert selftest.judge(DECLARED, _measured(max_rel_err=1e-3))["failed"] == ["error"]
+    over = selftest.judge(DECLARED, _measured(max_rel_err=1e-3))
+    assert over["failed"] == ["error"] and over["verdict"].startswith("FAIL (error): max_rel_err 0.001 over")
     assert selftest.judge(DECLARED, _measured(max_rel_err=float("nan")))["failed"] == ["error"]
 
 
@@ -75,6 +76,7 @@ def test_a_path_that_reads_back_once_per_layer_fails_on_its_reads_alone():
     """The error is fine (a read back changes no number); the reads are not what the patch declares."""
     verdict = selftest.judge(DECLARED, _measured(host_syncs=4))   # one read in each of 4 layers
     assert (verdict["ok"], verdict["failed"]) == (False, ["reads"])
+    assert verdict["verdict"] == "FAIL (reads): counted 4 device->host reads, the patch declares 0"
     assert (verdict["host_syncs"], verdict["expected_host_syncs"]) == (4, 0)
     assert selftest.judge(Selftest("m", host_syncs=1), _measured(host_syncs=4))["failed"] == ["reads"]
     assert selftest.judge(Selftest("m", host_syncs=1), _measured(host_syncs=0))["failed"] == ["reads"]

@@ -88,12 +88,17 @@ def judge(declared, measured):
         "expected_host_syncs": expected,
         "case": case,
     }
-    failed = []
+    failed, why = [], []
     if not verdict["error"] <= verdict["tolerance"]:          # NaN fails too
         failed.append("error")
+        why.append("%s %.3g over tolerance %.3g" % (measure, verdict["error"], verdict["tolerance"]))
     if expected is None or verdict["host_syncs"] != expected:
         failed.append("reads")
-    verdict.update(failed=failed, ok=not failed)
+        why.append("counted %d device->host reads, the patch declares %s%s" % (
+            verdict["host_syncs"], "none for this case" if expected is None else expected,
+            " (case %r)" % case if case is not None else ""))
+    verdict.update(failed=failed, ok=not failed,
+                   verdict="ok" if not failed else "FAIL (%s): %s" % (", ".join(failed), "; ".join(why)))
     return verdict
 
 
@@ -132,19 +137,21 @@ def run_all(device=None):
             "case": None,
             "seconds": None,
             "failed": [],
+            "verdict": None,
             "ok": None,
         }
         results.append(result)
         if row["state"] != "applied":
             continue
         if declared is None:
-            result.update(ok=False, failed=["no selftest"], reason="applied, but the patch declares no selftest")
+            result.update(ok=False, failed=["no selftest"], verdict="ERROR: no selftest",
+                          reason="applied, but the patch declares no selftest")
             continue
         started = time.perf_counter()
         try:
             verdict = run_one(name, device)
         except Exception as exc:
-            result.update(ok=False, failed=["raised"],
+            result.update(ok=False, failed=["raised"], verdict="ERROR: raised",
                           reason="selftest raised %s: %s" % (type(exc).__name__, exc),
                           traceback=traceback.format_exc())
             continue
@@ -159,6 +166,7 @@ def _fmt(value, spec):
 
 
 def _verdict(r):
+    """The table's short verdict; the reason is in the row's ``verdict`` and the notes."""
     if r["ok"] is None:
         return "-"
     if r["ok"]:
@@ -176,6 +184,15 @@ def _expected(value):
     return str(value)
 
 
+def _note(r):
+    parts = []
+    if r.get("ok") is False and r.get("verdict"):
+        parts.append(r["verdict"])
+    if r.get("case"):
+        parts.append("case: %s" % r["case"])
+    return "; ".join(parts + [r["reason"]])
+
+
 def table(results):
     headers = ("patch", "target version", "state", "error", "measure", "tol", "d2h reads", "expected",
                "seconds", "result")
@@ -189,8 +206,7 @@ def table(results):
         "  %s: %s" % (m, ERROR_MEASURES[m]) for m in measures] if measures else []
     reads = ["", "d2h reads: device->host reads counted over the patched call; \"ok\" needs them equal "
                  "to the patch's declared count (expected) and the error within tol."]
-    notes = ["", "notes:"] + ["  %s: %s%s" % (r["patch"], "[case: %s] " % r["case"] if r.get("case") else "",
-                                               r["reason"]) for r in results]
+    notes = ["", "notes:"] + ["  %s: %s" % (r["patch"], _note(r)) for r in results]
     return "\n".join([format_table(headers, rows)] + legend + reads + notes)
 
 
