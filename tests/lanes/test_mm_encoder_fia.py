@@ -494,7 +494,7 @@ def test_selftest_runs_this_adapter(stack):
     from npu_shim.selftest import run_one
 
     result = run_one(PATCH_NAME, device="cpu")
-    assert result["ok"], result
+    assert result["ok"], result["verdict"]
     assert (result["host_syncs"], result["expected_host_syncs"]) == (1, 1)
     assert "family %s" % stack.adapter in result["detail"]
     assert "npu_fused_infer_attention_score" in result["detail"]

@@ -423,6 +423,6 @@ def test_selftest_module(moonvit):
     from npu_shim.selftest import run_one
 
     result = run_one(mv.PATCH_NAME)
-    assert result["ok"], result
+    assert result["ok"], result["verdict"]
     assert (result["host_syncs"], result["expected_host_syncs"]) == (1, 1)
     assert "72" in result["detail"]

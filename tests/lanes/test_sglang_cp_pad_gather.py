@@ -189,7 +189,7 @@ def test_selftest_runs_the_patched_path_over_pad_rows(module):
     from npu_shim.selftest import run_one
 
     result = run_one(patch.NAME, "cpu")
-    assert result["ok"], result
+    assert result["ok"], result["verdict"]
     assert result["expected_host_syncs"] == 0, result
     assert "7 pad rows in all" in result["detail"], result["detail"]   # the case the patch is for
 

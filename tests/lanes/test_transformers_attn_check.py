@@ -189,6 +189,6 @@ def test_selftest_module(stack):
     from npu_shim.selftest import run_one, transformers_attn_check as selftest
 
     result = run_one(PATCH_NAME)
-    assert result["ok"], result
+    assert result["ok"], result["verdict"]
     assert (result["case"], result["host_syncs"], result["expected_host_syncs"]) == (selftest.CASE_FORWARD, 1, 1)
     assert "config asking for ascend_fa" in result["detail"]
