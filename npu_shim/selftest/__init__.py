@@ -180,7 +180,7 @@ def _expected(value):
     if value is None:
         return "-"
     if isinstance(value, dict):
-        return "/".join(str(n) for n in value.values())
+        return " or ".join(str(n) for n in value.values())     # per case; the notes name the case run
     return str(value)
 
 
