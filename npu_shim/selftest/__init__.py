@@ -19,7 +19,6 @@ ops exist only as the pure-PyTorch emulation, which must be asked for with
 NPU_SHIM_EMULATE=1; the table says which ran.
 """
 import contextlib
-import importlib
 import importlib.util
 import json
 import sys
@@ -35,7 +34,8 @@ EXIT_OK, EXIT_MISMATCH, EXIT_NO_KERNELS = 0, 1, 2
 # The error measures a selftest may report, each under its own key, and what it is
 # relative to; ``ref`` is the float64 reference of the same computation.
 ERROR_MEASURES = {
-    "max_abs_err": "max |out - ref| over every element (absolute; the tolerance says what it scales with)",
+    "max_abs_err": "max |out - ref| over every element, in the output's units (absolute; where the "
+                   "tolerance scales with max |ref|, the selftest's module says so)",
     "max_rel_err": "max |out - ref| / max(1, max |ref|): relative to the reference's largest magnitude, "
                    "floored at 1",
 }
