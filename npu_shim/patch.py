@@ -21,7 +21,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Callable, Mapping, Optional, Tuple
+from typing import Any, Callable, Mapping, Optional, Tuple, Union
 
 
 class NotNeeded(Exception):
@@ -97,6 +97,53 @@ class Family:
         return getattr(found, attribute) if attribute else found
 
 
+@dataclass(frozen=True)
+class Selftest:
+    """A patch's selftest (``npu-shim selftest``), as data: what runs and the reads it must see.
+
+    ``run``         ``"package.module"`` (its ``run(device)``) or ``"package.module:function"``;
+                    it runs the patched path and returns its error against the float64
+                    reference (under the key naming the measure: ``max_abs_err`` or
+                    ``max_rel_err``), ``tolerance``, ``host_syncs`` (the device->host reads
+                    :mod:`npu_shim.testing.syncs` counted over the patched call),
+                    ``seconds`` and ``detail``.
+    ``host_syncs``  the device->host reads that run must count: an int, or ``{case: int}``
+                    for a selftest that runs one of several cases and names it (``"case"``
+                    in its result). "ok" needs the count equal to this *and* the error
+                    within tolerance: a fix that still reads back must not pass on its
+                    numbers alone.
+    """
+
+    run: str
+    host_syncs: Union[int, Mapping[str, int]]
+
+    def __post_init__(self):
+        counts = self.host_syncs.values() if isinstance(self.host_syncs, Mapping) else [self.host_syncs]
+        if not counts or any(type(c) is not int or c < 0 for c in counts):
+            raise TypeError("Selftest.host_syncs must be a count (int >= 0) or {case: count}, not %r"
+                            % (self.host_syncs,))
+
+    def load(self):
+        """The callable ``run`` names (imports it)."""
+        import importlib
+
+        module_name, _, attribute = self.run.partition(":")
+        return getattr(importlib.import_module(module_name), attribute or "run")
+
+    def expected(self, case=None):
+        """The declared reads for ``case`` (None for a plain count); None if undeclared."""
+        if isinstance(self.host_syncs, Mapping):
+            return self.host_syncs.get(case)
+        return self.host_syncs if case is None else None
+
+    def describe(self):
+        if isinstance(self.host_syncs, Mapping):
+            reads = ", ".join("%d (%s)" % (n, case) for case, n in self.host_syncs.items())
+        else:
+            reads = "%d" % self.host_syncs
+        return "`%s`; device→host reads expected: %s" % (self.run, reads)
+
+
 class _Inline:
     """The family of a patch declared with ``check``/``build`` directly."""
 
@@ -129,9 +176,9 @@ class Patch:
     check: Optional[Callable[[ModuleType], None]] = None
     build: Optional[Callable[[ModuleType], Mapping[str, Any]]] = None
     summary: str = ""
-    # Dotted module whose ``run(device)`` checks the patched path against float64
-    # (``npu-shim selftest``); "" where the patch has none.
-    selftest: str = ""
+    # The :class:`Selftest` of ``npu-shim selftest`` (what runs, the reads it expects);
+    # None where the patch has none.
+    selftest: Optional[Selftest] = None
 
     def __post_init__(self):
         if isinstance(self.replaces, str):
@@ -150,6 +197,9 @@ class Patch:
         names = [family.name for family in self.families]
         if len(set(names)) != len(names):
             raise ValueError("%s: two families share a name: %s" % (self.name, names))
+        if self.selftest is not None and not isinstance(self.selftest, Selftest):
+            raise TypeError("%s: selftest must be a Selftest (what runs and the device->host reads it "
+                            "expects), not %r" % (self.name, self.selftest))
         if any(family.fence and not family.dist for family in self.families) and not self.requires:
             raise ValueError("%s: a fenced family without dist needs the patch to require a distribution"
                              % self.name)

@@ -84,7 +84,7 @@ def render_patches(declared):
         switches = ["`NPU_SHIM_DISABLE=%s`" % patch.name] + [
             "`%s` (%s)" % (name, values) for name, values, _, owner in _config.VARIABLES if owner == patch.name]
         out.append("- switches: %s" % ", ".join(switches))
-        out.append("- selftest: %s" % ("`%s`" % patch.selftest if patch.selftest else "none"))
+        out.append("- selftest: %s" % (patch.selftest.describe() if patch.selftest else "none"))
         sections = docstring_sections(module.__doc__)
         for name in SECTIONS:
             if name in sections:

@@ -1,19 +1,24 @@
 """``npu-shim selftest``: run every patched path that applies here.
 
 For each patch whose target is installed, the runner imports the target (so
-the patch applies or records why not), then calls the patch's selftest module
-``npu_shim.selftest.<patch module>.run(device)``. That runs the patched path on
-a small real upstream module with random weights against the float64
-reference and returns ``max_abs_err``, ``tolerance``, ``host_syncs``,
-``seconds`` and ``detail``. A row whose error exceeds its tolerance, or whose
-selftest raises, makes the command exit 1.
+the patch applies or records why not), then runs the patch's declared
+:class:`~npu_shim.patch.Selftest`: by default ``npu_shim.selftest.<patch
+module>.run(device)``. That runs the patched path on a small real upstream
+module with random weights against the float64 reference and returns its
+error under the key that names the measure (:data:`ERROR_MEASURES`),
+``tolerance``, ``host_syncs`` (the device->host reads counted over the patched
+call), ``seconds`` and ``detail``.
+
+A row is "ok" only when the error is within its tolerance *and* the reads are
+the ones the patch declares (``Selftest.host_syncs``): a host-lengths fix
+that reads back again computes the right numbers, so the error alone cannot
+tell. Any other row, or a selftest that raises, makes the command exit 1.
 
 On an NPU box the real torch_npu kernels run on device ``npu``. Elsewhere the
 ops exist only as the pure-PyTorch emulation, which must be asked for with
 NPU_SHIM_EMULATE=1; the table says which ran.
 """
 import contextlib
-import importlib
 import importlib.util
 import json
 import sys
@@ -25,6 +30,15 @@ from npu_shim._table import format_table
 from npu_shim.patches import BUILTIN_PATCHES
 
 EXIT_OK, EXIT_MISMATCH, EXIT_NO_KERNELS = 0, 1, 2
+
+# The error measures a selftest may report, each under its own key, and what it is
+# relative to; ``ref`` is the float64 reference of the same computation.
+ERROR_MEASURES = {
+    "max_abs_err": "max |out - ref| over every element, in the output's units (absolute; where the "
+                   "tolerance scales with max |ref|, the selftest's module says so)",
+    "max_rel_err": "max |out - ref| / max(1, max |ref|): relative to the reference's largest magnitude, "
+                   "floored at 1",
+}
 
 
 def applied_target(patch_name):
@@ -51,10 +65,53 @@ def kernel_provider():
     return "emulation" if emulation.is_emulated() else "torch_npu"
 
 
-def _selftest_module(patch_name):
-    """The selftest module the patch declares (``Patch.selftest``), or None."""
-    declared = _startup.engine().patch_named(patch_name).selftest
-    return importlib.import_module(declared) if declared else None
+def _declared(patch_name):
+    """The patch's :class:`~npu_shim.patch.Selftest`, or None."""
+    return _startup.engine().patch_named(patch_name).selftest
+
+
+def judge(declared, measured):
+    """The verdict fields of one selftest run: ``measured`` (what its ``run`` returned) against
+    ``declared`` (the patch's :class:`~npu_shim.patch.Selftest`)."""
+    measures = [key for key in ERROR_MEASURES if key in measured]
+    if len(measures) != 1:
+        raise ValueError("a selftest reports its error under exactly one of %s; got %s"
+                         % (sorted(ERROR_MEASURES), sorted(measured)))
+    measure = measures[0]
+    case = measured.get("case")
+    expected = declared.expected(case)
+    verdict = {
+        "error": float(measured[measure]),
+        "error_measure": measure,
+        "tolerance": float(measured["tolerance"]),
+        "host_syncs": int(measured["host_syncs"]),
+        "expected_host_syncs": expected,
+        "case": case,
+    }
+    failed, why = [], []
+    if not verdict["error"] <= verdict["tolerance"]:          # NaN fails too
+        failed.append("error")
+        why.append("%s %.3g over tolerance %.3g" % (measure, verdict["error"], verdict["tolerance"]))
+    if expected is None or verdict["host_syncs"] != expected:
+        failed.append("reads")
+        why.append("counted %d device->host reads, the patch declares %s%s" % (
+            verdict["host_syncs"], "none for this case" if expected is None else expected,
+            " (case %r)" % case if case is not None else ""))
+    verdict.update(failed=failed, ok=not failed,
+                   verdict="ok" if not failed else "FAIL (%s): %s" % (", ".join(failed), "; ".join(why)))
+    return verdict
+
+
+def run_one(patch_name, device="cpu"):
+    """Run ``patch_name``'s declared selftest and judge it: :func:`judge`'s fields plus
+    ``seconds`` and ``detail``. Raises what the selftest raises."""
+    declared = _declared(patch_name)
+    if declared is None:
+        raise LookupError("%s declares no selftest" % patch_name)
+    measured = declared.load()(device=device)
+    result = judge(declared, measured)
+    result.update(seconds=float(measured["seconds"]), detail=measured.get("detail", ""))
+    return result
 
 
 def run_all(device=None):
@@ -64,6 +121,7 @@ def run_all(device=None):
     results = []
     for name, _ in BUILTIN_PATCHES:
         row = rows_by_name[name]
+        declared = _declared(name)
         result = {
             "patch": name,
             "target_version": ", ".join("%s %s" % (d, v) for d, v in row["versions"].items() if v) or "-",
@@ -71,34 +129,35 @@ def run_all(device=None):
             "reason": row["reason"],
             "kernels": provider,
             "device": device,
-            "max_abs_err": None,
+            "error": None,
+            "error_measure": None,
             "tolerance": None,
             "host_syncs": None,
+            "expected_host_syncs": declared.host_syncs if declared is not None else None,
+            "case": None,
             "seconds": None,
+            "failed": [],
+            "verdict": None,
             "ok": None,
         }
         results.append(result)
         if row["state"] != "applied":
             continue
-        module = _selftest_module(name)
-        if module is None:
-            result.update(ok=False, reason="applied, but the patch declares no selftest")
+        if declared is None:
+            result.update(ok=False, failed=["no selftest"], verdict="ERROR: no selftest",
+                          reason="applied, but the patch declares no selftest")
             continue
         started = time.perf_counter()
         try:
-            measured = module.run(device=device)
+            verdict = run_one(name, device)
         except Exception as exc:
-            result.update(ok=False, reason="selftest raised %s: %s" % (type(exc).__name__, exc),
+            result.update(ok=False, failed=["raised"], verdict="ERROR: raised",
+                          reason="selftest raised %s: %s" % (type(exc).__name__, exc),
                           traceback=traceback.format_exc())
             continue
-        result.update(
-            max_abs_err=float(measured["max_abs_err"]),
-            tolerance=float(measured["tolerance"]),
-            host_syncs=int(measured["host_syncs"]),
-            seconds=round(time.perf_counter() - started, 3),
-            reason=measured.get("detail", ""),
-        )
-        result["ok"] = result["max_abs_err"] <= result["tolerance"]
+        detail = verdict.pop("detail")
+        verdict.pop("seconds")
+        result.update(verdict, seconds=round(time.perf_counter() - started, 3), reason=detail)
     return results
 
 
@@ -106,15 +165,49 @@ def _fmt(value, spec):
     return "-" if value is None else format(value, spec)
 
 
+def _verdict(r):
+    """The table's short verdict; the reason is in the row's ``verdict`` and the notes."""
+    if r["ok"] is None:
+        return "-"
+    if r["ok"]:
+        return "ok"
+    if r["error"] is None:
+        return "ERROR"
+    return "FAIL (%s)" % ", ".join(r["failed"])
+
+
+def _expected(value):
+    if value is None:
+        return "-"
+    if isinstance(value, dict):
+        return " or ".join(str(n) for n in value.values())     # per case; the notes name the case run
+    return str(value)
+
+
+def _note(r):
+    parts = []
+    if r.get("ok") is False and r.get("verdict"):
+        parts.append(r["verdict"])
+    if r.get("case"):
+        parts.append("case: %s" % r["case"])
+    return "; ".join(parts + [r["reason"]])
+
+
 def table(results):
-    headers = ("patch", "target version", "state", "max abs err", "tol", "host syncs/fwd", "seconds", "result")
+    headers = ("patch", "target version", "state", "error", "measure", "tol", "d2h reads", "expected",
+               "seconds", "result")
     rows = []
     for r in results:
-        verdict = "-" if r["ok"] is None else ("ok" if r["ok"] else "MISMATCH" if r["max_abs_err"] is not None else "ERROR")
-        rows.append((r["patch"], r["target_version"], r["state"], _fmt(r["max_abs_err"], ".2e"),
-                     _fmt(r["tolerance"], ".0e"), _fmt(r["host_syncs"], "d"), _fmt(r["seconds"], ".2f"), verdict))
-    notes = ["", "notes:"] + ["  %s: %s" % (r["patch"], r["reason"]) for r in results]
-    return "\n".join([format_table(headers, rows)] + notes)
+        rows.append((r["patch"], r["target_version"], r["state"], _fmt(r["error"], ".2e"),
+                     r["error_measure"] or "-", _fmt(r["tolerance"], ".0e"), _fmt(r["host_syncs"], "d"),
+                     _expected(r["expected_host_syncs"]), _fmt(r["seconds"], ".2f"), _verdict(r)))
+    measures = sorted({r["error_measure"] for r in results if r["error_measure"]})
+    legend = ["", "error measures (ref: the float64 reference):"] + [
+        "  %s: %s" % (m, ERROR_MEASURES[m]) for m in measures] if measures else []
+    reads = ["", "d2h reads: device->host reads counted over the patched call; \"ok\" needs them equal "
+                 "to the patch's declared count (expected) and the error within tol."]
+    notes = ["", "notes:"] + ["  %s: %s" % (r["patch"], _note(r)) for r in results]
+    return "\n".join([format_table(headers, rows)] + legend + reads + notes)
 
 
 def main(as_json=False):

@@ -31,16 +31,20 @@ def run(device=None):
     from npu_shim.selftest import applied_target
 
     applied_target(PATCH_NAME)
+    from npu_shim.testing import count_host_syncs
+
     started = time.perf_counter()
-    refused = _outcome(cp=True, npu=True)
+    # Counted, not assumed: the declared 0 must be what the resolution did.
+    with count_host_syncs() as syncs:
+        refused = _outcome(cp=True, npu=True)
+        others = {(cp, npu): _outcome(cp=cp, npu=npu) for cp, npu in ((False, True), (True, False))}
     expected_start = MESSAGE.split("%s", 1)[1][:40]
     if refused is None or expected_start not in refused:
         raise RuntimeError("NPU + --enable-prefill-cp was not refused with the shim's message: %r" % refused)
-    for cp, npu in ((False, True), (True, False)):
-        other = _outcome(cp=cp, npu=npu)
+    for (cp, npu), other in others.items():
         if other is not None:
             raise RuntimeError("cp=%s npu=%s was refused: %s" % (cp, npu, other))
-    return {"max_abs_err": 0.0, "tolerance": 0.0, "host_syncs": 0,
+    return {"max_abs_err": 0.0, "tolerance": 0.0, "host_syncs": syncs.count,
             "seconds": time.perf_counter() - started,
             "detail": "ServerArgs resolution: NPU + --enable-prefill-cp refused; CP off, and CP on a "
                       "non-NPU platform, resolve (device %s not used)" % (device or "cpu")}

@@ -16,6 +16,9 @@ is checked then (error 0, nothing to compare numerically).
 import os
 
 PATCH_NAME = "transformers.attn_check"
+# The cases the patch's Selftest declares reads for (npu_shim.patches.transformers.attn_check).
+CASE_FORWARD = "ascend_fa forward"
+CASE_REJECTED = "vllm.moonvit_attn not applied"
 
 
 def _outcome(function, *args):
@@ -62,16 +65,20 @@ def run(device=None):
     dtype = mv.selftest_dtype(device)
 
     if rows[mv.PATCH_NAME]["state"] != "applied":
-        try:
-            mv.build_tower(module, mv.TINY, dtype=dtype, device=device, attn_implementation="ascend_fa")
-        except ValueError as exc:
-            if "ascend_fa" not in str(exc):
-                raise
-        else:
-            raise RuntimeError("MoonViT accepted ascend_fa although %s is %s: nothing dispatches it"
-                               % (mv.PATCH_NAME, rows[mv.PATCH_NAME]["state"]))
-        return {"max_abs_err": 0.0, "tolerance": 0.0, "host_syncs": 0,
-                "seconds": time.perf_counter() - started,
+        from npu_shim.testing import count_host_syncs
+
+        # Counted, not assumed: the declared 0 for this case must be what happened.
+        with count_host_syncs() as syncs:
+            try:
+                mv.build_tower(module, mv.TINY, dtype=dtype, device=device, attn_implementation="ascend_fa")
+            except ValueError as exc:
+                if "ascend_fa" not in str(exc):
+                    raise
+            else:
+                raise RuntimeError("MoonViT accepted ascend_fa although %s is %s: nothing dispatches it"
+                                   % (mv.PATCH_NAME, rows[mv.PATCH_NAME]["state"]))
+        return {"max_abs_err": 0.0, "tolerance": 0.0, "host_syncs": syncs.count,
+                "case": CASE_REJECTED, "seconds": time.perf_counter() - started,
                 "detail": "%s is %s, so ascend_fa stays rejected (transformers' ValueError); other "
                           "names unchanged" % (mv.PATCH_NAME, rows[mv.PATCH_NAME]["state"])}
 
@@ -86,6 +93,7 @@ def run(device=None):
         "max_abs_err": max_err,
         "tolerance": tolerance,
         "host_syncs": syncs,
+        "case": CASE_FORWARD,
         "seconds": time.perf_counter() - started,
         "detail": mv.describe(mv.SELFTEST, dtype) + ", built from a config asking for ascend_fa; "
                   "LlamaModel still rejected",

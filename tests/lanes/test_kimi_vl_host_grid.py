@@ -167,8 +167,8 @@ def test_disable_switch(stack):
 
 
 def test_selftest(stack):
-    from npu_shim.selftest import vllm_kimi_vl_host_grid as selftest
+    from npu_shim.selftest import run_one
 
-    result = selftest.run(device="cpu")
-    assert result["max_abs_err"] <= result["tolerance"], result
-    assert result["host_syncs"] == 0, result
+    result = run_one(PATCH_NAME, device="cpu")
+    assert result["ok"], result["verdict"]
+    assert result["expected_host_syncs"] == 0, result

@@ -491,11 +491,11 @@ def test_capture_hands_the_call_to_upstream_untouched(stack, monkeypatch):
 
 
 def test_selftest_runs_this_adapter(stack):
-    from npu_shim.selftest import vllm_mm_encoder_attn as selftest
+    from npu_shim.selftest import run_one
 
-    result = selftest.run(device="cpu")
-    assert result["max_abs_err"] <= result["tolerance"]
-    assert result["host_syncs"] == 1
+    result = run_one(PATCH_NAME, device="cpu")
+    assert result["ok"], result["verdict"]
+    assert (result["host_syncs"], result["expected_host_syncs"]) == (1, 1)
     assert "family %s" % stack.adapter in result["detail"]
     assert "npu_fused_infer_attention_score" in result["detail"]
 

@@ -21,8 +21,8 @@ def test_selftest_checks_both_applied_patches_against_float64(make_env, tmp_path
     for name in ("transformers.attn_check", "vllm.moonvit_attn"):
         row = rows[name]
         assert row["state"] == "applied" and row["ok"] is True, row
-        assert row["max_abs_err"] <= row["tolerance"]
-        assert row["host_syncs"] <= 1
+        assert row["error_measure"] == "max_abs_err" and row["error"] <= row["tolerance"]
+        assert row["host_syncs"] == row["expected_host_syncs"] == 1, row
     assert rows["sglang.cp_fia"]["ok"] is None
 
 

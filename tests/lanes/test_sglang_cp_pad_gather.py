@@ -185,11 +185,12 @@ def test_status_row_and_cp_fia_skip(module):
 
 
 def test_selftest_runs_the_patched_path_over_pad_rows(module):
-    from npu_shim.selftest import sglang_cp_pad_gather as selftest
+    from npu_shim.patches.sglang import cp_pad_gather as patch
+    from npu_shim.selftest import run_one
 
-    result = selftest.run("cpu")
-    assert result["max_abs_err"] <= result["tolerance"], result
-    assert result["host_syncs"] == 0
+    result = run_one(patch.NAME, "cpu")
+    assert result["ok"], result["verdict"]
+    assert result["expected_host_syncs"] == 0, result
     assert "7 pad rows in all" in result["detail"], result["detail"]   # the case the patch is for
 
 

@@ -278,8 +278,9 @@ def test_switched_off_is_upstream_and_strict_raises_when_unreadable(modules, run
 
 
 def test_selftest_runs_the_patched_path(modules):
-    from npu_shim.selftest import sglang_small_page_fia as selftest
+    from npu_shim.selftest import run_one
 
-    result = selftest.run("cpu")
-    assert result["max_abs_err"] <= result["tolerance"], result
+    result = run_one(NAME, "cpu")
+    assert result["ok"], result["verdict"]
+    assert result["expected_host_syncs"] == 0, result
     assert "-> npu_fused_infer_attention_score;" in result["detail"]

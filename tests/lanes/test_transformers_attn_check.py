@@ -186,9 +186,9 @@ def test_lane_versions(stack):
 
 
 def test_selftest_module(stack):
-    from npu_shim.selftest import transformers_attn_check as selftest
+    from npu_shim.selftest import run_one, transformers_attn_check as selftest
 
-    result = selftest.run()
-    assert result["max_abs_err"] <= result["tolerance"]
-    assert result["host_syncs"] == 1
+    result = run_one(PATCH_NAME)
+    assert result["ok"], result["verdict"]
+    assert (result["case"], result["host_syncs"], result["expected_host_syncs"]) == (selftest.CASE_FORWARD, 1, 1)
     assert "config asking for ascend_fa" in result["detail"]

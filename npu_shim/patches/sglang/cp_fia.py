@@ -54,7 +54,7 @@ comments; no source text is matched):
   where the class moved).
 """
 from npu_shim.engine import counters
-from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch
+from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
 
 NAME = "sglang.cp_fia"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
@@ -218,5 +218,6 @@ PATCH = Patch(
     needs_npu=True,
     families=(Family((), __name__, keeps="torch.ops.npu.npu_fused_infer_attention_score, input_layout TND, paged"),),
     summary="split Q at total_q_prev_tokens; per-sequence CP lengths (bs >= 1, GQA, diff-KV)",
-    selftest="npu_shim.selftest.sglang_cp_fia",
+    # None: every length the patched method hands the op is a host list.
+    selftest=Selftest("npu_shim.selftest.sglang_cp_fia", host_syncs=0),
 )

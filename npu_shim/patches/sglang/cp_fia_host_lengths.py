@@ -40,7 +40,7 @@ metadata's host lists to FIA directly and make no sync there):
 import types
 from itertools import accumulate
 
-from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch
+from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
 from npu_shim.patches.sglang.cp_fia import names_in_code as code_names
 
 NAME = "sglang.cp_fia_host_lengths"
@@ -203,5 +203,6 @@ PATCH = Patch(
     families=(Family(("0.5.23",), __name__,
                keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND, upstream's arguments"),),
     summary="CP prefill FIA closure reads the zigzag metadata's host lists: 0 device->host syncs per layer",
-    selftest="npu_shim.selftest.sglang_cp_fia_host_lengths",
+    # None: the lengths come from the metadata's host lists, not its device tensors.
+    selftest=Selftest("npu_shim.selftest.sglang_cp_fia_host_lengths", host_syncs=0),
 )

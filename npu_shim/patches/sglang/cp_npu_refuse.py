@@ -21,7 +21,7 @@ How: wrap ``sglang.srt.arg_groups.parallel_hook.validate_prefill_cp_platform``:
 Upstream fix: 0.5.23 runs NPU CP through ``ZigzagCPStrategy`` (its own gather).
 Remove when: no pinned sglang is in 0.5.21-0.5.22 (the window; 0.5.20 refuses by itself).
 """
-from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch
+from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
 
 NAME = "sglang.cp_npu_refuse"
 TARGET = "sglang.srt.arg_groups.parallel_hook"
@@ -94,5 +94,6 @@ PATCH = Patch(
                               + ALREADY_REFUSED},
     families=(Family(("0.5.21", "0.5.22"), __name__, keeps="upstream's validate_prefill_cp_platform for every other case"),),
     summary="refuse --enable-prefill-cp on NPU at start-up (the NPU KV gather is a stub)",
-    selftest="npu_shim.selftest.sglang_cp_npu_refuse",
+    # None: argument resolution touches no tensor.
+    selftest=Selftest("npu_shim.selftest.sglang_cp_npu_refuse", host_syncs=0),
 )

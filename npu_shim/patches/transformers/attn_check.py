@@ -37,7 +37,7 @@ Upstream fix: none (transformers has no hook for names served by another library
 Remove when: no supported vLLM dispatches MoonViT attention by name.
 """
 from npu_shim.engine import counters
-from npu_shim.patch import Family, Patch, TargetMismatch
+from npu_shim.patch import Family, Patch, TargetMismatch, Selftest
 
 NAME = "transformers.attn_check"
 METHOD = "get_correct_attn_implementation"
@@ -122,5 +122,8 @@ PATCH = Patch(
     families=(Family(("4.55.0", "4.56.0", "4.57.6", "5.23.0"), __name__,
                keeps="transformers' own get_correct_attn_implementation for every other name and model"),),
     summary="accept attn_implementation='ascend_fa' for vLLM's MoonViT while vllm.moonvit_attn serves it",
-    selftest="npu_shim.selftest.transformers_attn_check",
+    # One: MoonViT's single read of cu_seqlens per forward, whatever the depth; none where
+    # nothing dispatches ascend_fa and the selftest checks only that it stays rejected.
+    selftest=Selftest("npu_shim.selftest.transformers_attn_check",
+                      host_syncs={"ascend_fa forward": 1, "vllm.moonvit_attn not applied": 0}),
 )

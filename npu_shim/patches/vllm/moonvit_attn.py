@@ -44,7 +44,7 @@ import contextvars
 
 from npu_shim.engine import counters
 from npu_shim._config import MOONVIT_ATTN_CHOICES
-from npu_shim.patch import Family, Patch, TargetMismatch
+from npu_shim.patch import Family, Patch, TargetMismatch, Selftest
 
 NAME = "vllm.moonvit_attn"
 
@@ -192,5 +192,6 @@ PATCH = Patch(
                       "0.13.0"), __name__,
                keeps="none upstream (sdpa with an S x S mask); adds torch_npu.npu_fusion_attention TND"),),
     summary="register ascend_fa (one fused varlen call per layer, no S x S mask) and select it on NPU",
-    selftest="npu_shim.selftest.vllm_moonvit_attn",
+    # One: the attention path's single read of cu_seqlens per forward, whatever the depth.
+    selftest=Selftest("npu_shim.selftest.vllm_moonvit_attn", host_syncs=1),
 )

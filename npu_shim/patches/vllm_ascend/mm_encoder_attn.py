@@ -28,7 +28,7 @@ Upstream fix: none yet for the copy of towers that pass no ``sequence_lengths``
 Remove when: vllm-ascend computes host lengths once per encoder forward for
   every tower.
 """
-from npu_shim.patch import Family, Patch
+from npu_shim.patch import Family, Patch, Selftest
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 CLASS_NAME = "AscendMMEncoderAttention"
@@ -62,5 +62,6 @@ PATCH = Patch(
     summary="host seq lens once per encoder forward (no prefix cache, no global), honour scale; "
             "during vllm-ascend's encoder ACL-graph capture (0.22.1rc1+) upstream's forward_oot "
             "runs untouched (counted as upstream_calls)",
-    selftest="npu_shim.selftest.vllm_mm_encoder_attn",
+    # One: the single copy of a device cu_seqlens per encoder forward, whatever the depth.
+    selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_attn", host_syncs=1),
 )

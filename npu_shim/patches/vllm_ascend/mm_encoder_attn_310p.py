@@ -26,7 +26,7 @@ Upstream fix: none as of 0.26.0rc1.
 Remove when: vllm-ascend's 310P class reads host lengths once per encoder
   forward and passes the model's scale.
 """
-from npu_shim.patch import Family, Patch
+from npu_shim.patch import Family, Patch, Selftest
 
 PATCH_NAME = "vllm.mm_encoder_attn_310p"
 CLASS_NAME = "AscendMMEncoderAttention310"
@@ -54,5 +54,6 @@ PATCH = Patch(
                      "else torch_npu._npu_flash_attention_unpad"),
     ),
     summary="310P encoder attention: host seq lens once per encoder forward, honour scale",
-    selftest="npu_shim.selftest.vllm_mm_encoder_attn_310p",
+    # One: the single copy of a device cu_seqlens per encoder forward, whatever the depth.
+    selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_attn_310p", host_syncs=1),
 )

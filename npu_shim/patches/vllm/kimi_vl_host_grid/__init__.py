@@ -42,7 +42,7 @@ Remove when: the pinned vLLM keeps the grid on the host and vllm-ascend's
   attention stops reading ``cu_seqlens`` back (then ``vllm.mm_encoder_host_lengths``
   goes too).
 """
-from npu_shim.patch import Family, Patch
+from npu_shim.patch import Family, Patch, Selftest
 
 PATCH_NAME = "vllm.kimi_vl_host_grid"
 PROCESSOR = "KimiVLMultiModalProcessor"
@@ -66,5 +66,6 @@ PATCH = Patch(
     ),
     summary="Kimi-VL's image_grid_hws kept on the host (vLLM 0.29's keep_on_cpu) and the host cu_seqlens "
             "kept on MoonViT's device cu_seqlens: 0 reads per MoonViT forward",
-    selftest="npu_shim.selftest.vllm_kimi_vl_host_grid",
+    # None: what this patch is for; a read per layer or per forward is the defect back.
+    selftest=Selftest("npu_shim.selftest.vllm_kimi_vl_host_grid", host_syncs=0),
 )

@@ -33,7 +33,7 @@ Remove when: the tower copies ``cu_seqlens`` through
   ``maybe_recompute_cu_seqlens``, or vllm-ascend's attention takes host
   lengths from vLLM (``sequence_lengths`` / ``cu_seqlens_np``).
 """
-from npu_shim.patch import Family, Patch
+from npu_shim.patch import Family, Patch, Selftest
 
 PATCH_NAME = "vllm.qwen3_omni_vision_host_lengths"
 CLASS_NAME = "Qwen3Omni_VisionTransformer"
@@ -56,5 +56,6 @@ PATCH = Patch(
     ),
     summary="Qwen3-Omni's vision tower: its own cu_seqlens copy gets the host lengths of its host grid; "
             "vllm.mm_encoder_attn takes them instead of reading back (0 reads)",
-    selftest="npu_shim.selftest.vllm_qwen3_omni_vision_host_lengths",
+    # None: what this patch is for; a read per layer or per forward is the defect back.
+    selftest=Selftest("npu_shim.selftest.vllm_qwen3_omni_vision_host_lengths", host_syncs=0),
 )
