@@ -12,6 +12,11 @@ from npu_shim.testing import attention_f64, count_host_syncs, dense_segments, re
 emulation.install()
 import torch_npu  # noqa: E402,F401
 
+# The emulation's (and the kernels') arithmetic against float64: float32 inputs, which the
+# real ops reject, on purpose (see tests/conftest.py float32_math); the dtype rules are
+# tests/test_emulation_dtypes.py's.
+pytestmark = pytest.mark.float32_math
+
 TOL = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 
 

@@ -12,7 +12,7 @@ batching and forward (0), the time, and the family that applied.
 import time
 
 PATCH_NAME = "vllm.kimi_vl_host_grid"
-TOLERANCE = {"float32": 2e-4}
+TOLERANCE = {"float16": 1.0}  # MEASURE
 
 
 def run(device=None):
@@ -27,7 +27,7 @@ def run(device=None):
     applied_target(PATCH_NAME)
     stack = towers.setup(emulate=False)
     family = next(r for r in status() if r["name"] == PATCH_NAME)["family"]
-    tower = towers.build_moonvit(stack, stack.attention["A2"])
+    tower = towers.build_moonvit(stack, stack.attention["A2"], dtype=torch.float16)
     if device != "cpu":
         tower.encoder.rope_2d.device = device
     grid = towers.moonvit_grid(0)
@@ -43,12 +43,15 @@ def run(device=None):
     seconds = time.perf_counter() - started
     tower.to("cpu")
     ref = towers.moonvit_reference_forward(stack, x, grid)
-    err = (out.double().cpu() - ref).abs().max().item() / max(1.0, ref.abs().max().item())
+    err = (out.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    from npu_shim.testing.errors import within
+
+    within("selftest tower vs float64", err, TOLERANCE["float16"], torch.float16)
     return {
         "max_abs_err": err,
-        "tolerance": TOLERANCE["float32"],
+        "tolerance": TOLERANCE["float16"],
         "host_syncs": syncs.count,
         "seconds": seconds,
-        "detail": "vLLM MoonViT (%d blocks), grid %s, float32 on %s, family %s; error relative to "
+        "detail": "vLLM MoonViT (%d blocks), grid %s, float16 on %s, family %s; error relative to "
                   "max |reference|" % (len(tower.encoder.blocks), grid, device, family),
     }
