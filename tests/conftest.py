@@ -33,6 +33,8 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "patch(*names): the npu-shim patches this test exercises")
     config.addinivalue_line("markers", "float32_math: a math check that feeds the emulated attention "
                                        "ops float32, which the real ops reject (see float32_math)")
+    config.addinivalue_line("markers", "hardware_dtypes: only the dtypes the real ops take, also in a "
+                                       "float32_math module")
 
 
 def defined_lanes(lanes_dir=LANES_DIR):
