@@ -12,7 +12,9 @@ batching and forward (0), the time, and the family that applied.
 import time
 
 PATCH_NAME = "vllm.kimi_vl_host_grid"
-TOLERANCE = {"float16": 1.0}  # MEASURE
+# relative to max |float64 tower|, no floor; the towers' bfloat16 worst measured by the lane
+# tests (vllm-0.18): 1.0e-2 (Qwen3-VL) .. 4.3e-2 (GLM-4.1V)
+TOLERANCE = {"bfloat16": 1e-1}
 
 
 def run(device=None):
@@ -27,7 +29,7 @@ def run(device=None):
     applied_target(PATCH_NAME)
     stack = towers.setup(emulate=False)
     family = next(r for r in status() if r["name"] == PATCH_NAME)["family"]
-    tower = towers.build_moonvit(stack, stack.attention["A2"], dtype=torch.float16)
+    tower = towers.build_moonvit(stack, stack.attention["A2"], dtype=torch.bfloat16)
     if device != "cpu":
         tower.encoder.rope_2d.device = device
     grid = towers.moonvit_grid(0)
@@ -46,12 +48,12 @@ def run(device=None):
     err = (out.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
     from npu_shim.testing.errors import within
 
-    within("selftest tower vs float64", err, TOLERANCE["float16"], torch.float16)
+    within("selftest tower vs float64", err, TOLERANCE["bfloat16"], torch.bfloat16)
     return {
         "max_abs_err": err,
-        "tolerance": TOLERANCE["float16"],
+        "tolerance": TOLERANCE["bfloat16"],
         "host_syncs": syncs.count,
         "seconds": seconds,
-        "detail": "vLLM MoonViT (%d blocks), grid %s, float16 on %s, family %s; error relative to "
+        "detail": "vLLM MoonViT (%d blocks), grid %s, bfloat16 on %s, family %s; error relative to "
                   "max |reference|" % (len(tower.encoder.blocks), grid, device, family),
     }

@@ -27,7 +27,9 @@ pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0
 
 PATCH_NAME = "vllm.glm4_1v_host_lengths"
 TOWER = "GLM-4.1V"
-TOWER_TOL = {"bfloat16": 1.0, "float16": 1.0}  # MEASURE
+# |tower - float64 tower| and |tower - TORCH_SDPA tower|, relative to max |float64 tower| (no
+# floor); measured worst (vllm-0.18): bfloat16 4.3e-2 (vs SDPA 2.7e-2), float16 4.7e-3 (3.0e-3)
+TOWER_TOL = {"bfloat16": 1e-1, "float16": 1.5e-2}
 FAMILY = {"0.18": "0.18.0", "0.22": "0.19.1-0.23.0", "0.26": "0.26.0-0.27.1"}
 
 

@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0
               pytest.mark.patch("vllm.kimi_vl_host_grid", "vllm.mm_encoder_attn")]
 
 PATCH_NAME = "vllm.kimi_vl_host_grid"
-TOWER_TOL = {"bfloat16": 1.0, "float16": 1.0}  # MEASURE
+# |tower - float64 tower| and |tower - TORCH_SDPA tower|, relative to max |float64 tower| (no
+# floor); measured worst (vllm-0.18, MoonViT): bfloat16 1.7e-2 (vs SDPA 1.3e-2), float16 1.7e-3 (1.6e-3)
+TOWER_TOL = {"bfloat16": 5e-2, "float16": 5e-3}
 GRID_READS = 3            # upstream's grid_hws.tolist(): position embedding, rope, patch_merger
 HOST_GRID_RELEASE = "0.29.0"   # from here vLLM's own field config keeps image_grid_hws on the host
 

@@ -536,6 +536,8 @@ if os.environ.get("TEST_CHANGE_SHAPE"):
         module.AscendMMEncoderAttention.maybe_compute_seq_lens = classmethod(lambda cls: None)
     wrapt.register_post_import_hook(change_shape, TARGET)
 emulation.install()
+from npu_shim.emulation.dtypes import float32_not_on_hardware
+_float32 = float32_not_on_hardware(); _float32.__enter__()   # this module's float32 math checks (float32_math)
 try:
     module = import_target_without_ops_init()
 except Exception as exc:

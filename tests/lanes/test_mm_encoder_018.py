@@ -36,10 +36,10 @@ UPSTREAM_COPY = "npu_shim_tests_upstream_mm_encoder_attention_018"
 OOT_NAME = "MMEncoderAttention"
 LAYERS = 27                      # MoonViT (Kimi-VL) and Qwen3-VL-8B vision towers
 HEADS, HEAD_DIM = 16, 72         # both towers: 1152 = 16 x 72 (padded to 128 upstream)
-# float32 layer vs float64: measured worst MEASURE
-TOL = Tolerance("layer 0.18 float32 vs float64", 2e-5)
-# the A2 tower's dtype vs float64 (absolute; |ref| <= ~3): measured worst MEASURE
-HW_TOL = Tolerance("layer 0.18 bfloat16 vs float64", 1.0, "bfloat16")
+# max |layer - float64| (absolute; inputs N(0, 1)): float32 measured worst 9.9e-7 (vllm-0.18)
+TOL = Tolerance("layer 0.18 float32 vs float64", 9e-6)
+# the A2 tower's dtype: bfloat16 measured worst 7.3e-3 (vllm-0.18)
+HW_TOL = Tolerance("layer 0.18 bfloat16 vs float64", 2e-2, "bfloat16")
 
 
 def family_module(name):
@@ -423,6 +423,8 @@ if MODE == "strict-mismatch":
         del module.AscendMMEncoderAttention.maybe_compute_seq_lens
     wrapt.register_post_import_hook(change_shape, "vllm_ascend.ops.mm_encoder_attention")
 emulation.install()
+from npu_shim.emulation.dtypes import float32_not_on_hardware
+_float32 = float32_not_on_hardware(); _float32.__enter__()   # this module's float32 math checks (float32_math)
 npu_shim.install()
 from npu_shim.testing.isolation import import_vllm_ascend_ops_module
 try:

@@ -44,10 +44,10 @@ PATCH_NAME = "vllm.mm_encoder_attn_310p"
 UPSTREAM_COPY = "npu_shim_tests_upstream_mm_encoder_attention_310p"
 SOC = "Ascend310P3"
 LAYERS = 27
-# float32 layer vs float64: measured worst MEASURE
-TOL = Tolerance("layer 310P float32 vs float64", 2e-5)
-# the 310P tower's dtype vs float64 (absolute; |ref| <= ~3): measured worst MEASURE
-HW_TOL = Tolerance("layer 310P float16 vs float64", 1.0, "float16")
+# max |layer - float64| (absolute; inputs N(0, 1)): float32 measured worst 9.0e-7 (vllm-0.18)
+TOL = Tolerance("layer 310P float32 vs float64", 8e-6)
+# the 310P tower's dtype: float16 measured worst 9.6e-4 (vllm-0.18)
+HW_TOL = Tolerance("layer 310P float16 vs float64", 3e-3, "float16")
 ADAPTER_BY_RELEASE = (("0.14.", "0.14.0rc1"), ("0.18.", "0.18.0rc1-0.22.1rc1"), ("0.19.", "0.18.0rc1-0.22.1rc1"),
                       ("0.20.", "0.18.0rc1-0.22.1rc1"), ("0.21.", "0.18.0rc1-0.22.1rc1"),
                       ("0.22.", "0.18.0rc1-0.22.1rc1"))
@@ -579,6 +579,8 @@ from npu_shim import emulation
 from npu_shim.testing import count_host_syncs
 from npu_shim.testing.isolation import import_vllm_ascend_module
 emulation.install()
+from npu_shim.emulation.dtypes import float32_not_on_hardware
+_float32 = float32_not_on_hardware(); _float32.__enter__()   # this module's float32 math checks (float32_math)
 if MODE == "mismatch":
     import wrapt
     def reshape_upstream(module):   # runs before the shim's hook: a shape no adapter knows

@@ -532,6 +532,8 @@ SUBPROCESS_BODY = r'''
 import json, torch, npu_shim
 from npu_shim import emulation
 emulation.install()
+from npu_shim.emulation.dtypes import float32_not_on_hardware
+_float32 = float32_not_on_hardware(); _float32.__enter__()   # this module's float32 math checks (float32_math)
 module = import_target_without_ops_init()
 row = next(r for r in npu_shim.status() if r["name"] == "vllm.mm_encoder_attn")
 cls = module.AscendMMEncoderAttention

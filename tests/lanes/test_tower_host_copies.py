@@ -17,7 +17,9 @@ pytestmark = [pytest.mark.lanes("latest-vllm", "vllm-0.30"),
               pytest.mark.patch("vllm.qwen2_vl_host_lengths", "vllm.qwen3_omni_vision_host_lengths",
                                 "vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn")]
 
-TOWER_TOL = {"bfloat16": 1.0, "float16": 1.0}  # MEASURE
+# |tower - float64 tower| and |tower - TORCH_SDPA tower|, relative to max |float64 tower| (no
+# floor); measured worst: MEASURE (census towers run on latest-vllm / vllm-0.30 only)
+TOWER_TOL = {"bfloat16": 1e-1, "float16": 1.5e-2}
 PATCHES = {"Qwen2-VL": "vllm.qwen2_vl_host_lengths", "Qwen3-Omni": "vllm.qwen3_omni_vision_host_lengths"}
 # per patch: (first vLLM release of the family, family), newest first; a release newer than the
 # newest lane (a probe) expects the open family
