@@ -43,6 +43,10 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "lanes(*names): pinned stacks this test runs in")
     config.addinivalue_line("markers", "patch(*names): the npu-shim patches this test exercises")
     config.addinivalue_line("markers", "claimed(*patches): run on every lane a family of these patches claims")
+    config.addinivalue_line("markers", "float32_math: a math check that feeds the emulated attention "
+                                       "ops float32, which the real ops reject (see float32_math)")
+    config.addinivalue_line("markers", "hardware_dtypes: only the dtypes the real ops take, also in a "
+                                       "float32_math module")
 
 
 def defined_lanes(lanes_dir=LANES_DIR):
@@ -135,6 +139,23 @@ def pytest_collection_modifyitems(config, items):
         items[:] = selected
     for item in items:
         item.user_properties.extend(("patch", name) for name in patches_of(item))
+
+
+@pytest.fixture(autouse=True)
+def float32_math(request):
+    """Tests marked ``float32_math`` run inside ``float32_not_on_hardware()``: float32 against
+    the float64 reference measures the arithmetic to ~1e-7, which half precision cannot;
+    every other test (and one marked ``hardware_dtypes`` inside such a module) gets the dtypes
+    the vendor documents for the op (bfloat16/float16 on A2, float16 on 310P) and fails on
+    float32."""
+    if request.node.get_closest_marker("float32_math") is None or \
+            request.node.get_closest_marker("hardware_dtypes") is not None:
+        yield
+        return
+    from npu_shim.emulation.dtypes import float32_not_on_hardware
+
+    with float32_not_on_hardware():
+        yield
 
 
 def clean_env(**extra):

@@ -10,6 +10,11 @@ from npu_shim.testing import reference
 emulation.install()
 import torch_npu  # noqa: E402  (the emulation)
 
+# The emulation's (and the kernels') arithmetic against float64: float32 inputs, which the
+# real ops reject, on purpose (see tests/conftest.py float32_math); the dtype rules are
+# tests/test_emulation_dtypes.py's.
+pytestmark = pytest.mark.float32_math
+
 
 def _tnd(t=6, n=2, d=16):
     g = torch.Generator().manual_seed(0)

@@ -128,7 +128,7 @@ def test_moonvit_patch_counts_calls_and_one_host_copy_per_cu_seqlens(monkeypatch
 
     emulation.install()
     counters.reset()
-    q = torch.randn(10, 2, 16)
+    q = torch.randn(10, 2, 16, dtype=torch.bfloat16)    # the A2 tower's dtype
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
     for _ in range(3):   # three layers of one forward share cu_seqlens
         moonvit.ascend_fa_attention(q, q, q, cu, cu)

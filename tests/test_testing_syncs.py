@@ -106,7 +106,7 @@ def test_nothing_counted_outside_the_block_and_for_unmarked_cpu():
 
 @pytest.mark.parametrize("spelling", ["torch_npu", "torch.ops.npu"])
 def test_emulated_op_internals_are_invisible(spelling):
-    q = torch.randn(10, 2, 16)
+    q = torch.randn(10, 2, 16, dtype=torch.bfloat16)   # a dtype the op takes
     cu = [4, 10]
     op = torch_npu.npu_fusion_attention if spelling == "torch_npu" else torch.ops.npu.npu_fusion_attention
     mask = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
@@ -248,7 +248,7 @@ def test_blocking_host_to_device_copies_are_counted_apart(inference):
 
 
 def test_emulated_op_body_is_invisible_to_the_dispatch_layer_too():
-    q = torch.randn(10, 2, 16)
+    q = torch.randn(10, 2, 16, dtype=torch.bfloat16)   # a dtype the op takes
     with torch.inference_mode():
         with count_host_syncs(device_tensors=[q], cpu_is_device=True) as syncs:
             torch_npu.npu_fusion_attention(q, q, q, 2, "TND", scale=0.25,

@@ -11,8 +11,9 @@ import operator
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from npu_shim.emulation import dtypes
+
 INT_MAX = 2147483647
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 COMPRESSED_MASK_SIZE = 2048
 
 
@@ -57,15 +58,11 @@ def host_ints(values, op="torch_npu op", name="lengths"):
 
 
 def check_float_inputs(op, **tensors):
+    """Each tensor in a dtype ``op`` takes on the emulated SoC (npu_shim.emulation.dtypes,
+    from the vendor's documentation), all of one dtype."""
+    dtypes.check(op, **tensors)
     dtype = None
     for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError("%s: %s must be a tensor, got %s" % (op, name, type(t).__name__))
-        if t.dtype not in FLOAT_DTYPES:
-            raise ValueError(
-                "%s: %s has dtype %s; the emulation supports float16, bfloat16, float32"
-                % (op, name, t.dtype)
-            )
         if dtype is None:
             dtype = t.dtype
         elif t.dtype != dtype:

@@ -10,10 +10,18 @@ cache raises.
 """
 import torch
 
+from npu_shim.emulation import dtypes
+
 OP = "_npu_reshape_and_cache"
 
 
 def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
+    dtypes.check(OP, key=key, value=value, key_cache=key_cache, value_cache=value_cache)
+    if len({key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}) != 1:
+        # ATB ReshapeAndCacheOperation: "key、value、keyCache、valueCache…的数据类型都必须完全一致".
+        raise ValueError("%s: key, value, key_cache and value_cache must share one dtype, got "
+                         "%s / %s / %s / %s" % (OP, key.dtype, value.dtype, key_cache.dtype,
+                                                value_cache.dtype))
     if key.dim() != 3 or value.dim() != 3 or key.shape[0] != value.shape[0]:
         raise ValueError("%s: key/value must be (T, Nkv, D), got %s / %s"
                          % (OP, tuple(key.shape), tuple(value.shape)))

@@ -12,10 +12,17 @@ there); the emulation raises. Negative or out-of-range coordinates raise.
 """
 import torch
 
+from npu_shim.emulation import dtypes
+
 OP = "npu_scatter_nd_update_"
 
 
 def npu_scatter_nd_update_(input, indices, updates):
+    dtypes.check(OP, input=input, updates=updates)
+    if input.dtype != updates.dtype:
+        # op-plugin docs: updates' "数据类型需要与input一致".
+        raise ValueError("%s: updates has dtype %s, input %s; they must match"
+                         % (OP, updates.dtype, input.dtype))
     if indices.dtype not in (torch.int32, torch.int64):
         raise ValueError("%s: indices must be int32 or int64, got %s" % (OP, indices.dtype))
     if indices.dim() < 1 or not 1 <= indices.shape[-1] <= input.dim():

@@ -3,7 +3,9 @@ the patches that serve those towers: the largest deviation from the same tower i
 with the reference attention, the device->host reads of the forward, the time, the family."""
 import time
 
-TOLERANCE = {"float32": 2e-4}
+# relative to max |float64 tower|, no floor; the towers' bfloat16 worst measured by the lane
+# tests (vllm-0.18): 1.0e-2 (Qwen3-VL) .. 4.3e-2 (GLM-4.1V)
+TOLERANCE = {"bfloat16": 1e-1}
 
 
 def run_tower(name, patch_name, device=None):
@@ -18,7 +20,7 @@ def run_tower(name, patch_name, device=None):
     stack = census.setup()
     family = next(r for r in status() if r["name"] == patch_name)["family"]
     attention = stack.attention["A2"]
-    tower = census.build(stack, name, attention)
+    tower = census.build(stack, name, attention, dtype=torch.bfloat16)
     grid = census.grids(0)
     x = census.pixel_values(name, tower, grid)
     tower.to(device)
@@ -33,12 +35,15 @@ def run_tower(name, patch_name, device=None):
     seconds = time.perf_counter() - started
     tower.to("cpu")
     ref = census.reference_forward(stack, name, x, grid)
-    err = (out.double().cpu() - ref).abs().max().item() / max(1.0, ref.abs().max().item())
+    err = (out.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    from npu_shim.testing.errors import within
+
+    within("selftest tower vs float64", err, TOLERANCE["bfloat16"], torch.bfloat16)
     return {
         "max_rel_err": err,
-        "tolerance": TOLERANCE["float32"],
+        "tolerance": TOLERANCE["bfloat16"],
         "host_syncs": syncs.count,
         "seconds": seconds,
-        "detail": "vLLM %s vision tower (%d blocks), grid %s, float32 on %s, family %s; error relative "
-                  "to max(1, max |reference|)" % (name, len(tower.blocks), grid, device, family),
+        "detail": "vLLM %s vision tower (%d blocks), grid %s, bfloat16 on %s, family %s; error relative "
+                  "to max |reference|" % (name, len(tower.blocks), grid, device, family),
     }

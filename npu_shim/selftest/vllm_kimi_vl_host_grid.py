@@ -12,7 +12,9 @@ batching and forward (0), the time, and the family that applied.
 import time
 
 PATCH_NAME = "vllm.kimi_vl_host_grid"
-TOLERANCE = {"float32": 2e-4}
+# relative to max |float64 tower|, no floor; the towers' bfloat16 worst measured by the lane
+# tests (vllm-0.18): 1.0e-2 (Qwen3-VL) .. 4.3e-2 (GLM-4.1V)
+TOLERANCE = {"bfloat16": 1e-1}
 
 
 def run(device=None):
@@ -27,7 +29,7 @@ def run(device=None):
     applied_target(PATCH_NAME)
     stack = towers.setup(emulate=False)
     family = next(r for r in status() if r["name"] == PATCH_NAME)["family"]
-    tower = towers.build_moonvit(stack, stack.attention["A2"])
+    tower = towers.build_moonvit(stack, stack.attention["A2"], dtype=torch.bfloat16)
     if device != "cpu":
         tower.encoder.rope_2d.device = device
     grid = towers.moonvit_grid(0)
@@ -43,12 +45,15 @@ def run(device=None):
     seconds = time.perf_counter() - started
     tower.to("cpu")
     ref = towers.moonvit_reference_forward(stack, x, grid)
-    err = (out.double().cpu() - ref).abs().max().item() / max(1.0, ref.abs().max().item())
+    err = (out.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    from npu_shim.testing.errors import within
+
+    within("selftest tower vs float64", err, TOLERANCE["bfloat16"], torch.bfloat16)
     return {
         "max_rel_err": err,
-        "tolerance": TOLERANCE["float32"],
+        "tolerance": TOLERANCE["bfloat16"],
         "host_syncs": syncs.count,
         "seconds": seconds,
-        "detail": "vLLM MoonViT (%d blocks), grid %s, float32 on %s, family %s; error relative to "
-                  "max(1, max |reference|)" % (len(tower.encoder.blocks), grid, device, family),
+        "detail": "vLLM MoonViT (%d blocks), grid %s, bfloat16 on %s, family %s; error relative to "
+                  "max |reference|" % (len(tower.encoder.blocks), grid, device, family),
     }

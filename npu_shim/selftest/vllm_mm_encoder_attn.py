@@ -46,7 +46,7 @@ def run_encoder_stack(patch_name, class_name, device=None):
 
     device = device or "cpu"
     cls, family = _patched_class(patch_name, class_name)
-    dtype = torch.float32 if device == "cpu" else torch.float16
+    dtype = torch.float16  # taken by the real op on every device class that has it (emulation.dtypes)
     with set_current_vllm_config(VllmConfig(device_config=DeviceConfig(device=device))):
         layers = [cls(num_heads=HEADS, head_size=HEAD_DIM, scale=SCALE,
                       prefix="visual.blocks.%d.attn" % i) for i in range(LAYERS)]

@@ -12,7 +12,9 @@ import time
 
 PATCH_NAME = "vllm.mm_encoder_host_lengths"
 TOWER = "Qwen3-VL"
-TOLERANCE = {"float32": 2e-4}
+# relative to max |float64 tower|, no floor; the towers' bfloat16 worst measured by the lane
+# tests (vllm-0.18): 1.0e-2 (Qwen3-VL) .. 4.3e-2 (GLM-4.1V)
+TOLERANCE = {"bfloat16": 1e-1}
 
 
 def run(device=None):
@@ -33,7 +35,7 @@ def run_tower(name, patch_name, device=None):
     device = device or "cpu"
     stack = towers.setup(emulate=False)
     family = next(r for r in status() if r["name"] == patch_name)["family"]
-    tower = towers.build_tower(stack, name, stack.attention["A2"])
+    tower = towers.build_tower(stack, name, stack.attention["A2"], dtype=torch.bfloat16)
     grid = towers.grids(0)
     x = towers.pixel_values(tower, grid)
     tower.to(device)
@@ -47,12 +49,15 @@ def run_tower(name, patch_name, device=None):
     seconds = time.perf_counter() - started
     tower.to("cpu")
     ref = towers.reference_forward(stack, name, x, grid)
-    err = (out.double().cpu() - ref).abs().max().item() / max(1.0, ref.abs().max().item())
+    err = (out.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
+    from npu_shim.testing.errors import within
+
+    within("selftest tower vs float64", err, TOLERANCE["bfloat16"], torch.bfloat16)
     return {
         "max_rel_err": err,
-        "tolerance": TOLERANCE["float32"],
+        "tolerance": TOLERANCE["bfloat16"],
         "host_syncs": syncs.count,
         "seconds": seconds,
-        "detail": "vLLM %s vision tower (%d blocks), grid %s, float32 on %s, family %s; error relative "
-                  "to max(1, max |reference|)" % (name, len(tower.blocks), grid, device, family),
+        "detail": "vLLM %s vision tower (%d blocks), grid %s, bfloat16 on %s, family %s; error relative "
+                  "to max |reference|" % (name, len(tower.blocks), grid, device, family),
     }

@@ -7,10 +7,14 @@ the torch_npu call recorder.
 * :func:`record_npu_calls` -- records ``torch_npu.X`` / ``torch.ops.npu.X`` calls
   (calls.py); :func:`unemulated_op` lets a call to an op the emulation lacks be
   recorded (dispatch only, it computes nothing).
+* :func:`float32_not_on_hardware` -- lets the emulated attention ops take float32, which
+  the real ones reject, for math checks against the float64 reference.
 """
+from npu_shim.emulation.dtypes import float32_not_on_hardware
 from npu_shim.testing.calls import NpuCall, record_npu_calls, unemulated_op
 from npu_shim.testing.reference import attention_f64, dense_segments
 from npu_shim.testing.syncs import HostArgumentError, HostSyncCounter, SyncEvent, count_host_syncs
 
 __all__ = ["HostArgumentError", "HostSyncCounter", "NpuCall", "SyncEvent", "attention_f64",
-           "count_host_syncs", "dense_segments", "record_npu_calls", "unemulated_op"]
+           "count_host_syncs", "dense_segments", "float32_not_on_hardware", "record_npu_calls",
+           "unemulated_op"]

@@ -153,8 +153,9 @@ def setup():
     return stack
 
 
-def build(stack, name, attention_class=None, *, seed=0):
-    """vLLM's tower ``name`` as :func:`towers.build_tower` builds its own."""
+def build(stack, name, attention_class=None, *, seed=0, dtype=None):
+    """vLLM's tower ``name`` as :func:`towers.build_tower` builds its own (``dtype`` None:
+    :func:`towers.hardware_dtype` of the emulated SoC)."""
     import torch
     from vllm.config import set_current_vllm_config
 
@@ -162,7 +163,7 @@ def build(stack, name, attention_class=None, *, seed=0):
     with towers.registered(attention_class), set_current_vllm_config(stack.config):
         tower = getattr(_MODULES[name], spec.cls)(spec.config(), prefix="visual", **spec.kwargs)
     towers._init_weights(tower, seed)
-    tower.to(torch.float32).eval()
+    tower.to(dtype or towers.hardware_dtype()).eval()
     return towers._route_custom_ops(tower, attention_class)
 
 
@@ -174,7 +175,8 @@ def pixel_values(name, tower, grid, seed=0):
     import torch
 
     tokens = sum(t * h * w for t, h, w in grid)
-    return torch.randn(tokens, CENSUS[name].width(tower), generator=torch.Generator().manual_seed(seed))
+    return torch.randn(tokens, CENSUS[name].width(tower),
+                       generator=torch.Generator().manual_seed(seed)).to(towers._dtype_of(tower))
 
 
 class Forward(types.SimpleNamespace):
@@ -187,9 +189,10 @@ def side_by_side(stack, name, device_class="A2", forwards=2):
     """The three towers of ``name`` (one seed), each run over the same inputs for ``forwards``
     grids (:func:`grids`): a list of :class:`Forward`."""
     attention, untouched = stack.attention[device_class], stack.upstream[device_class]
-    patched = build(stack, name, attention)
-    upstream = build(stack, name, untouched)
-    sdpa = build(stack, name, None)
+    dtype = towers.hardware_dtype(device_class)
+    patched = build(stack, name, attention, dtype=dtype)
+    upstream = build(stack, name, untouched, dtype=dtype)
+    sdpa = build(stack, name, None, dtype=dtype)
     runs = []
     for forward in range(forwards):
         grid = grids(forward)
@@ -204,14 +207,13 @@ def side_by_side(stack, name, device_class="A2", forwards=2):
 
 def assert_matches_references(stack, name, run, tolerance):
     """``run.out`` equals upstream's bit for bit (the same ops on the same data) and is within
-    ``tolerance`` x max |reference| of the float64 tower and of vLLM's TORCH_SDPA tower."""
+    ``tolerance[dtype]`` x max |reference| of the float64 tower (same weights, rounded to the
+    tower's dtype) and of vLLM's TORCH_SDPA tower in the same dtype."""
     import torch
 
     assert torch.equal(run.out, run.up)
     ref = reference_forward(stack, name, run.x, run.grid)
-    scale = max(1.0, ref.abs().max().item())
-    assert (run.out.double() - ref).abs().max().item() <= tolerance * scale
-    assert (run.out - run.sdpa).abs().max().item() <= tolerance * scale
+    towers.assert_near_references("tower (census)", run.out, ref, run.sdpa, tolerance)
 
 
 def call(name, tower, attention_class, x, grid):
@@ -235,7 +237,7 @@ def reference_forward(stack, name, x, grid, *, seed=0):
     :func:`npu_shim.testing.attention_f64`."""
     import torch
 
-    ref = build(stack, name, None, seed=seed).double()
+    ref = build(stack, name, None, seed=seed, dtype=x.dtype).double()
     towers._f64_attention_layers(ref)
     with torch.inference_mode(), towers.registered(None):
         return CENSUS[name].call(ref, x.double(), CENSUS[name].grid_arg(grid))

@@ -78,7 +78,7 @@ class Spec:
     v_head_dim: int = 32
     prefix_lens: tuple = ()
     cp_size: int = 2
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.bfloat16     # A2's (FIA is not documented for 310P); no float32 there
     seed: int = 0
 
     @property
@@ -332,7 +332,11 @@ def run_rank(method, module, batch: Batch, rank: int):
 
 
 def max_abs_err(out, expected):
-    return (out.detach().to(torch.float64) - expected).abs().max().item()
+    from npu_shim.testing.errors import within
+
+    err = (out.detach().to(torch.float64) - expected).abs().max().item()
+    within("sglang CP/small-page FIA vs float64", err, tolerance(out.dtype), out.dtype)
+    return err
 
 
 def tolerance(dtype):

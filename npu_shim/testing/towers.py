@@ -39,8 +39,8 @@ import sys
 import tempfile
 import types
 
-__all__ = ["DEVICE_CLASSES", "MOONVIT", "MOONVIT_GRIDS", "TOWERS", "Stack", "build_moonvit", "build_tower",
-           "grids", "moonvit_pixel_values", "moonvit_reference_forward", "pixel_values", "reference_forward",
+__all__ = ["DEVICE_CLASSES", "MOONVIT", "MOONVIT_GRIDS", "TOWERS", "Stack", "assert_near_references", "build_moonvit", "build_tower",
+           "grids", "hardware_dtype", "moonvit_pixel_values", "moonvit_reference_forward", "pixel_values", "reference_forward",
            "registered", "setup", "upstream_code"]
 
 DEVICE_CLASSES = {
@@ -291,6 +291,38 @@ def _route_custom_ops(tower, attention_class):
     return tower
 
 
+def hardware_dtype(device_class=None):
+    """The dtype the towers run in on ``device_class`` (None: the emulated SoC's): bfloat16 on
+    A2, float16 on 310P (the emulated ops take no float32, npu_shim.emulation.dtypes)."""
+    import torch
+
+    if device_class is None:
+        from npu_shim.emulation import soc
+
+        device_class = "310P" if soc.is_310p() else "A2"
+    return torch.float16 if device_class == "310P" else torch.bfloat16
+
+
+def _dtype_of(model):
+    return next(model.parameters()).dtype
+
+
+def assert_near_references(comparison, out, ref, sdpa, tolerance):
+    """``out`` within ``tolerance[out.dtype]`` x max |ref| of the float64 tower ``ref`` and of
+    vLLM's TORCH_SDPA tower ``sdpa`` (same dtype); no floor under max |ref|, so the bound is
+    a relative one whatever the output's size. Each error is recorded
+    (:mod:`npu_shim.testing.errors`) under ``comparison``."""
+    from npu_shim.testing.errors import within
+
+    dtype = out.dtype
+    tol = tolerance[str(dtype).replace("torch.", "")] if isinstance(tolerance, dict) else tolerance
+    scale = ref.abs().max().item()
+    err = (out.double() - ref).abs().max().item() / scale
+    assert within("%s vs float64" % comparison, err, tol, dtype), (comparison, dtype, err, tol)
+    err = (out.double() - sdpa.double()).abs().max().item() / scale
+    assert within("%s vs TORCH_SDPA" % comparison, err, tol, dtype), (comparison, dtype, err, tol)
+
+
 def emulate_device_class(device_class):
     """Make the emulation report the SoC of ``device_class`` ("A2" or "310P") from now on."""
     import os
@@ -318,10 +350,11 @@ def state_with_disabled(patch_name):
     return proc.stdout.strip().splitlines()[-1]
 
 
-def build_tower(stack, name, attention_class=None, *, seed=0):
-    """vLLM's tower ``name`` with deterministic weights for ``seed``; its attention
-    layers are ``attention_class`` (None: vLLM's own ``MMEncoderAttention``,
-    whose native path is TORCH_SDPA here)."""
+def build_tower(stack, name, attention_class=None, *, seed=0, dtype=None):
+    """vLLM's tower ``name`` with deterministic weights for ``seed`` in ``dtype`` (None:
+    :func:`hardware_dtype` of the emulated SoC); its attention layers are
+    ``attention_class`` (None: vLLM's own ``MMEncoderAttention``, whose native path is
+    TORCH_SDPA here)."""
     import torch
     from vllm.config import set_current_vllm_config
 
@@ -334,7 +367,7 @@ def build_tower(stack, name, attention_class=None, *, seed=0):
         else:
             tower = cls(make_config(), norm_eps=1e-6, prefix="visual")
     _init_weights(tower, seed)
-    tower.to(torch.float32).eval()
+    tower.to(dtype or hardware_dtype()).eval()
     return _route_custom_ops(tower, attention_class)
 
 
@@ -348,7 +381,7 @@ def pixel_values(tower, grid, seed=0):
     patch = tower.patch_embed
     width = patch.proj.weight[0].numel()
     tokens = sum(t * h * w for t, h, w in grid)
-    return torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed))
+    return torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed)).to(_dtype_of(tower))
 
 
 def _f64_attention_layers(model):
@@ -370,16 +403,18 @@ def _f64_attention_layers(model):
 
 def reference_forward(stack, name, x, grid, *, seed=0):
     """Tower ``name`` with the weights of ``seed`` in float64, every attention layer
-    replaced by :func:`npu_shim.testing.attention_f64` (the definition of attention)."""
+    replaced by :func:`npu_shim.testing.attention_f64` (the definition of attention).
+    The weights are those of the tower under test, rounded to ``x.dtype`` first, so the
+    comparison measures the forward's arithmetic, not the rounding of the weights."""
     import torch
 
-    ref = build_tower(stack, name, None, seed=seed).double()
+    ref = build_tower(stack, name, None, seed=seed, dtype=x.dtype).double()
     _f64_attention_layers(ref)
     with torch.inference_mode(), registered(None), upstream_code(stack, name):
         return ref(x.double(), grid_thw=grid)
 
 
-def build_moonvit(stack, attention_class=None, *, seed=0):
+def build_moonvit(stack, attention_class=None, *, seed=0, dtype=None):
     """vLLM's MoonViT (Kimi-VL's tower, ``MoonVitPretrainedModel``) as :func:`build_tower` builds
     the others: deterministic weights, ``attention_class`` for its ``MMEncoderAttention`` layers."""
     import torch
@@ -389,7 +424,7 @@ def build_moonvit(stack, attention_class=None, *, seed=0):
     with registered(attention_class), set_current_vllm_config(stack.config):
         tower = getattr(stack.modules["Kimi-VL"], class_name)(make_config(), prefix="vision_tower")
     _init_weights(tower, seed)
-    tower.to(torch.float32).eval()
+    tower.to(dtype or hardware_dtype()).eval()
     # Rope2DPosEmb's device defaults to current_platform.device_type at import: "" on vLLM's
     # unspecified platform, "npu" under vllm-ascend; the placement stand-in here.
     from npu_shim.testing.syncs import DEVICE
@@ -408,7 +443,8 @@ def moonvit_pixel_values(tower, grid, seed=0):
 
     patch = tower.patch_embed.patch_size
     tokens = sum(h * w for h, w in grid)
-    return torch.randn(tokens, 3, patch[0], patch[1], generator=torch.Generator().manual_seed(seed))
+    return torch.randn(tokens, 3, patch[0], patch[1],
+                       generator=torch.Generator().manual_seed(seed)).to(_dtype_of(tower))
 
 
 def moonvit_reference_forward(stack, x, grid, *, seed=0):
@@ -416,7 +452,7 @@ def moonvit_reference_forward(stack, x, grid, *, seed=0):
     :func:`npu_shim.testing.attention_f64`; the per-image outputs concatenated."""
     import torch
 
-    ref = build_moonvit(stack, None, seed=seed).double()
+    ref = build_moonvit(stack, None, seed=seed, dtype=x.dtype).double()
     _f64_attention_layers(ref)
     with torch.inference_mode(), registered(None):
         return torch.cat(ref(x.double(), torch.tensor(grid)))

@@ -28,7 +28,9 @@ pytestmark = [pytest.mark.claimed("vllm.glm4_1v_host_lengths"),
 
 PATCH_NAME = "vllm.glm4_1v_host_lengths"
 TOWER = "GLM-4.1V"
-TOWER_TOL = 2e-4          # float32 tower vs. float64 / TORCH_SDPA, relative to max |reference|
+# |tower - float64 tower| and |tower - TORCH_SDPA tower|, relative to max |float64 tower| (no
+# floor); measured worst (vllm-0.18): bfloat16 4.3e-2 (vs SDPA 2.7e-2), float16 4.7e-3 (3.0e-3)
+TOWER_TOL = {"bfloat16": 1e-1, "float16": 1.5e-2}
 
 
 def vllm_minor():
@@ -118,9 +120,7 @@ def test_whole_tower_forward_reads_nothing_back(stack, device_class):
         assert torch.equal(out, up)
         with towers.upstream_code(stack, TOWER):
             ref = towers.reference_forward(stack, TOWER, x, grid)
-        scale = max(1.0, ref.abs().max().item())
-        assert (out.double() - ref).abs().max().item() <= TOWER_TOL * scale
-        assert (out - sd).abs().max().item() <= TOWER_TOL * scale
+        towers.assert_near_references("tower GLM-4.1V", out, ref, sd, TOWER_TOL)
 
 
 def test_replacements_name_upstream_and_upstream_code_restores_them(stack):

@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.claimed("vllm.kimi_vl_host_grid"),
               pytest.mark.patch("vllm.kimi_vl_host_grid", "vllm.mm_encoder_attn")]
 
 PATCH_NAME = "vllm.kimi_vl_host_grid"
-TOWER_TOL = 2e-4          # float32 tower vs. float64 / TORCH_SDPA, relative to max |reference|
+# |tower - float64 tower| and |tower - TORCH_SDPA tower|, relative to max |float64 tower| (no
+# floor); measured worst (vllm-0.18, MoonViT): bfloat16 1.7e-2 (vs SDPA 1.3e-2), float16 1.7e-3 (1.6e-3)
+TOWER_TOL = {"bfloat16": 5e-2, "float16": 5e-3}
 GRID_READS = 3            # upstream's grid_hws.tolist(): position embedding, rope, patch_merger
 
 
@@ -129,9 +131,7 @@ def test_whole_moonvit_forward_reads_nothing_back(stack, device_class):
                                                                                 up_syncs.summary())
         assert torch.equal(out, up)
         ref = towers.moonvit_reference_forward(stack, x, grid)
-        scale = max(1.0, ref.abs().max().item())
-        assert (out.double() - ref).abs().max().item() <= TOWER_TOL * scale
-        assert (out - sd).abs().max().item() <= TOWER_TOL * scale
+        towers.assert_near_references("tower MoonViT", out, ref, sd, TOWER_TOL)
 
 
 def test_a_device_grid_runs_upstreams_path(stack):

@@ -26,14 +26,20 @@ import types
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("vllm-0.22", "latest-vllm", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30"), pytest.mark.patch("vllm.mm_encoder_attn")]
+from npu_shim.testing.errors import Tolerance
+
+pytestmark = [pytest.mark.lanes("vllm-0.22", "latest-vllm", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30"), pytest.mark.patch("vllm.mm_encoder_attn"),
+              pytest.mark.float32_math]  # the layer-level math checks: float32 vs float64 (see conftest)
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 UPSTREAM_COPY = "npu_shim_tests_upstream_mm_encoder_attention_fia"
 LAYERS = 27                                   # MoonViT (Kimi-VL) / Qwen3-VL towers
 HEADS, HEAD_DIM = 16, 72                      # MoonViT: padded 72 -> 128 by upstream's rule
 IMAGES = (24, 40, 16)                         # three images packed into one sequence
-TOL = 2e-5
+# float32 layer vs float64: measured worst MEASURE
+TOL = Tolerance("layer FIA float32 vs float64", 2e-5)
+# the A2 tower's dtype vs float64 (absolute; |ref| <= ~3): measured worst MEASURE
+HW_TOL = Tolerance("layer FIA bfloat16 vs float64", 1.0, "bfloat16")
 
 
 def import_target_without_ops_init():
@@ -108,13 +114,13 @@ def cu_tensor(lengths):
     return torch.tensor(dense_segments(lengths), dtype=torch.int32)
 
 
-def moonvit_qkv(tokens, *, heads=HEADS, head_dim=HEAD_DIM, seed=0):
+def moonvit_qkv(tokens, *, heads=HEADS, head_dim=HEAD_DIM, seed=0, dtype=None):
     """MoonViT's ``attention_qkvpacked``: q/k/v are unbound views of one packed
     (S, 3, N, D) tensor, each handed over as ``x.unsqueeze(0)`` (1, S, N, D)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    xqkv = torch.randn(tokens, 3, heads, head_dim, generator=gen)
+    xqkv = torch.randn(tokens, 3, heads, head_dim, generator=gen).to(dtype or torch.float32)
     return tuple(x.unsqueeze(0) for x in torch.unbind(xqkv, dim=-3))
 
 
@@ -216,6 +222,25 @@ def test_moonvit_27_layers_one_copy_per_forward_same_output_as_upstream(stack):
     call = our_calls[0].kwargs
     assert call["input_layout"] == "TND" and call["sparse_mode"] == 0 and call["block_size"] == 128
     assert call["actual_seq_lengths"] == call["actual_seq_lengths_kv"] == [24, 64, 80]
+
+
+@pytest.mark.hardware_dtypes
+def test_bfloat16_as_on_a2(stack):
+    """What the A2 tower runs: bfloat16 (the op takes no float32). Equal to upstream bit for
+    bit at the default scale, the model's scale honoured, within the bfloat16 tolerance of
+    float64. A scale off by 1e-3 moves the output by less than bfloat16 resolves: the
+    float32 checks of this module are what catch that."""
+    import torch
+
+    q, k, v = moonvit_qkv(sum(IMAGES), seed=3, dtype=torch.bfloat16)
+    cu = cu_tensor(IMAGES)
+    with torch.inference_mode():
+        outs = tower(vllm_layers(stack, 3), q, k, v, cu)
+        expected = tower(upstream_layers(stack, 3), q, k, v, cu)
+        scaled = vllm_layers(stack, 1, scale=0.05)[0].forward_oot(q, k, v, cu_seqlens=cu)
+    assert all(o.dtype == torch.bfloat16 and torch.equal(o, e) for o, e in zip(outs, expected))
+    assert max_err(outs[-1], reference(q, k, v, cu)) < HW_TOL
+    assert max_err(scaled, reference(q, k, v, cu, scale=0.05)) < HW_TOL
 
 
 def test_non_default_scale(stack):
@@ -507,6 +532,8 @@ SUBPROCESS_BODY = r'''
 import json, torch, npu_shim
 from npu_shim import emulation
 emulation.install()
+from npu_shim.emulation.dtypes import float32_not_on_hardware
+_float32 = float32_not_on_hardware(); _float32.__enter__()   # this module's float32 math checks (float32_math)
 module = import_target_without_ops_init()
 row = next(r for r in npu_shim.status() if r["name"] == "vllm.mm_encoder_attn")
 cls = module.AscendMMEncoderAttention

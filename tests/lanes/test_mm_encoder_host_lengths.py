@@ -22,12 +22,19 @@ own TORCH_SDPA tower and to a float64 copy whose attention is
 
 import pytest
 
+from npu_shim.testing.errors import Tolerance
+
 pytestmark = [pytest.mark.claimed("vllm.mm_encoder_host_lengths"),
               pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn",
                                 "vllm.qwen2_5_vl_host_lengths")]
 
 PATCH_NAME = "vllm.mm_encoder_host_lengths"
-TOWER_TOL = 2e-4          # float32 tower vs. float64 / TORCH_SDPA, relative to max |reference|
+# |tower - float64 tower| and |tower - TORCH_SDPA tower|, relative to max |float64 tower| (no
+# floor); measured worst (vllm-0.18, Qwen2.5-VL and Qwen3-VL): bfloat16 1.5e-2 (vs SDPA 8.7e-3),
+# float16 2.3e-3 (Qwen2.5-VL; vs SDPA 1.6e-3; Qwen3-VL 1.2e-3, 1.1e-3)
+TOWER_TOL = {"bfloat16": 4e-2, "float16": 6e-3}
+# one layer, bfloat16 inputs, vs float64 (absolute); the same layer measured 7.3e-3 in test_mm_encoder_018
+HW_TOL = Tolerance("layer host-lengths bfloat16 vs float64", 2e-2, "bfloat16")
 
 
 @pytest.fixture(scope="module")
@@ -89,15 +96,22 @@ def test_whole_tower_forward_reads_nothing_back(stack, name, device_class):
         sd, _ = run(sdpa, None, x, grid)
         print("%s %s forward %d: upstream %s -> shim %s" % (name, device_class, forward,
                                                            up_syncs.summary(), syncs.summary()))
-        assert syncs.count == 0, [str(e) for e in syncs.events]
+        # vLLM's Qwen2.5-VL tower in float16 (310P) checks its output for inf/nan
+        # (cast_overflow_tensors: two bool reads per forward, upstream and shim alike): reads the
+        # host-lengths patches do not cover, and no attention's.
+        overflow = 2 if name == "Qwen2.5-VL" and out.dtype == torch.float16 else 0
+        assert overflow_reads(syncs) == overflow_reads(up_syncs) == overflow, syncs.summary()
+        assert syncs.count == overflow, [str(e) for e in syncs.events]
         if name == "Qwen2.5-VL" and tower_copies_itself():
             assert up_syncs.count >= 2, up_syncs.summary()   # upstream reads both tensors back
         assert syncs.h2d_count == up_syncs.h2d_count
         assert torch.equal(out, up)
         ref = towers.reference_forward(stack, name, x, grid)
-        scale = max(1.0, ref.abs().max().item())
-        assert (out.double() - ref).abs().max().item() <= TOWER_TOL * scale
-        assert (out - sd).abs().max().item() <= TOWER_TOL * scale
+        towers.assert_near_references("tower " + name, out, ref, sd, TOWER_TOL)
+
+
+def overflow_reads(syncs):
+    return sum("cast_overflow_tensors" in str(e) for e in syncs.events)
 
 
 def test_a_reused_cu_seqlens_tensor_is_read_again(stack):
@@ -115,7 +129,7 @@ def test_a_reused_cu_seqlens_tensor_is_read_again(stack):
     layer = tower.blocks[0].attn.attn
     cu = MMEncoderAttention.maybe_recompute_cu_seqlens(tower.attn_backend, np.array([0, 4, 10], np.int32),
                                                        160, 1, torch.device("cpu"))
-    q = torch.randn(1, 10, 2, 80)
+    q = torch.randn(1, 10, 2, 80, dtype=torch.bfloat16)     # the A2 tower's dtype
     with torch.inference_mode(), towers_registered(stack.attention["A2"]), \
             count_host_syncs(device_tensors=[cu, q]) as syncs:
         first = layer(q, q, q, cu_seqlens=cu)
@@ -126,7 +140,7 @@ def test_a_reused_cu_seqlens_tensor_is_read_again(stack):
 
     for out, bounds in ((first, [0, 4, 10]), (second, [0, 6, 10])):
         ref = attention_f64(q[0], q[0], q[0], bounds, scale=layer.scale)
-        assert (out.reshape(ref.shape).double() - ref).abs().max().item() < 1e-5
+        assert (out.reshape(ref.shape).double() - ref).abs().max().item() < HW_TOL
 
 
 def test_disable_switch(stack):

@@ -24,7 +24,9 @@ pytestmark = [pytest.mark.lanes("latest-vllm", "vllm-0.30"),
               pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn",
                                 "vllm.qwen2_vl_host_lengths", "vllm.qwen3_omni_vision_host_lengths")]
 
-TOWER_TOL = 2e-4          # float32 tower vs. float64 / TORCH_SDPA, relative to max |reference|
+# |tower - float64 tower| and |tower - TORCH_SDPA tower|, relative to max |float64 tower| (no
+# floor); measured worst: MEASURE (census towers run on latest-vllm / vllm-0.30 only)
+TOWER_TOL = {"bfloat16": 1e-1, "float16": 1.5e-2}
 ATTENTION_READ = "mm_encoder/common.py"     # vllm.mm_encoder_attn's one read of a cu_seqlens tensor
 
 # towers whose cu_seqlens is built on the device: vllm.mm_encoder_attn's one read stays
