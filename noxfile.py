@@ -20,8 +20,9 @@ adding a release is adding one file. Its leading comment block holds, one per li
                                                     every upstream release the lane stands for
     # Kind: base | vllm | sglang                    the lane's environment, below
     # Python: 3.11                                  CPython minor version of the venv
-    # Sdist: <dist>==<version>                      optional, repeatable: installed from its
-                                                    source archive by lanes/sdist.py, unbuilt
+    # Sdist: <dist>==<version>                      optional, repeatable: a release published
+                                                    only as a source archive, installed as the
+                                                    wheel its own build makes (lanes/sdist.py)
     # Thin: <dist>                                  optional, repeatable: that dist's pinned
                                                     wheel is installed as its thin copy
                                                     (lanes/thin.py: CUDA extensions left out)
@@ -69,6 +70,9 @@ import sys
 import time
 
 import nox
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lanes"))
+from _sources import uv_source_args  # noqa: E402  (shared with lanes/sdist.py's build venv)
 
 nox.options.sessions = ["lanes"]
 nox.options.reuse_existing_virtualenvs = False
@@ -147,39 +151,6 @@ def interpreter(version):
     return version
 
 
-def _pip_config(key):
-    """pip's setting ``key`` (PIP_<KEY> first, then ``pip config get global.<key>``), as a list."""
-    value = os.environ.get("PIP_" + key.upper().replace("-", "_"))
-    if value is None:
-        proc = subprocess.run([sys.executable, "-m", "pip", "config", "get", "global." + key],
-                              capture_output=True, text=True)
-        value = proc.stdout.strip() if proc.returncode == 0 else ""
-    return value.split()
-
-
-def _exists(location):
-    """False for a local directory/file:// URL that is missing (pip ignores those; uv fails)."""
-    if location.startswith("file://"):
-        return os.path.exists(location[len("file://"):])
-    if "://" not in location:
-        return os.path.exists(location)
-    return True
-
-
-@functools.lru_cache(maxsize=None)
-def uv_source_args():
-    """``uv pip install`` flags for the package sources pip is configured with here. pip picks
-    the best match over all its indexes; uv's default takes the first index that has the
-    project at all, hence --index-strategy unsafe-best-match (pip's behaviour)."""
-    args = ["--index-strategy", "unsafe-best-match"]
-    for key, flag in (("index-url", "--index-url"), ("extra-index-url", "--extra-index-url"),
-                      ("find-links", "--find-links")):
-        for location in _pip_config(key):
-            if _exists(location):
-                args += [flag, location]
-    return tuple(args)
-
-
 def _requirement_name(line):
     """The normalized dist name a requirement line pins ("" for comments, options, blanks)."""
     if not line or line.startswith(("#", "-")):
@@ -190,8 +161,9 @@ def _requirement_name(line):
 def lane_requirements(lane, directory, swap=None):
     """The lane's requirements as one file ``directory``/requirements.txt for ``uv pip install
     -r``: includes inlined, each pin of a "# Thin:" dist replaced by the path of its thin wheel
-    (lanes/thin.py), and each dist in ``swap`` ({name: "name==version"}) pinned as given there
-    instead (the probe). Returns the file's path."""
+    (lanes/thin.py), each "# Sdist:" release added as the path of the wheel built from its
+    archive (lanes/sdist.py), and each dist in ``swap`` ({name: "name==version"}) pinned as given
+    there instead (the probe). Returns the file's path."""
     swap = {_requirement_name(name): line for name, line in (swap or {}).items()}
     thin = {_requirement_name(name) for name in lane["thin"]}
     lines = []
@@ -215,6 +187,10 @@ def lane_requirements(lane, directory, swap=None):
         wheel = subprocess.run([sys.executable, os.path.join(LANES_DIR, "thin.py"), "wheel", name, version],
                                check=True, capture_output=True, text=True).stdout.strip()
         lines[lines.index(pinned[name])] = wheel
+    for requirement in lane["sdist"]:
+        name, version = requirement.split("==")
+        lines.append(subprocess.run([sys.executable, os.path.join(LANES_DIR, "sdist.py"), "wheel", name, version],
+                                    check=True, stdout=subprocess.PIPE, text=True).stdout.strip())
     os.makedirs(directory, exist_ok=True)
     path = os.path.join(directory, "requirements.txt")
     with open(path, "w", encoding="utf-8") as handle:
@@ -222,16 +198,12 @@ def lane_requirements(lane, directory, swap=None):
     return path
 
 
-def install_lane(session, lane, python):
-    """The lane's pins (uv, --no-deps; thin wheels where the header says), its sdists
-    (lanes/sdist.py, unbuilt), the shim."""
+def install_lane(session, lane):
+    """The lane's pins (uv, --no-deps; thin wheels and sdist-built wheels where the header
+    says), then the shim."""
     env = {"UV_PYTHON_DOWNLOADS": "never"}
     requirements = lane_requirements(lane, session.virtualenv.location)
     session.install("--no-deps", *uv_source_args(), "-r", requirements, env=env)
-    for requirement in lane["sdist"]:
-        dist, version = requirement.split("==")
-        session.run(sys.executable, os.path.join("lanes", "sdist.py"), "install", dist, version,
-                    "--python", python, external=True)
     session.install("--no-deps", *uv_source_args(), ".", env=env)
 
 
@@ -246,7 +218,7 @@ def lane(session, lane):
     """One pinned stack: fresh venv, exact wheels, the lane's tests, the lane table."""
     spec = LANES[lane]
     started = time.monotonic()
-    install_lane(session, spec, os.path.join(session.virtualenv.location, "bin", "python"))
+    install_lane(session, spec)
     install_seconds = time.monotonic() - started
     session.log("lane %s: installed in %.0f s", lane, install_seconds)
     session.run(
@@ -411,10 +383,6 @@ def _lane_python(session, lane):
     # Pinned, --no-deps: a venv that already holds the pins is checked in a second.
     session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", *uv_source_args(), "-r",
                 lane_requirements(LANES[lane], venv), external=True)
-    for requirement in LANES[lane]["sdist"]:
-        dist, version = requirement.split("==")
-        session.run(sys.executable, os.path.join("lanes", "sdist.py"), "install", dist, version,
-                    "--python", python, external=True)
     session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", ".", external=True)
     return python
 
@@ -459,8 +427,8 @@ def probe(session):
     """A release with no lane yet: ``nox -s probe -- vllm-ascend==0.31.0rc1 [vllm==0.31.0]`` or
     ``nox -s probe -- sglang==0.5.24``.
 
-    Makes a throwaway venv (.nox/probe) with that release (its wheel, else its sdist unbuilt via
-    lanes/sdist.py) and its framework (vllm-ascend: the vLLM its own versioning policy names,
+    Makes a throwaway venv (.nox/probe) with that release (its wheel, else the wheel its sdist's
+    own build makes, lanes/sdist.py) and its framework (vllm-ascend: the vLLM its own versioning policy names,
     unless given), plus the other pins of the nearest lane (the lane standing for the newest
     release not newer than it); prints ``npu-shim status --import`` (which adapter of each patch
     applies, or every adapter's reason), then runs that lane's tests (NPU_SHIM_LANE=<lane>)."""
@@ -489,7 +457,7 @@ def probe(session):
     session.run(*uv, "venv", "--quiet", "--python", interpreter(lane["python"]), venv, external=True,
                 env={"UV_PYTHON_DOWNLOADS": "never"})
     # The nearest lane's pins, with the probed release and its framework swapped in: as a wheel
-    # where the index has one (thin if the lane thins that dist), else as an sdist, unbuilt.
+    # where the index has one (thin if the lane thins that dist), else built from its sdist.
     sdists = [req for req in lane["sdist"] if req.split("==")[0] not in pins]
     wheels = {}
     for name, pinned in pins.items():
@@ -500,16 +468,12 @@ def probe(session):
             wheels[name] = "%s==%s" % (name, pinned)
         else:
             sdists.append("%s==%s" % (name, pinned))
-            session.log("probe: %s %s has no wheel here: its sdist is installed unbuilt", name, pinned)
+            session.log("probe: %s %s has no wheel here: built from its sdist", name, pinned)
     leave_out = {name: "" for name in pins if name not in wheels}
-    requirements = lane_requirements(dict(lane, thin=[t for t in lane["thin"] if t not in leave_out]), venv,
-                                     swap=dict(leave_out, **wheels))
+    requirements = lane_requirements(dict(lane, thin=[t for t in lane["thin"] if t not in leave_out], sdist=sdists),
+                                     venv, swap=dict(leave_out, **wheels))
     session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", *uv_source_args(),
                 "-r", requirements, external=True)
-    for requirement in sdists:
-        name, pinned = requirement.split("==")
-        session.run(sys.executable, os.path.join("lanes", "sdist.py"), "install", name, pinned,
-                    "--python", python, external=True)
     session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", ".", external=True)
 
     env = dict(KIND_ENV[lane["kind"]], PYTHONDONTWRITEBYTECODE="")

@@ -1,33 +1,37 @@
-"""Install a release that the package index has only as a source archive (sdist), unbuilt.
+"""Releases the package index has only as a source archive (sdist): fetched, built with their own
+build, installed like any wheel.
 
     python lanes/sdist.py fetch vllm-ascend 0.30.0rc2            # -> path of the cached .tar.gz
+    python lanes/sdist.py wheel vllm-ascend 0.30.0rc2            # -> path of the cached built wheel
     python lanes/sdist.py install vllm-ascend 0.30.0rc2 --python .nox/lane-vllm-0.30/bin/python
     python lanes/sdist.py pair vllm-ascend 0.30.0rc2              # the vLLM its versioning policy names
     python lanes/sdist.py list vllm-ascend                         # versions that have an sdist
 
-Why not ``pip download`` / ``pip install``: both build the sdist's metadata, and vllm-ascend's
-build needs CMake and the Ascend toolkit (it compiles Ascend C++ ops). The lanes test pure-Python
-modules that import none of the compiled ops, so this script
+- fetch: the archive, downloaded with pip's own index client and pip's configuration (index,
+  extra indexes, find-links, certificates: whatever ``pip install`` on this machine would use),
+  into a cache outside the checkout (``$NPU_SHIM_SDIST_CACHE``, default
+  ``~/.cache/npu-shim/sdists``), so a fresh clone downloads each archive once per machine.
+- wheel: the archive built by its own build backend, ``uv build --wheel --no-build-isolation``,
+  in a throwaway venv holding only lanes/_sdist-build.txt (pinned), with the environment
+  BUILD_ENV names. vllm-ascend's build compiles Ascend C++ ops with CMake and the Ascend
+  toolkit only when COMPILE_CUSTOM_KERNELS is on; with it off the build needs setuptools,
+  setuptools-scm and wheel, no torch, torch_npu, CMake or toolkit, and gives the release's
+  pure-Python wheel (``py3-none-any``) with upstream's own metadata, entry points and generated
+  ``_build_info.py``. The compiled extension modules (``vllm_ascend/*.so``) are absent, as on a
+  machine whose build skipped them; the modules the lanes test import none of them. The wheel
+  is cached under ``<cache>/built-<rule key>/``, the key a digest of the rule that made it (build
+  command, BUILD_ENV, the build pins, the build Python and uv versions), so a changed rule
+  never serves a wheel the old one made.
+- install: that wheel into another interpreter's environment (``uv pip install --no-deps``);
+  the lanes instead list the wheel's path among their pins (noxfile.py lane_requirements).
 
-- downloads the archive with pip's own index client and pip's configuration (index, extra
-  indexes, find-links, certificates: whatever ``pip install`` on this machine would use), into a
-  cache outside the checkout (``$NPU_SHIM_SDIST_CACHE``, default ``~/.cache/npu-shim/sdists``),
-  so a fresh clone downloads each archive once per machine;
-- copies the sdist's own top-level Python package(s) (``<name>.egg-info/top_level.txt``),
-  unmodified, into the target interpreter's site-packages, and writes a
-  ``<name>-<version>.dist-info`` next to them: METADATA (the sdist's PKG-INFO, so
-  ``importlib.metadata.version()`` returns the sdist's version and its Requires-Dist is
-  upstream's), entry_points.txt (the sdist's egg-info entry points), top_level.txt, INSTALLER
-  (``npu-shim-lanes-sdist``) and a RECORD of every file written; plus the files the build step
-  generates without compiling (BUILD_FILES: vllm-ascend's ``_build_info.py``, as in the
-  published wheels). Nothing is compiled: the
-  compiled extension modules (``vllm_ascend/*.so``) are simply absent, as on a machine
-  whose build skipped them.
-
-Runs with the interpreter that runs nox (it has pip); the target venv needs no pip.
+Lanes run in parallel: one lane downloads or builds a given entry while the others wait for it,
+and every writer has its own partial file (``_cachefile.py``). Runs with the interpreter that
+runs nox (it has pip and uv); the target venv needs neither.
 """
 import argparse
-import base64
+import functools
+import glob
 import hashlib
 import os
 import re
@@ -35,9 +39,12 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import tempfile
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # _cachefile, also when loaded by path
 from _cachefile import one_maker, unique_partial  # noqa: E402
+from _sources import uv_source_args  # noqa: E402
 
 
 def cache_dir():
@@ -138,95 +145,88 @@ def _read(archive, members, path):
     return None if info is None else archive.extractfile(info).read()
 
 
-def _egg_info(members):
-    for path in members:
-        if path.count("/") == 1 and path.split("/")[0].endswith(".egg-info") and path.endswith("/PKG-INFO"):
-            return path.split("/")[0]
-    return None
+# Set for the build of each distribution, over the caller's environment. vllm-ascend:
+# COMPILE_CUSTOM_KERNELS=0 leaves out its CMake extension (the Ascend C++ ops, which need the
+# toolkit); SOC_VERSION names the chip, which its setup.py otherwise asks npu-smi for, and which
+# only decides the __device_type__ written into _build_info.py: ascend910b1 is an Atlas A2, and
+# 'A2' is what the published wheels (0.23.0 .. 0.26.0rc1) carry.
+BUILD_ENV = {
+    "vllm-ascend": {"COMPILE_CUSTOM_KERNELS": "0", "SOC_VERSION": "ascend910b1"},
+}
+BUILD_REQUIREMENTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_sdist-build.txt")
+UV = (sys.executable, "-m", "uv")
+# Part of the rule key, so it is kept as a template (the placeholders differ per build).
+BUILD_COMMAND = ("build", "--wheel", "--no-build-isolation", "--python", "{python}", "--out-dir", "{out}", "{sdist}")
 
 
-def _record_line(relpath, data):
-    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    return "%s,sha256=%s,%d" % (relpath, digest, len(data))
+@functools.lru_cache(maxsize=None)
+def rule_key():
+    """A digest of everything that decides what a build makes (the sdist itself is named by the
+    entry's file name, its download checked against the index's hash)."""
+    with open(BUILD_REQUIREMENTS, "rb") as handle:
+        pins = handle.read()
+    uv_version = subprocess.run([*UV, "--version"], check=True, capture_output=True, text=True).stdout.strip()
+    rule = repr((BUILD_COMMAND, sorted((k, sorted(v.items())) for k, v in BUILD_ENV.items()), pins,
+                 "python %d.%d" % sys.version_info[:2], uv_version))
+    return "rule-" + hashlib.sha256(rule.encode()).hexdigest()[:12]
+
+
+def built_dir():
+    return os.path.join(cache_dir(), "built-" + rule_key())
+
+
+def _cached_wheel(name, version):
+    found = sorted(glob.glob(os.path.join(built_dir(), "%s-%s-*.whl" % (_normal(name), version))))
+    return found[0] if found else None
+
+
+def wheel(name, version):
+    """Path of the wheel built from ``name==version``'s sdist, built if missing (one maker at a
+    time: _cachefile.one_maker)."""
+    cached = _cached_wheel(name, version)
+    if cached:
+        return cached
+    with one_maker(os.path.join(built_dir(), "%s-%s" % (_normal(name), version))):
+        return _cached_wheel(name, version) or _build(name, version)
+
+
+def _build(name, version):
+    sdist = fetch(name, version)
+    env = dict(os.environ, **BUILD_ENV.get(name, {}))
+    env.pop("VIRTUAL_ENV", None)  # uv must build in the build venv named by --python, not nox's
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="npu-shim-sdist-build-") as scratch:
+        venv, out = os.path.join(scratch, "venv"), os.path.join(scratch, "out")
+        python = os.path.join(venv, "bin", "python")
+        subprocess.run([*UV, "venv", "--quiet", "--python", sys.executable, venv], check=True,
+                       env=dict(env, UV_PYTHON_DOWNLOADS="never"))
+        subprocess.run([*UV, "pip", "install", "--quiet", "--python", python, "--no-deps", *uv_source_args(),
+                        "-r", BUILD_REQUIREMENTS], check=True, env=env)
+        command = [*UV, *(part.format(python=python, sdist=sdist, out=out) for part in BUILD_COMMAND)]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise SystemExit("building %s %s from %s failed (exit %d):\n%s"
+                             % (name, version, os.path.basename(sdist), proc.returncode,
+                                (proc.stdout + proc.stderr)[-6000:]))
+        built = glob.glob(os.path.join(out, "*.whl"))
+        if len(built) != 1 or not os.path.basename(built[0]).lower().startswith("%s-%s-" % (_normal(name), version)):
+            raise SystemExit("building %s %s gave %s, not one wheel of that version"
+                             % (name, version, ", ".join(map(os.path.basename, built)) or "no wheel"))
+        destination = os.path.join(built_dir(), os.path.basename(built[0]))
+        partial = unique_partial(destination)
+        shutil.copyfile(built[0], partial)
+        os.replace(partial, destination)
+    print("sdist.py: %s %s: built %s in %.1f s (%s)" % (name, version, os.path.basename(destination),
+                                                        time.monotonic() - started, rule_key()), file=sys.stderr)
+    return destination
 
 
 def install(name, version, python):
-    """Copy the sdist's Python package(s) into ``python``'s site-packages with a dist-info."""
-    purelib = subprocess.check_output(
-        [python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], text=True
-    ).strip()
-    path = fetch(name, version)
-    with tarfile.open(path) as archive:
-        members = _members(archive)
-        pkg_info = _read(archive, members, "PKG-INFO")
-        if pkg_info is None:
-            raise SystemExit("%s: no PKG-INFO at the top of the archive" % path)
-        meta_version = re.search(rb"^Version: *(\S+)", pkg_info, re.M).group(1).decode()
-        if meta_version != version:
-            raise SystemExit("%s: PKG-INFO says version %s, not %s" % (path, meta_version, version))
-        egg = _egg_info(members)
-        top_level = (_read(archive, members, egg + "/top_level.txt") if egg else None) or _normal(name).encode()
-        packages = [line.strip() for line in top_level.decode().splitlines() if line.strip()]
-        entry_points = _read(archive, members, egg + "/entry_points.txt") if egg else None
-
-        dist_info = "%s-%s.dist-info" % (_normal(name), version)
-        for old in os.listdir(purelib):  # another version of the same distribution
-            if old.lower().startswith(_normal(name) + "-") and old.endswith(".dist-info"):
-                _uninstall(purelib, old)
-        for package in packages:
-            shutil.rmtree(os.path.join(purelib, package), ignore_errors=True)
-        record = []
-        for source in sorted(members):
-            if source.split("/")[0] not in packages:
-                continue
-            data = archive.extractfile(members[source]).read()
-            target = os.path.join(purelib, source)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            with open(target, "wb") as handle:
-                handle.write(data)
-            record.append(_record_line(source, data))
-    for source, data in BUILD_FILES.get(name, {}).items():
-        if source.split("/")[0] in packages and not os.path.exists(os.path.join(purelib, source)):
-            with open(os.path.join(purelib, source), "wb") as handle:
-                handle.write(data)
-            record.append(_record_line(source, data))
-    os.makedirs(os.path.join(purelib, dist_info), exist_ok=True)
-    files = {
-        "METADATA": pkg_info,
-        "INSTALLER": b"npu-shim-lanes-sdist\n",
-        "top_level.txt": ("\n".join(packages) + "\n").encode(),
-    }
-    if entry_points:
-        files["entry_points.txt"] = entry_points
-    for filename, data in files.items():
-        with open(os.path.join(purelib, dist_info, filename), "wb") as handle:
-            handle.write(data)
-        record.append(_record_line(dist_info + "/" + filename, data))
-    record.append(dist_info + "/RECORD,,")
-    with open(os.path.join(purelib, dist_info, "RECORD"), "w", encoding="utf-8") as handle:
-        handle.write("\n".join(record) + "\n")
-    print("%s %s: %d files of %s from %s into %s (not built)"
-          % (name, version, len(record) - 1, "/".join(packages), os.path.basename(path), purelib))
-
-
-# Files a distribution's build step writes into the package without compiling anything, as the
-# published wheels carry them. vllm-ascend's setup.py (build_py -> gen_build_info) writes
-# vllm_ascend/_build_info.py; vllm_ascend.device.device_config imports it. The text is the one
-# in the published wheels (0.23.0 .. 0.26.0rc1 all say A2).
-BUILD_FILES = {
-    "vllm-ascend": {"vllm_ascend/_build_info.py": b"# Auto-generated file\n__device_type__ = 'A2'\n"},
-}
-
-
-def _uninstall(purelib, dist_info):
-    record = os.path.join(purelib, dist_info, "RECORD")
-    if os.path.exists(record):
-        with open(record, encoding="utf-8") as handle:
-            for line in handle:
-                target = os.path.join(purelib, line.split(",")[0])
-                if line.strip() and os.path.isfile(target):
-                    os.remove(target)
-    shutil.rmtree(os.path.join(purelib, dist_info), ignore_errors=True)
+    """The built wheel of ``name==version`` into ``python``'s environment."""
+    path = wheel(name, version)
+    subprocess.run([*UV, "pip", "install", "--quiet", "--python", python, "--no-deps", "--reinstall", path],
+                   check=True, env=dict(os.environ, UV_PYTHON_DOWNLOADS="never"))
+    print("%s %s: installed %s into %s" % (name, version, os.path.basename(path), python))
 
 
 POLICY = "docs/source/community/versioning_policy.md"
@@ -263,7 +263,7 @@ def paired_vllm(version, path=None):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for command in ("fetch", "install", "pair", "list"):
+    for command in ("fetch", "wheel", "install", "pair", "list"):
         p = sub.add_parser(command)
         p.add_argument("name")
         if command != "list":
@@ -273,6 +273,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.command == "fetch":
         print(fetch(args.name, args.version))
+    elif args.command == "wheel":
+        print(wheel(args.name, args.version))
     elif args.command == "install":
         install(args.name, args.version, args.python)
     elif args.command == "pair":

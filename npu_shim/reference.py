@@ -211,7 +211,7 @@ def ci_costs(root):
 
 
 def installed_as(path):
-    """How the lane installs what is not a plain wheel: thin wheels, unbuilt sdists."""
+    """How the lane installs what is not a plain wheel: thin wheels, wheels built from sdists."""
     notes = []
     for line in open(path):
         if not line.startswith("#"):
@@ -219,7 +219,7 @@ def installed_as(path):
         if line.startswith("# Thin:"):
             notes.append("%s: thin wheel" % line.split(":", 1)[1].strip())
         elif line.startswith("# Sdist:"):
-            notes.append("%s: sdist, unbuilt" % line.split(":", 1)[1].strip().split("==")[0])
+            notes.append("%s: built from its sdist" % line.split(":", 1)[1].strip().split("==")[0])
     return "; ".join(notes) or "wheels"
 
 

@@ -158,6 +158,25 @@ def float32_math(request):
         yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def neutral_working_directory(tmp_path_factory):
+    """Every test runs with an empty directory as its working directory.
+
+    ``python -c`` and ``python -m`` put the working directory first on ``sys.path``; started
+    from the checkout, a test's subprocess would import the checkout's ``npu_shim`` instead of
+    the installed one, and a packaging defect (a file the wheel leaves out) would go unseen.
+    An empty directory does this on every Python the lanes run (``-P`` needs 3.11+) and for
+    every subprocess, including those a test does not start itself. Tests that mean to run
+    the checkout say so with ``PYTHONPATH=<checkout>`` (its root sitecustomize.py)."""
+    neutral = str(tmp_path_factory.mktemp("cwd"))
+    before = os.getcwd()
+    os.chdir(neutral)
+    try:
+        yield neutral
+    finally:
+        os.chdir(before)
+
+
 def clean_env(**extra):
     """The current environment without PYTHONPATH or NPU_SHIM* switches."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("NPU_SHIM")}
@@ -173,7 +192,9 @@ def make_env():
 
 @pytest.fixture
 def run_python():
-    """Run ``python -c code`` in a fresh interpreter; returns CompletedProcess."""
+    """Run ``python -c code`` in a fresh interpreter; returns CompletedProcess. Unless ``cwd``
+    is given, the interpreter starts in the empty working directory (neutral_working_directory),
+    so it imports the installed ``npu_shim``."""
     import subprocess
     import sys
 

@@ -12,12 +12,14 @@ import pytest
 
 import npu_shim
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(npu_shim.__file__)))
+# The directory holding the npu_shim under test (in a lane: the venv's site-packages), put on the
+# children's PYTHONPATH so a child that changes sys.path still finds that copy, never the checkout.
+PACKAGE_PARENT = os.path.dirname(os.path.dirname(os.path.abspath(npu_shim.__file__)))
 
 
 def run_python(code, *, extra_path=(), env_updates=None):
     env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_SHIM")}
-    env["PYTHONPATH"] = os.pathsep.join([*extra_path, REPO])
+    env["PYTHONPATH"] = os.pathsep.join([*extra_path, PACKAGE_PARENT])
     env.update(env_updates or {})
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
                           capture_output=True, text=True, timeout=120)

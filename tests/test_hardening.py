@@ -9,6 +9,8 @@ import pytest
 
 from npu_shim._config import ConfigError, Settings
 
+# PYTHONPATH=REPO: the checkout install path (its root sitecustomize.py), used on purpose where a
+# test needs start-up to install the shim; the other subprocesses import the installed package.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 NPU_SHIM_CLI = os.path.join(BIN, "npu-shim")

@@ -1,4 +1,5 @@
 """Every way the shim gets into a process, each in real interpreters."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -7,7 +8,12 @@ import textwrap
 
 import pytest
 
+# PYTHONPATH=REPO is the checkout install path (README: the root sitecustomize.py): the tests
+# that set it run the checkout on purpose. Every other subprocess imports the installed package
+# (tests/conftest.py starts them outside the checkout), as does the bootstrap directory below.
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+INSTALLED_BOOTSTRAP = os.path.join(importlib.util.find_spec("npu_shim").submodule_search_locations[0],
+                                   "_bootstrap")
 BIN = os.path.dirname(sys.executable)
 HEAVY_TOP_LEVEL = ("wrapt", "packaging", "torch", "logging")  # and importlib.metadata
 
@@ -147,9 +153,14 @@ def test_chains_to_the_next_sitecustomize(tmp_path, make_env, first):
     user = tmp_path / "user"
     user.mkdir()
     (user / "sitecustomize.py").write_text("import os\nos.environ['USER_SITECUSTOMIZE'] = 'ran'\n")
-    ours = REPO if first == "checkout" else os.path.join(REPO, "npu_shim", "_bootstrap")
-    # Both of ours before the user's: the chain skips our second copy.
-    path = os.pathsep.join([ours, REPO, os.path.join(REPO, "npu_shim", "_bootstrap"), str(user)])
+    # Both sitecustomize files of one copy before the user's: the chain skips the second. The
+    # checkout's pair is the checkout install path; the installed bootstrap is what `npu-shim run`
+    # puts first (then a PYTHONPATH=<checkout> the user kept).
+    if first == "checkout":
+        path = [REPO, REPO, os.path.join(REPO, "npu_shim", "_bootstrap"), str(user)]
+    else:
+        path = [INSTALLED_BOOTSTRAP, REPO, INSTALLED_BOOTSTRAP, str(user)]
+    path = os.pathsep.join(path)
     code = PROBE + "print(json.dumps([probe()['installed'], os.environ.get('USER_SITECUSTOMIZE')]))"
     proc = run([sys.executable, "-c", code], make_env(PYTHONPATH=path))
     assert probe_json(proc) == [True, "ran"]
@@ -180,7 +191,7 @@ def test_start_up_hook_watches_the_packages_the_patch_index_names():
 
     from npu_shim.patches import WATCHED_PACKAGES
 
-    source = open(os.path.join(REPO, "npu_shim", "_bootstrap", "sitecustomize.py")).read()
+    source = open(os.path.join(INSTALLED_BOOTSTRAP, "sitecustomize.py")).read()
     (value,) = [node.value for node in ast.parse(source).body
                 if isinstance(node, ast.Assign) and node.targets[0].id == "WATCHED"]
     assert set(ast.literal_eval(value)) == set(WATCHED_PACKAGES)
@@ -192,7 +203,7 @@ def test_start_up_loads_only_the_hook(make_env, tmp_path):
     # and the chain helper when another sitecustomize follows on sys.path); never the API.
     code = "import sys; print(sorted(m for m in sys.modules if 'npu' in m))"
     hook = {"npu_shim", "npu_shim._bootstrap", "npu_shim._bootstrap.sitecustomize", "npu_shim._chain"}
-    for path in (os.path.join(REPO, "npu_shim", "_bootstrap"), REPO):
+    for path in (INSTALLED_BOOTSTRAP, REPO):
         proc = run([sys.executable, "-c", code], make_env(PYTHONPATH=path, PYTHONDONTWRITEBYTECODE="1"))
         assert proc.returncode == 0, proc.stderr
         assert set(eval(proc.stdout)) <= hook, (path, proc.stdout)

@@ -221,7 +221,7 @@ def broken_window_run(old_wheel):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH" and not k.startswith("NPU_SHIM")}
     env.update(NPU_SHIM_EMULATE="1", PYTHONPATH=PLACEHOLDERS)
     proc = subprocess.run([sys.executable, os.path.join(SUPPORT, "broken_window.py"), old_wheel],
-                          env=env, capture_output=True, text=True, timeout=400, cwd=REPO)
+                          env=env, capture_output=True, text=True, timeout=400)
     lines = [l for l in proc.stdout.splitlines() if l.startswith("BROKEN_WINDOW_RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
     return json.loads(lines[-1].split(" ", 1)[1])

@@ -53,7 +53,7 @@ def test_two_rank_processes_over_gloo_match_the_reference(old_wheel, make_env, t
     outputs = [tmp_path / ("rank%d.json" % rank) for rank in range(2)]
     procs = [
         subprocess.Popen([sys.executable, WORKER, str(rank), "2", str(port), old_wheel, SPEC_JSON,
-                          str(outputs[rank])], env=env, cwd=REPO,
+                          str(outputs[rank])], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for rank in range(2)
     ]

@@ -66,7 +66,7 @@ def ranks(tmp_path_factory):
     port = free_port()
     outputs = [where / ("rank%d.json" % rank) for rank in range(2)]
     procs = [subprocess.Popen([sys.executable, WORKER, str(rank), "2", str(port), cases, str(outputs[rank])],
-                              env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for rank in range(2)]
     logs = []
     try:
