@@ -35,6 +35,11 @@ VARIABLES = (
     ("NPU_SHIM_EXIT_SUMMARY", "boolean, default 0",
      "1: every process that applied a patch prints one line per applied patch at exit (pid, family, "
      "counters)", ""),
+    ("NPU_SHIM_FAMILY_BY_STRUCTURE", "boolean, default 1",
+     "where the installed version of a family's distribution is a development or local build "
+     "(PEP 440 .devN or +local), the family is chosen by the structure of the installed code alone: "
+     "exactly one family's check may accept it, else the patch is skipped with every family's reason; "
+     "0: the fences read that version as a release", ""),
     ("NPU_SHIM_MM_ENCODER_TND", "boolean, default 0",
      "family 0.13.0-0.17.0rc1: npu-shim's TND npu_fusion_attention (K/V not repeated) instead of "
      "upstream's _npu_flash_attention_unpad; off by default because upstream's call is the "
@@ -139,7 +144,7 @@ class Settings:
     """A snapshot of the ``NPU_SHIM*`` variables, validated."""
 
     __slots__ = ("enabled", "strict", "emulate", "enable", "disable", "log_level", "mm_encoder_tnd",
-                 "switched_off", "moonvit_attn", "exit_summary")
+                 "switched_off", "moonvit_attn", "exit_summary", "family_by_structure")
 
     def __init__(self, environ=None):
         environ = os.environ if environ is None else environ
@@ -156,6 +161,7 @@ class Settings:
             name for name, var in PATCH_SWITCHES.items() if not env_flag(var, True, environ))
         self.moonvit_attn = env_choice("NPU_SHIM_MOONVIT_ATTN", MOONVIT_ATTN_CHOICES, "auto", environ)
         self.exit_summary = env_flag("NPU_SHIM_EXIT_SUMMARY", False, environ)
+        self.family_by_structure = env_flag("NPU_SHIM_FAMILY_BY_STRUCTURE", True, environ)
         if self.emulate:
             check_emulation(environ)
 

@@ -94,21 +94,55 @@ def admitting_families(patch: Patch, versions: dict) -> list:
     return admitted
 
 
-def select_family(patch: Patch, module, versions: dict = None):
+def development_build(version) -> str:
+    """``"development"`` or ``"local"`` when ``version`` is a PEP 440 development release
+    (``.devN``) or carries a local label (``+g1a2b3c4``), else ``""``. Such a version says
+    little about the code: images built from upstream's main report a dev version of an
+    older release line (``0.19.1rc2.dev1265+g...`` over 0.25-era code)."""
+    try:
+        parsed = Version(version)
+    except (InvalidVersion, TypeError):
+        return ""
+    if parsed.is_devrelease:
+        return "development"
+    return "local" if parsed.local is not None else ""
+
+
+def structure_note(patch: Patch, family: Family, versions: dict, by_structure: bool = True) -> str:
+    """What status says when ``family`` was chosen by structure, else ``""``."""
+    if not by_structure or not family.fence:
+        return ""
+    dist = patch.family_dist(family)
+    version = versions.get(dist) or installed_version(dist)
+    kind = development_build(version)
+    return "family chosen by structure: %s %s is a %s build" % (dist, version, kind) if kind else ""
+
+
+def select_family(patch: Patch, module, versions: dict = None, by_structure: bool = True):
     """``(family, implementation, subject)`` for the installed code, or raise with every
     family's reason: :class:`NotNeeded` when every family in its fence says "fixed
     upstream", else :class:`TargetMismatch`.
 
     ``versions``: ``{dist: version}``; default: the installed distributions.
+    ``by_structure``: where the version a family's fence reads is a development or local
+    build (:func:`development_build`), that fence is not read: the family is tried on the
+    installed code, and exactly one family's check may accept it (none, or two: skipped
+    with every family's reason). Release versions take the fences as always.
     """
     versions = dict(versions or {})
+    for family in patch.families:
+        dist = patch.family_dist(family) if family.fence else None
+        if dist is not None and dist not in versions:
+            versions[dist] = installed_version(dist)
     subject = subject_of(patch, module)
+    unfenced = {patch.family_dist(f) for f in patch.families
+                if by_structure and f.fence and development_build(versions.get(patch.family_dist(f)))}
+    if unfenced:
+        return _select_by_structure(patch, subject, versions, unfenced)
     reasons, fixed = [], None
     for family in patch.families:
         dist = patch.family_dist(family) if family.fence else None
         if dist is not None:
-            if dist not in versions:
-                versions[dist] = installed_version(dist)
             version = versions[dist]
             if version is None:
                 reasons.append("%s: %s not installed" % (family.name, dist))
@@ -132,8 +166,44 @@ def select_family(patch: Patch, module, versions: dict = None):
         return family, implementation, subject
     if fixed and not reasons:
         raise NotNeeded(fixed)
-    what = getattr(subject, "__qualname__", None) or getattr(subject, "__name__", "the target")
-    raise TargetMismatch("no family accepts %s: %s" % (what, "; ".join(([fixed] if fixed else []) + reasons)))
+    raise TargetMismatch("no family accepts %s: %s" % (_what(subject), "; ".join(([fixed] if fixed else []) + reasons)))
+
+
+def _what(subject):
+    return getattr(subject, "__qualname__", None) or getattr(subject, "__name__", "the target")
+
+
+def _select_by_structure(patch: Patch, subject, versions: dict, unfenced: set):
+    """Every family's check on the installed code, fences on ``unfenced`` not read."""
+    accepted, reasons, fixed = [], [], []
+    for family in patch.families:
+        dist = patch.family_dist(family) if family.fence else None
+        if dist is not None and dist not in unfenced:
+            version = versions[dist]
+            if version is None or not within(family.fence, version):
+                reasons.append("%s: %s %s outside %s" % (family.name, dist, version, family.fence))
+                continue
+        implementation = family.load()
+        try:
+            implementation.check(subject)
+        except NotNeeded as exc:
+            fixed.append("%s: not needed: %s" % (family.name, exc))
+            continue
+        except TargetMismatch as exc:
+            reasons.append("%s: %s" % (family.name, exc))
+            continue
+        accepted.append((family, implementation))
+    builds = ", ".join("%s %s is a %s build" % (d, versions[d], development_build(versions[d]))
+                       for d in sorted(unfenced))
+    if len(accepted) == 1:
+        return accepted[0][0], accepted[0][1], subject
+    if accepted:
+        raise TargetMismatch("families %s all accept %s, so none is chosen by structure (%s)"
+                             % (", ".join(f.name for f, _ in accepted), _what(subject), builds))
+    if fixed and not reasons:
+        raise NotNeeded("; ".join(fixed) + " (%s)" % builds)
+    raise TargetMismatch("no family accepts %s by structure (%s): %s"
+                         % (_what(subject), builds, "; ".join(fixed + reasons)))
 
 
 def build_values(patch: Patch, family: Family, implementation, subject) -> dict:

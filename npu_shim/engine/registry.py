@@ -202,7 +202,7 @@ def _structural_check(patch: Patch, module):
         slot = Slot(module, path)   # raises TargetMismatch for a missing owner
         if not slot.is_item and not slot.exists():
             raise TargetMismatch("%s.%s not found" % (module.__name__, path))
-    return guards.select_family(patch, module)
+    return guards.select_family(patch, module, by_structure=_settings().family_by_structure)
 
 
 def on_target_imported(record: Record, module) -> None:
@@ -247,7 +247,10 @@ def _decide_and_apply(record: Record, module) -> None:
             _complain(settings, patch, record.reason, exc)
             return
         record.family = family
-        record.set(APPLIED, "; ".join("%s %s" % kv for kv in guards.versions_of(patch).items()) or "applied")
+        versions = guards.versions_of(patch)
+        reason = "; ".join("%s %s" % kv for kv in versions.items()) or "applied"
+        note = guards.structure_note(patch, family, versions, settings.family_by_structure)
+        record.set(APPLIED, reason + ("; " + note if note else ""))
         logger.info("applied %s to %s (%s%s)", patch.name, patch.target, record.reason,
                     ", family %s" % family.name if patch.named_families else "")
         if settings.exit_summary:
