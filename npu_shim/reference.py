@@ -235,6 +235,11 @@ def lane_pins(path):
     return pinned
 
 
+def lane_table(root):
+    """``{lane: {dist: version}}`` over every pin file under ``root/lanes`` (:func:`lane_pins`)."""
+    return {os.path.basename(path)[:-4]: lane_pins(path) for path in lane_files(root)}
+
+
 def claimed_lanes(root, declared=None):
     """``{patch name: [lanes]}``: the lanes whose pinned releases a family of the patch claims
     (its fence admits them, inside the patch's window; :func:`guards.admitting_families`). On
@@ -242,7 +247,7 @@ def claimed_lanes(root, declared=None):
     the tests of a patch select these lanes (``pytest.mark.claimed`` in tests/conftest.py)."""
     from npu_shim.engine import guards
 
-    lanes = {os.path.basename(path)[:-4]: lane_pins(path) for path in lane_files(root)}
+    lanes = lane_table(root)
     out = {}
     for patch, _ in declared or patches():
         dists = guards.dists_of(patch)

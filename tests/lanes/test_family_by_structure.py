@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from npu_shim.testing.lanes import lane_pins
+from npu_shim.reference import lane_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = pytest.mark.lanes(*sorted(lane for lane, pins in lane_pins(ROOT).items() if "vllm-ascend" in pins))
+pytestmark = pytest.mark.lanes(*sorted(lane for lane, pins in lane_table(ROOT).items() if "vllm-ascend" in pins))
 
 DEV_VERSION = "0.19.1rc2.dev1265+g1a2b3c4"      # what an image built from main reported (issue 25)
 NOTE = "family chosen by structure: vllm-ascend %s is a development build" % DEV_VERSION

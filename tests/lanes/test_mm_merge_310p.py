@@ -11,16 +11,13 @@ On this CPU-only machine the embeddings (and, for a device mask, the mask) stand
 device tensors (``count_host_syncs(..., follow_placement=True)``): the reads counted are
 those an NPU would make.
 """
-import os
 import sys
 
 import pytest
 
 from npu_shim.patches.vllm.mm_merge_310p import FUNCTION, NAME, PATCH, TARGET
-from npu_shim.testing.lanes import lanes_admitting
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-pytestmark = [pytest.mark.lanes(*lanes_admitting(PATCH, ROOT)), pytest.mark.patch(NAME)]
+pytestmark = [pytest.mark.claimed(NAME), pytest.mark.patch(NAME)]
 
 SOC_310P = "Ascend310P3"
 HIDDEN = 64

@@ -197,6 +197,7 @@ print(json.dumps([row["state"], row["reason"]]))
 """ % HOOK
 
 
+@pytest.mark.lanes(*APPLIES)
 @pytest.mark.parametrize("strict", ["0", "1"])
 def test_a_mismatch_inside_the_window_skips_or_raises_in_strict_mode(run_python, make_env, strict):
     env = make_env(NPU_SHIM_STRICT=strict, PYTHONPATH=os.path.join(REPO, "tests", "placeholders"))

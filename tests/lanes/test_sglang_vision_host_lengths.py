@@ -23,18 +23,21 @@ import os
 import pytest
 
 import npu_shim
+from npu_shim import reference
 from npu_shim.patches.sglang import vision_host_lengths as declaration
 
 from sglang_support import declared  # noqa: E402  (tests/lanes/conftest.py)
 
 NAME = declaration.NAME
 TARGET = declaration.TARGET
-CLAIMED = declared.claimed_lanes(declaration.PATCH)
-OUTSIDE = declared.unclaimed_lanes(declaration.PATCH)
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# every sglang lane: those a family claims (pytest.mark.claimed) and the others, outside
+OUTSIDE = sorted(set(lane for lane, pins in reference.lane_table(REPO).items() if "sglang" in pins)
+                 - set(reference.claimed_lanes(REPO, [(declaration.PATCH, None)])[NAME]))
 LAYERS = 6
 
-pytestmark = [pytest.mark.lanes(*CLAIMED, *OUTSIDE), pytest.mark.patch(NAME)]
-inside = pytest.mark.lanes(*CLAIMED)
+pytestmark = [pytest.mark.claimed(NAME), pytest.mark.lanes(*OUTSIDE), pytest.mark.patch(NAME)]
+inside = pytest.mark.claimed(NAME)
 outside = pytest.mark.lanes(*OUTSIDE)
 
 
@@ -180,10 +183,10 @@ def test_uninstall_restores_upstream_and_a_name_bound_before_forwards(vision):
 
 @inside
 def test_selftest_declares_and_makes_no_reads(vision):
-    from npu_shim.selftest import sglang_vision_host_lengths as selftest
+    from npu_shim.selftest import run_one
 
-    result = selftest.run("cpu")
-    assert result["max_abs_err"] <= result["tolerance"], result
+    result = run_one(NAME, "cpu")
+    assert result["ok"], result["verdict"]
     assert result["host_syncs"] == result["expected_host_syncs"] == 0, result
 
 

@@ -51,7 +51,7 @@ it is no longer that (after ``npu_shim.uninstall()``: upstream's).
 import inspect
 
 from npu_shim.engine import counters
-from npu_shim.patch import Family, Patch, TargetMismatch
+from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._structure import own_function, present_as
 from npu_shim.patches.sglang.cp_fia import names_in_code
 
@@ -309,5 +309,5 @@ PATCH = Patch(
     ),
     summary="vision attention metadata keeps the tower's host cu_seqlens; VisionAscendAttention takes them: "
             "0 reads per tower forward; 0.5.16 passes FIA cumulative lengths (two or more images work)",
-    selftest="npu_shim.selftest.sglang_vision_host_lengths",
+    selftest=Selftest("npu_shim.selftest.sglang_vision_host_lengths", host_syncs=0),
 )
