@@ -489,15 +489,31 @@ def probe(session):
 # should fire), so a lane failing for an unrelated reason does not pass for a catch.
 MUTANTS = (
     # (id, defect, file, old text ("" = append), new text, lane, expected text in the lane's output)
+    ("a", "a patch hands the op a device tensor where the op reads host data (the read moves into the op call)",
+     "npu_shim/patches/vllm_ascend/mm_encoder/v013.py",
+     "seq_len = torch.diff(C.host_values(layer, cu_seqlens, PATCH_NAME))", "seq_len = torch.diff(cu_seqlens)",
+     "vllm-0.13", "seq_len of _npu_flash_attention_unpad"),
     ("b", "every test of one lane skips",
      "tests/conftest.py", "", "\n\ndef pytest_runtest_setup(item):\n    pytest.skip('mutant (b): every test skips')\n",
      "base", "no test passed"),
     ("c", "a pin file installs a release other than the one its header stands for",
      "lanes/sglang-0.5.11.txt", "\nsglang==0.5.11\n", "\nsglang==0.5.12\n",
      "sglang-0.5.11", "stands for sglang 0.5.11, but sglang 0.5.12 is installed"),
-    ("g", "a family is declared for a release whose lane has no test for it",
-     "npu_shim/patches/vllm/glm4_1v_host_lengths/__init__.py", 'fence=">=0.24.0,<0.28.0"', 'fence=">=0.24.0,<0.29.0"',
-     "vllm-0.28", "vllm.glm4_1v_host_lengths: "),
+    ("d", "the emulation takes a dtype the real op rejects (float32 for the unpad op)",
+     "npu_shim/emulation/dtypes.py", '"_npu_flash_attention_unpad": {"A2": (F16, BF16), "310P": (F16,)}',
+     '"_npu_flash_attention_unpad": {"A2": (F16, BF16, F32), "310P": (F16,)}',
+     "base", "FAILED tests/test_emulation_dtypes.py"),
+    ("e", "npu-shim selftest says ok on its error alone, whatever it reads back",
+     "npu_shim/selftest/__init__.py", 'if expected is None or verdict["host_syncs"] != expected:',
+     "if expected is None:", "base", "FAILED tests/test_selftest_cli.py"),
+    ("f", "the attention is off by 3e-5 relative (every score scaled by 1 + 3e-5), inside the old atol 1e-4",
+     "npu_shim/emulation/_engine.py", "scores.mul_(scale)", "scores.mul_(scale * (1 + 3e-5))",
+     "base", "FAILED tests/test_emulation_"),
+    ("g", "a patch's tests leave out a lane whose release a family claims",
+     "tests/lanes/test_kimi_vl_host_grid.py", 'pytest.mark.claimed("vllm.kimi_vl_host_grid")',
+     'pytest.mark.lanes("vllm-0.18")', "vllm-0.19", "vllm.kimi_vl_host_grid: applied"),
+    ("h", "the built package leaves out a file (npu-shim run's bootstrap) that the checkout has",
+     "setup.cfg", "npu_shim = _bootstrap/*.py\n", "", "base", "FAILED tests/test_startup_paths.py"),
 )
 
 
@@ -530,13 +546,15 @@ def _evidence(output, expect):
 def mutants(session):
     """``nox -s mutants [-- ID ...]``: apply each mutant (MUTANTS) to a scratch copy, run the
     lane that must catch it there (fresh venv, warm caches), print mutant -> what failed; fails
-    if any mutant was not caught by the gate it names."""
+    if any mutant was not caught by the gate it names. Run whole, it writes the table to
+    benchmarks/results/mutants.txt."""
+    import platform
     import tempfile
 
     chosen = [m for m in MUTANTS if not session.posargs or m[0] in session.posargs]
     logs = os.path.join(HERE, ".nox", "mutants")
     os.makedirs(logs, exist_ok=True)
-    rows, missed = [], []
+    rows, missed, first = [], [], time.time()
     for ident, defect, path, old, new, lane_name, expect in chosen:
         with tempfile.TemporaryDirectory(prefix="npu-shim-mutant-%s-" % ident) as scratch:
             _scratch_copy(scratch)
@@ -557,6 +575,17 @@ def mutants(session):
     sys.path.insert(0, os.path.join(HERE, "lanes"))
     from report import format_table
 
-    print(format_table(("mutant", "defect", "ran", "verdict", "time", "what failed"), rows))
+    table = format_table(("mutant", "defect", "ran", "verdict", "time", "what failed"), rows)
+    print(table)
+    if not session.posargs:             # the whole table: recorded, with where and when it ran
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=HERE, capture_output=True,
+                                text=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                               capture_output=True, text=True).stdout.strip()
+        header = "ran %s-%s UTC on %s, %d cores: nox -s mutants at %s%s; written by noxfile.py mutants" % (
+            time.strftime("%Y-%m-%d %H:%M", time.gmtime(first)), time.strftime("%H:%M", time.gmtime()),
+            platform.machine(), os.cpu_count() or 0, commit, " + uncommitted changes" if dirty else "")
+        with open(os.path.join(HERE, "benchmarks", "results", "mutants.txt"), "w", encoding="utf-8") as handle:
+            handle.write(header + "\n\n" + table + "\n")
     if missed:
         session.error("mutants not caught: %s (logs: .nox/mutants/)" % ", ".join(missed))
