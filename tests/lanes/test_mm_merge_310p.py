@@ -164,15 +164,27 @@ def test_a2_keeps_upstreams_path(utils, soc):
     assert after["calls"] == before["calls"]
 
 
-def test_the_models_merge_with_the_patched_function(utils):
+HOLDERS_CODE = """
+import json, sys
+from npu_shim.testing import towers
+towers.setup()                  # as a worker starts: the shim, then vLLM's model modules
+utils = sys.modules[%r]
+patched = getattr(utils, %r)
+holders = {name: vars(module)[%r] is patched for name, module in list(sys.modules.items())
+           if name.startswith("vllm.model_executor.models.") and name != %r and %r in vars(module)}
+print(json.dumps(holders))
+""" % (TARGET, FUNCTION, FUNCTION, TARGET, FUNCTION)
+
+
+def test_the_models_merge_with_the_patched_function(run_python):
     """vLLM's model modules import the function by name at their top; imported after the
-    target, they hold the replacement (Qwen3-VL's deepstack merge among them where it has one)."""
-    patched = getattr(utils, FUNCTION)
-    holders = {name: module for name, module in list(sys.modules.items())
-               if name.startswith("vllm.model_executor.models.") and name != TARGET
-               and FUNCTION in vars(module)}
+    target, they hold the replacement (Qwen3-VL's deepstack merge among them where it has one).
+    In a fresh interpreter: in this one, earlier tests import the models before reinstalling."""
+    import json
+
+    holders = json.loads(run_python(HOLDERS_CODE, timeout=600).stdout.strip().splitlines()[-1])
     assert holders, "no vLLM model module imported the function"
-    assert all(vars(m)[FUNCTION] is patched for m in holders.values()), sorted(holders)
+    assert all(holders.values()), holders
 
 
 def test_the_check_says_not_needed_for_masked_scatter(utils):
