@@ -66,6 +66,13 @@ def test_every_check_accepts_only_its_own_releases_code(matrix):
             assert accepting(matrix[name]) == matrix[name]["admitted"], (name, matrix[name])
 
 
+# The shadow tests start interpreters that import every target (about 40 s a lane); the
+# choice they test is the engine's, the same on every release, so they run on two lanes
+# (0.26.0rc1 and the newest, 0.30.0rc2), and the matrix above on every lane.
+SHADOW_LANES = ("latest-vllm", "vllm-0.30")
+
+
+@pytest.mark.lanes(*SHADOW_LANES)
 def test_a_development_version_gets_the_releases_family(tmp_path):
     (tmp_path / "release").mkdir()
     (tmp_path / "dev").mkdir()
@@ -81,6 +88,7 @@ def test_a_development_version_gets_the_releases_family(tmp_path):
         assert "chosen by structure" not in released[name]["reason"], released[name]
 
 
+@pytest.mark.lanes(*SHADOW_LANES)
 def test_the_switch_reads_a_development_version_as_a_release(tmp_path):
     (tmp_path / "dev").mkdir()
     shadowed = fresh("status", tmp_path / "dev", shadow=("vllm-ascend", DEV_VERSION), NPU_SHIM_EMULATE="1",
