@@ -492,7 +492,7 @@ MUTANTS = (
     ("a", "a patch hands the op a device tensor where the op reads host data (the read moves into the op call)",
      "npu_shim/patches/vllm_ascend/mm_encoder/v013.py",
      "seq_len = torch.diff(C.host_values(layer, cu_seqlens, PATCH_NAME))", "seq_len = torch.diff(cu_seqlens)",
-     "vllm-0.13", "seq_len of _npu_flash_attention_unpad"),
+     "vllm-0.13", "host_arg x"),
     ("b", "every test of one lane skips",
      "tests/conftest.py", "", "\n\ndef pytest_runtest_setup(item):\n    pytest.skip('mutant (b): every test skips')\n",
      "base", "no test passed"),
