@@ -577,15 +577,17 @@ def mutants(session):
 
     table = format_table(("mutant", "defect", "ran", "verdict", "time", "what failed"), rows)
     print(table)
-    if not session.posargs:             # the whole table: recorded, with where and when it ran
-        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=HERE, capture_output=True,
-                                text=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
-                               capture_output=True, text=True).stdout.strip()
-        header = "ran %s-%s UTC on %s, %d cores: nox -s mutants at %s%s; written by noxfile.py mutants" % (
-            time.strftime("%Y-%m-%d %H:%M", time.gmtime(first)), time.strftime("%H:%M", time.gmtime()),
-            platform.machine(), os.cpu_count() or 0, commit, " + uncommitted changes" if dirty else "")
-        with open(os.path.join(HERE, "benchmarks", "results", "mutants.txt"), "w", encoding="utf-8") as handle:
-            handle.write(header + "\n\n" + table + "\n")
+    # recorded with where and when it ran: a whole run replaces the file, a re-run of some appends
+    commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=HERE, capture_output=True,
+                            text=True).stdout.strip()
+    dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
+                           capture_output=True, text=True).stdout.strip()
+    header = "ran %s-%s UTC on %s, %d cores: nox -s mutants%s at %s%s; written by noxfile.py mutants" % (
+        time.strftime("%Y-%m-%d %H:%M", time.gmtime(first)), time.strftime("%H:%M", time.gmtime()),
+        platform.machine(), os.cpu_count() or 0, " -- " + " ".join(session.posargs) if session.posargs else "",
+        commit, " + uncommitted changes" if dirty else "")
+    with open(os.path.join(HERE, "benchmarks", "results", "mutants.txt"), "a" if session.posargs else "w",
+              encoding="utf-8") as handle:
+        handle.write(("\n" if session.posargs else "") + header + "\n\n" + table + "\n")
     if missed:
         session.error("mutants not caught: %s (logs: .nox/mutants/)" % ", ".join(missed))
