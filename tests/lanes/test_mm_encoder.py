@@ -38,9 +38,10 @@ PATCH_NAME = "vllm.mm_encoder_attn"
 UPSTREAM_COPY = "npu_shim_tests_upstream_mm_encoder_attention"
 LAYERS = 27                      # Qwen2.5-VL / Qwen3-VL vision towers
 F32_TOL = dict(atol=2e-5, rtol=2e-5)
-# float32 layer vs float64: measured worst MEASURE
-TOL = Tolerance("layer 0.13 float32 vs float64", 2e-5)
-# the towers' dtypes vs float64 (absolute; |ref| <= ~3): measured worst MEASURE
+# float32 layer vs float64: measured worst 9.0e-7 (vllm-0.13)
+TOL = Tolerance("layer 0.13 float32 vs float64", 8e-6)
+# the towers' dtypes vs float64 (absolute; |ref| <= ~3): measured worst bfloat16 7.6e-3, float16 9.7e-4
+# (vllm-0.13)
 HW_TOL = {"bfloat16": Tolerance("layer 0.13 bfloat16 vs float64", 2e-2, "bfloat16"),
           "float16": Tolerance("layer 0.13 float16 vs float64", 3e-3, "float16")}
 

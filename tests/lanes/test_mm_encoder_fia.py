@@ -36,10 +36,10 @@ UPSTREAM_COPY = "npu_shim_tests_upstream_mm_encoder_attention_fia"
 LAYERS = 27                                   # MoonViT (Kimi-VL) / Qwen3-VL towers
 HEADS, HEAD_DIM = 16, 72                      # MoonViT: padded 72 -> 128 by upstream's rule
 IMAGES = (24, 40, 16)                         # three images packed into one sequence
-# float32 layer vs float64: measured worst MEASURE
-TOL = Tolerance("layer FIA float32 vs float64", 2e-5)
-# the A2 tower's dtype vs float64 (absolute; |ref| <= ~3): measured worst MEASURE
-HW_TOL = Tolerance("layer FIA bfloat16 vs float64", 1.0, "bfloat16")
+# float32 layer vs float64: measured worst 1.1e-6 (latest-vllm)
+TOL = Tolerance("layer FIA float32 vs float64", 8e-6)
+# the A2 tower's dtype vs float64 (absolute; |ref| <= ~3): measured worst 7.5e-3 (latest-vllm)
+HW_TOL = Tolerance("layer FIA bfloat16 vs float64", 2e-2, "bfloat16")
 
 
 def import_target_without_ops_init():

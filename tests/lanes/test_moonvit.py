@@ -37,7 +37,9 @@ PINS = {
 }
 KIMI_2_LAYERS = dict(mv.KIMI_VL, num_hidden_layers=2)
 GEOMETRIES = {"tiny": mv.TINY, "kimi-vl-heads": KIMI_2_LAYERS}
-# |output - float64 reference| <= TOL[dtype] * max |reference| (no floor); measured worst: MEASURE
+# |output - float64 reference| <= TOL[dtype] * max |reference| (no floor); measured worst (kimi-vl-2025,
+# vllm-0.13): one layer float32 1.5e-6, bfloat16 3.3e-3, float16 3.1e-4; whole tower float32 4.3e-6,
+# bfloat16 3.4e-2, float16 4.3e-3 (upstream's SDPA tower the same within 3%)
 ATTENTION_TOL = {"float32": 2e-6, "bfloat16": 8e-3, "float16": 1e-3}   # one layer, exact inputs
 TOWER_TOL = {"float32": 1e-5, "bfloat16": 4e-2, "float16": 6e-3}       # whole tower (all layers in dtype)
 TRANSFORMERS_REJECTS = 'Specified `attn_implementation="ascend_fa"` is not supported'
