@@ -5,7 +5,7 @@ mode; host lists and CPU tensors not marked as device cost nothing.
 
 Why: the emulation runs on CPU and cannot tell a stand-in from host data, and the
 counter keeps the op's body opaque, so without this a patch that moved its
-``.tolist()`` into the op call would count 0 reads (issue 22, item 1).
+``.tolist()`` into the op call would count 0 reads.
 """
 import pytest
 import torch
@@ -154,8 +154,8 @@ def test_device_scalars_in_a_list_are_one_read_each():
     assert syncs.kinds() == {"host_arg": 2}
 
 
-def test_the_issue_probe():
-    """Issue 22's probe: with cu a device tensor, each of these is one read, as cu.tolist() is."""
+def test_every_way_of_reading_a_device_tensor_counts_one_read():
+    """With cu a device tensor, each of these is one read, as cu.tolist() is."""
     cu = _cu()
     q = torch.randn(7, N, D)
     counts = []

@@ -5,9 +5,9 @@ Why: vLLM's MoonViT (Kimi-VL vision tower) dispatches attention by name through
   (CUDA flash-attn) and ``sdpa``. On Ascend it falls back to ``sdpa``, which
   packs every image of the batch into one sequence and builds a dense
   ``(1, S, S)`` boolean mask: 303,548 tokens at 100 concurrent images need
-  303,548² B = 85.8 GiB and OOM (seed 000). Filling that mask slices with the
+  303,548² B = 85.8 GiB and OOM (Kimi-VL on vllm 0.10.1.1). Filling that mask slices with the
   ``cu_seqlens`` tensor entries, four host syncs per image per layer
-  (10,800 per forward at 100 images). The seed's own fixes went through an
+  (10,800 per forward at 100 images). Earlier fixes tried went through an
   inverted-polarity mask (torch_npu masks True = *masked*: wrong answers), an
   all-False mask (images attend to each other) and a per-image loop (the same
   host syncs).
