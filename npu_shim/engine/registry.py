@@ -21,15 +21,11 @@ import time
 _IMPORT_STARTED = time.perf_counter()
 
 import importlib
-import importlib.metadata
-import importlib.util
 import logging
 import os
 import sys
 
 import wrapt
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
 
 from npu_shim import _config
 from npu_shim.engine import counters, guards
@@ -240,7 +236,7 @@ def _decide_and_apply(record: Record, module) -> None:
             _complain(settings, patch, record.reason, exc)
             return
         try:
-            values = guards.build_values(patch, family, implementation, subject)
+            values = guards.build_values(patch, implementation, subject)
             record.undo = apply_atomically(module, patch, values)
         except Exception as exc:
             record.set(FAILED, "%s: %s" % (type(exc).__name__, exc))
@@ -314,7 +310,6 @@ def status(import_targets: bool = False) -> list:
                 "replaces": list(patch.replaces),
                 "state": state,
                 "family": family,
-                "adapter": family,   # the name before families; kept for readers of 0.1 rows
                 "families": [f.name for f in patch.families] if patch.named_families else [],
                 "admitted": guards.admitting_families(patch, guards.versions_of(patch)),
                 "reason": reason,
@@ -346,8 +341,7 @@ def stats() -> dict:
     counted = counters.snapshot()
     out = {}
     for row in status():
-        entry = {"state": row["state"], "reason": row["reason"], "family": row["family"],
-                 "adapter": row["family"]}
+        entry = {"state": row["state"], "reason": row["reason"], "family": row["family"]}
         entry.update(counted.get(row["name"]) or counters.empty_row())
         out[row["name"]] = entry
     return out

@@ -1,4 +1,4 @@
-"""Adapter v013: vllm-ascend 0.13.0 .. 0.17.0rc1 (``_npu_flash_attention_unpad`` everywhere).
+"""Family v013: vllm-ascend 0.13.0 .. 0.17.0rc1 (``_npu_flash_attention_unpad`` everywhere).
 
 Upstream there: ``forward_oot`` copies ``torch.diff(cu_seqlens).to("cpu")`` in
 every layer (0.13.0/0.14.0rc1 build the uniform ``cu_seqlens`` on
