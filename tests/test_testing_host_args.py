@@ -5,7 +5,7 @@ mode; host lists and CPU tensors not marked as device cost nothing.
 
 Why: the emulation runs on CPU and cannot tell a stand-in from host data, and the
 counter keeps the op's body opaque, so without this a patch that moved its
-``.tolist()`` into the op call would count 0 reads.
+``.tolist()`` into the op call would count 0 reads (the gap this closes).
 """
 import pytest
 import torch
