@@ -222,7 +222,7 @@ def main():
     fit = scaled_grids(grids, args.fit_divisor)
     total, fit_total = tokens_of(grids), tokens_of(fit)
 
-    print("npu-shim MoonViT benchmark: seed 000 (Kimi-VL, 100 concurrent requests)")
+    print("npu-shim MoonViT benchmark: Kimi-VL, 100 concurrent requests")
     print('reproduce: nox -s "bench(moonvit)" -- ' + " ".join(sys.argv[1:]))
     print("stack: vllm %s (real MoonVitEncoderLayer), torch %s, emulated torch_npu; %s, %d torch threads, "
           "load average %.1f (shared cores)" % (vllm.__version__, torch.__version__, platform.machine(),

@@ -128,8 +128,9 @@ import json, sys, time
 t0 = time.perf_counter()
 import {module}
 total = time.perf_counter() - t0
-from npu_shim import _machinery as m
-rows = m.status()
+import npu_shim
+from npu_shim.engine import registry as m
+rows = npu_shim.status()
 print(json.dumps({{"total": total, "load": m.load_seconds,
                   "patches": sum(r["seconds"] for r in rows),
                   "states": {{r["name"]: r["state"] for r in rows}}}}))

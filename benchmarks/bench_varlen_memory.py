@@ -88,7 +88,7 @@ def main():
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     elem = torch.tensor([], dtype=dtype).element_size()
 
-    print("npu-shim varlen benchmark: seed 000, 100 concurrent requests (MoonViT, Kimi-VL)")
+    print("npu-shim varlen benchmark: 100 concurrent requests (MoonViT, Kimi-VL)")
     print("reproduce: nox -s \"bench(varlen_memory)\" -- " + " ".join(sys.argv[1:]))
     print("machine: %s, %d torch threads, torch %s, emulated torch_npu (SoC %s)"
           % (platform.machine(), torch.get_num_threads(), torch.__version__,

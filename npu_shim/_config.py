@@ -1,8 +1,10 @@
-"""Environment configuration.
+"""Environment configuration, and this process's settings.
 
 Read at interpreter start, so this module imports nothing beyond ``os``.
 Every malformed value raises :class:`ConfigError` naming the variable and the
 values it accepts; a misspelt switch must never silently mean "default".
+:func:`settings` is the one way the shim reads them: the engine, the patches
+and the start-up path all get the same validated snapshot.
 """
 import os
 
@@ -199,3 +201,46 @@ class Settings:
             return []
         return ["NPU_SHIM_ENABLE and NPU_SHIM_DISABLE both name %s; DISABLE wins, %s stays off"
                 % (", ".join(repr(n) for n in both), "it" if len(both) == 1 else "they")]
+
+
+class _Process:
+    """The settings of this process, shared by every reader."""
+    settings = None               # a Settings, made on first use or by read_settings()
+    booted_with_defaults = False  # the start-up hook saw no NPU_SHIM* variable
+
+
+def settings():
+    """The validated settings of this process: the one accessor.
+
+    Made on first use from the environment, or, where the start-up hook saw no
+    ``NPU_SHIM*`` variable, from none at all (the environment is then not read again,
+    as if validated at start-up); :func:`read_settings` (``npu_shim.install()``)
+    replaces them.
+    """
+    current = _Process.settings
+    if current is None:
+        current = _Process.settings = Settings({} if _Process.booted_with_defaults else None)
+    return current
+
+
+def read_settings(environ=None):
+    """Validate the environment now and make it this process's settings.
+
+    Raises :class:`ConfigError` and keeps the previous settings on a malformed value.
+    """
+    _Process.settings = Settings(environ)
+    return _Process.settings
+
+
+def use_settings(replacement):
+    """Make ``replacement`` (a :class:`Settings`) this process's settings; returns the
+    previous ones. For code that builds with another choice for a while, e.g. a
+    selftest comparing MoonViT's ``sdpa`` with ``ascend_fa`` in one process."""
+    previous = settings()
+    _Process.settings = replacement
+    return previous
+
+
+def started_with_defaults():
+    """The start-up hook installed the shim with no ``NPU_SHIM*`` variable set."""
+    _Process.booted_with_defaults = True

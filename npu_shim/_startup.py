@@ -5,7 +5,7 @@ a finder, the bootstrap directory exported for children, the next sitecustomize
 run) hands over to this module when a watched framework (``vllm``,
 ``transformers``, ...) starts importing, or at once when an ``NPU_SHIM*``
 variable asks for validation; ``import npu_shim`` and the API come here too.
-It owns the process state (lock, settings, generation) and loads the engine
+It owns the process state (lock, generation) and loads the engine
 (:mod:`npu_shim.engine`: wrapt post-import hooks, ``packaging``,
 ``importlib.metadata``, ``logging``) once, handing it that state. The public
 functions are :mod:`npu_shim.api`.
@@ -14,7 +14,7 @@ import os
 import sys
 import _thread
 
-from npu_shim import _config
+from npu_shim import _config, _fork
 from npu_shim.patches import WATCHED_PACKAGES
 
 BOOTSTRAP_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_bootstrap")
@@ -24,9 +24,7 @@ class _State:
     """The shim in this process."""
     lock = _thread.RLock()
     installed = False
-    defaults = False              # installed at start-up with no NPU_SHIM* variable
     generation = 0                # bumped by uninstall(); stale hooks compare against it
-    settings = None               # _config.Settings, made when first needed
     finder = None
     engine = None                 # npu_shim.engine.registry once loaded
     unavailable = None            # why the engine cannot load here (a missing dependency)
@@ -38,8 +36,7 @@ class _State:
 
 # A fork never splits an install or a patch application: the child gets the
 # lock free and sees every patch either applied or not (as logging does).
-os.register_at_fork(before=_State.lock.acquire, after_in_parent=_State.lock.release,
-                    after_in_child=_State.lock.release)
+_fork.hold_across_fork(_State.lock)
 
 
 class _WatchFinder:
@@ -70,17 +67,33 @@ def _activate():
         sys.meta_path.insert(0, _State.finder)
 
 
+def _start_finder():
+    """The start-up hook's finder, if it is still in sys.meta_path.
+
+    Found by identity: the hook's module keeps it as ``start_finder``. That module is
+    ``sitecustomize`` (PYTHONPATH=npu_shim/_bootstrap) or, under the checkout's root
+    sitecustomize.py, ``npu_shim._bootstrap.sitecustomize``.
+    """
+    for module_name in ("npu_shim._bootstrap.sitecustomize", "sitecustomize"):
+        finder = getattr(sys.modules.get(module_name), "start_finder", None)
+        if finder is not None and any(entry is finder for entry in sys.meta_path):
+            return finder
+    return None
+
+
 def _adopt_start_finder():
     """Take over from the start-up hook's finder (installed with default settings)."""
-    for i, finder in enumerate(sys.meta_path):
-        if type(finder).__name__ == "NpuShimStart" and hasattr(finder, "booted_by"):
-            with _State.lock:
-                _State.finder = _State.finder or _WatchFinder()
-                sys.meta_path[i] = _State.finder   # same place, same order of finders
-                _State.booted_by.append(finder.booted_by)
-                _State.exported_path = finder.exported
-                _State.installed = _State.defaults = True
-            return
+    start = _start_finder()
+    if start is None:
+        return
+    with _State.lock:
+        _State.finder = _State.finder or _WatchFinder()
+        index = next(i for i, entry in enumerate(sys.meta_path) if entry is start)
+        sys.meta_path[index] = _State.finder   # same place, same order of finders
+        _State.booted_by.append(start.booted_by)
+        _State.exported_path = start.exported
+        _State.installed = True
+        _config.started_with_defaults()
 
 
 def take_over(start_finder, fullname, path, target):
@@ -92,16 +105,6 @@ def take_over(start_finder, fullname, path, target):
 _adopt_start_finder()
 
 
-def settings():
-    """The validated settings of this process (made once, on first use)."""
-    with _State.lock:
-        if _State.settings is None:
-            # Booted without NPU_SHIM* variables: the defaults, whatever the
-            # environment says later (as if validated at start-up).
-            _State.settings = _config.Settings({} if _State.defaults else None)
-        return _State.settings
-
-
 def install():
     """Install the shim in this process (idempotent, thread-safe).
 
@@ -110,8 +113,7 @@ def install():
     with _State.lock:
         if _State.installed:
             return
-        current = _config.Settings()
-        _State.settings = current
+        current = _config.read_settings()
         for line in current.warnings():
             sys.stderr.write("npu-shim: %s\n" % line)
         if not current.enabled:
@@ -231,7 +233,7 @@ def _load_engine():
             _State.unavailable = "%s is not importable (%s)" % (missing, sys.executable)
             sys.stderr.write("npu-shim: %s; nothing is patched in this process\n" % _State.unavailable)
             return
-        settings()
+        _config.settings()   # made now: a malformed variable raises before the engine loads
         registry.load(_State)
         _State.engine = registry
         if _State.installed:

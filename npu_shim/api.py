@@ -28,8 +28,7 @@ def register(patch):
 
 def status():
     """One dict per patch: ``name``, ``target``, ``state``, ``family`` (the release family
-    that applied; ``adapter`` is the same value under its old name), ``families``,
-    ``reason``, ``requires``, ``versions``, ...
+    that applied), ``families``, ``reason``, ``requires``, ``versions``, ...
 
     Evaluates version guards for patches whose target is not imported yet (state
     ``pending``); a target package that is not installed reads ``skipped`` / ``not

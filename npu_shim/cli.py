@@ -3,7 +3,7 @@
     npu-shim status [--json] [--import]   what each patch does in this environment
     npu-shim run -- CMD [ARGS...]         run CMD with the shim installed at start-up
     npu-shim selftest [--json]            check every applicable patched path against float64
-    npu-shim reference [--check]          write (or check) docs/reference.md from the declarations
+    npu-shim reference [--check]          write (or check) docs/reference.md and docs/lanes.md
 """
 import argparse
 import contextlib
@@ -98,8 +98,9 @@ def build_parser():
     selftest = sub.add_parser("selftest", help="run every applicable patched path against a float64 reference")
     selftest.add_argument("--json", action="store_true", help="print the results as JSON")
     selftest.set_defaults(func=cmd_selftest)
-    reference = sub.add_parser("reference", help="write docs/reference.md from the declarations "
-                                                 "(--check: exit 1 with a diff when it differs)")
+    reference = sub.add_parser("reference", help="write docs/reference.md from the declarations and "
+                                                 "docs/lanes.md from the last recorded CI run "
+                                                 "(--check: exit 1 with a diff when one differs)")
     reference.add_argument("--check", action="store_true", help="compare instead of writing")
     reference.add_argument("--root", default=os.curdir, help="the checkout (default: the current directory)")
     reference.add_argument("--output", default=os.path.join("docs", "reference.md"),

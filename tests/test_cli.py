@@ -8,7 +8,7 @@ import pytest
 from npu_shim.patches import BUILTIN_PATCHES
 
 BIN = os.path.dirname(sys.executable)
-KEYS = {"name", "target", "state", "reason", "requires", "versions"}
+KEYS = {"name", "target", "state", "family", "families", "reason", "requires", "versions"}
 PATCHES = [name for name, _ in BUILTIN_PATCHES]
 
 
@@ -23,6 +23,7 @@ def test_status_json_lists_every_patch_with_the_contract_keys(make_env):
     assert [r["name"] for r in rows] == PATCHES
     for row in rows:
         assert KEYS <= set(row)
+        assert "adapter" not in row   # "family" is the one name
         assert row["state"] in {"pending", "applied", "skipped", "disabled", "failed"}
         assert set(row["versions"]) == set(row["requires"])
 

@@ -1,4 +1,4 @@
-"""Issue 12, items 7-9: the emulated ops refuse what the real ops cannot take, by name,
+"""The emulated ops refuse what the real ops cannot take, by name,
 and take the documented keywords at their neutral values."""
 import numpy as np
 import pytest

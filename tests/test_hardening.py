@@ -1,4 +1,4 @@
-"""Issue 12: bad environment values, faults, threads and fork, each in real interpreters."""
+"""Bad environment values, faults, threads and fork, each in real interpreters."""
 import json
 import os
 import subprocess

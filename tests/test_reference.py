@@ -75,14 +75,27 @@ def test_docstring_sections_reads_indented_paragraphs():
                                                  "Remove when": "later on."}
 
 
-def test_the_readme_lane_block_is_regenerated_between_its_markers():
-    stale = "intro\n%s\n| stale | table |\n%s\nafter\n" % (reference.README_BEGIN, reference.README_END)
-    fresh = reference.render_readme(REPO, stale)
-    assert fresh.startswith("intro\n" + reference.README_BEGIN) and fresh.endswith(reference.README_END + "\nafter\n")
-    assert "| stale | table |" not in fresh
+def test_the_lanes_run_figures_are_a_report_of_their_own_the_readme_links(tmp_path):
+    """A CI run rewrites benchmarks/results/ci-lanes.txt; of the generated files only
+    docs/lanes.md follows it. The README holds no generated block and no run figure."""
+    import shutil
+
+    readme = open(os.path.join(REPO, "README.md")).read()
+    assert "](docs/lanes.md)" in readme
+    assert "install s" not in readme and "<!-- lanes:" not in readme
+    report = reference.render_lanes_report(REPO)
     for path in reference.lane_files(REPO):
-        assert "`%s`" % os.path.basename(path)[:-4] in fresh
-    assert reference.render_readme(REPO, "no markers here\n") == "no markers here\n"
+        assert "`%s`" % os.path.basename(path)[:-4] in report
+    # Another recorded run: the lanes report changes, the reference does not.
+    shutil.copytree(os.path.join(REPO, "lanes"), str(tmp_path / "lanes"))
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    recorded = open(os.path.join(REPO, reference.CI_LANES)).read()
+    rerun = re.sub(r"^(base +\S+ +)\d+( +)\d+", r"\g<1>7\g<2>99", recorded, count=1, flags=re.M)
+    assert rerun != recorded
+    (tmp_path / reference.CI_LANES).write_text(rerun)
+    assert "| `base` | torch" in reference.render_lanes_report(str(tmp_path))
+    assert "| 7 | 99 |" in reference.render_lanes_report(str(tmp_path))
+    assert "| 7 | 99 |" not in reference.render(str(tmp_path))
 
 
 def test_the_release_table_says_tested_only_where_a_lane_stands_for_the_release(tmp_path):

@@ -2,7 +2,7 @@
 on synthetic code (lane base: no sglang).
 
 The real releases are covered by the sglang lanes (test_sglang_small_page_fia.py,
-test_sglang_cp_fia_host_lengths.py). Here: which adapter a ``forward_extend`` of
+test_sglang_cp_fia_host_lengths.py). Here: which family a ``forward_extend`` of
 each gate set gets (the gates are written after the upstream ones, bodies
 reduced), that a missing gate or a changed signature is a mismatch, and how the
 0.5.23 closure maps the strategy's tensors to the metadata's host lists.
@@ -67,8 +67,12 @@ def target_with(forward_extend):
 def test_a_release_with_0_5_13s_gates_gets_its_family():
     from npu_shim.engine import guards
 
-    assert small_page.select_adapter(target_with(release_0_5_13)).name == "0.5.13"
-    family, _, _ = guards.select_family(small_page.PATCH, target_with(release_0_5_13), {"sglang": "0.5.13"})
+    family, implementation, _ = guards.select_family(small_page.PATCH, target_with(release_0_5_13),
+                                                     {"sglang": "0.5.13"})
+    assert family.name == "0.5.13" and implementation is small_page.HYBRID_SWA
+    # Chosen by structure alone (a development build): the gates pick the same family.
+    family, _, _ = guards.select_family(small_page.PATCH, target_with(release_0_5_13),
+                                        {"sglang": "0.5.14.dev3"})
     assert family.name == "0.5.13"
 
 
@@ -81,20 +85,23 @@ def test_a_family_whose_fence_holds_but_gates_differ_is_refused_with_every_reaso
 
 
 @pytest.mark.patch("sglang.small_page_fia")
+@pytest.mark.parametrize("release", [f.releases[0] for f in small_page.PATCH.families])
 @pytest.mark.parametrize("method, message", [
-    (without_alibi_gate, "no adapter knows"),
+    (without_alibi_gate, "not those of the .* family"),
     (renamed_parameters, "takes self, query"),
 ])
-def test_unknown_shapes_are_mismatches(method, message):
+def test_unknown_shapes_are_mismatches(method, message, release):
+    from npu_shim.engine import guards
+
     with pytest.raises(TargetMismatch, match=message):
-        small_page.select_adapter(target_with(method))
+        guards.select_family(small_page.PATCH, target_with(method), {"sglang": release})
 
 
 @pytest.mark.patch("sglang.small_page_fia")
-def test_adapters_are_exclusive_on_every_known_gate_set():
-    gate_sets = [adapter.gates for adapter in small_page.ADAPTERS]
+def test_families_are_exclusive_on_every_known_gate_set():
+    gate_sets = [family.gates for family in small_page.FAMILIES]
     for gates in gate_sets:
-        assert sum(adapter.matches(gates) for adapter in small_page.ADAPTERS) == 1
+        assert sum(family.matches(gates) for family in small_page.FAMILIES) == 1
 
 
 @pytest.mark.patch("sglang.cp_fia_host_lengths")

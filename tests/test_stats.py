@@ -34,7 +34,7 @@ def toy(tmp_path):
     return tmp_path
 
 
-def test_stats_reports_state_reason_adapter_and_counters(toy, run_python):
+def test_stats_reports_state_reason_family_and_counters(toy, run_python):
     out = run_python(TOY_PATCH.format(toy=str(toy)) + textwrap.dedent('''
         import toy_counted
         for _ in range(3):
@@ -43,7 +43,6 @@ def test_stats_reports_state_reason_adapter_and_counters(toy, run_python):
     '''))
     rows = __import__("json").loads(out.stdout)
     assert rows["toy.counted"] == {"state": "applied", "reason": "applied", "family": "1.0-1.9",
-                                   "adapter": "1.0-1.9",
                                    "calls": 3, "upstream_calls": 3, "host_copies": 0,
                                    "upstream_host_copies": 0}
     assert set(rows) >= {"transformers.attn_check", "vllm.moonvit_attn", "sglang.cp_fia"}

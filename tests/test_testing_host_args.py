@@ -155,8 +155,8 @@ def test_device_scalars_in_a_list_are_one_read_each():
     assert syncs.kinds() == {"host_arg": 2}
 
 
-def test_the_issue_probe():
-    """Issue 22's probe: with cu a device tensor, each of these is one read, as cu.tolist() is."""
+def test_every_way_of_reading_a_device_tensor_counts_one_read():
+    """With cu a device tensor, each of these is one read, as cu.tolist() is."""
     cu = _cu()
     q = torch.randn(7, N, D, dtype=DTYPE)
     counts = []

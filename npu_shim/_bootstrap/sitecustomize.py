@@ -16,6 +16,7 @@ WATCHED = ("transformers", "vllm", "vllm_ascend", "sglang")  # = npu_shim.patche
 _dir = os.path.dirname(os.path.abspath(__file__))
 # The file on sys.path that started us: this one, or the checkout's root sitecustomize.py.
 _booted_by = os.path.abspath(getattr(sys.modules.get("sitecustomize"), "__file__", None) or __file__)
+start_finder = None  # the NpuShimStart in sys.meta_path: npu_shim._startup adopts it by identity
 _parent = os.path.dirname(os.path.dirname(_dir))
 if _parent not in sys.path:
     sys.path.append(_parent)   # a checkout that is not installed: let `npu_shim` resolve
@@ -32,6 +33,7 @@ class NpuShimStart:
 
 
 def _start():
+    global start_finder
     if any(name.startswith("NPU_SHIM") for name in os.environ):
         from npu_shim import _startup
 
@@ -43,6 +45,7 @@ def _start():
         os.environ["PYTHONPATH"] = os.pathsep.join([_dir] + entries)
         start.exported = _dir
     sys.meta_path.insert(0, start)
+    start_finder = start
 
 
 try:

@@ -1,6 +1,6 @@
 """Emulation of ``torch_npu._npu_reshape_and_cache`` (ATB ReshapeAndCache).
 
-Documented behaviour implemented (vllm-ascend's call sites; seed 003's backend):
+Documented behaviour implemented (vllm-ascend's call sites):
 ``_npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices)``
 writes token t of ``key`` (T, Nkv, D) and ``value`` (T, Nkv, Dv) into the caches
 (num_blocks, block_size, Nkv, D|Dv) at slot ``slot_indices[t]`` =

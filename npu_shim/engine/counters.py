@@ -23,6 +23,8 @@ import _thread
 import os
 from collections import Counter, defaultdict
 
+from npu_shim import _fork
+
 __all__ = ["count", "snapshot", "reset"]
 
 EVENTS = ("calls", "upstream_calls", "host_copies", "upstream_host_copies")
@@ -60,7 +62,7 @@ def _after_fork_in_child():
     _counts.clear()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork.reset_in_child(_after_fork_in_child)
 
 
 def summary_lines(rows):

@@ -206,7 +206,7 @@ def _select_by_structure(patch: Patch, subject, versions: dict, unfenced: set):
                          % (_what(subject), builds, "; ".join(fixed + reasons)))
 
 
-def build_values(patch: Patch, family: Family, implementation, subject) -> dict:
+def build_values(patch: Patch, implementation, subject) -> dict:
     """What the family's build returns, keyed by paths relative to the target module."""
     values = implementation.build(subject)
     return {patch.relative_path(path): value for path, value in values.items()}

@@ -21,17 +21,13 @@ import time
 _IMPORT_STARTED = time.perf_counter()
 
 import importlib
-import importlib.metadata
-import importlib.util
 import logging
 import os
 import sys
 
 import wrapt
-from packaging.specifiers import InvalidSpecifier, SpecifierSet
-from packaging.version import InvalidVersion, Version
 
-from npu_shim import _config
+from npu_shim import _config, _fork
 from npu_shim.engine import counters, guards
 from npu_shim.engine.slots import Slot, apply_atomically, revert
 from npu_shim.patch import NotNeeded, Patch, PatchError, TargetMismatch
@@ -67,12 +63,12 @@ load_seconds = 0.0  # importing the machinery and the patch declarations
 
 def load(startup_state) -> None:
     """Called once by ``npu_shim._startup`` when the engine is first needed, with the
-    process state it owns (lock, generation, installed flag, settings, patches
-    registered before the engine loaded)."""
+    process state it owns (lock, generation, installed flag, patches registered
+    before the engine loaded)."""
     global _startup_state, load_seconds
     started = time.perf_counter()
     _startup_state = startup_state
-    _configure_logging(_settings())
+    _configure_logging(_config.settings())
     for name, module_name in BUILTIN_PATCHES:
         patch = importlib.import_module(module_name).PATCH
         if patch.name != name:
@@ -81,34 +77,20 @@ def load(startup_state) -> None:
     for patch in startup_state.extra_patches:
         _add(patch)
     startup_state.extra_patches.clear()
-    _hold_locks_across_fork(startup_state.lock)
+    _hold_import_hooks_lock_across_fork()
     load_seconds = time.perf_counter() - started + _IMPORT_SECONDS
 
 
-def _hold_locks_across_fork(shim_lock) -> None:
-    """wrapt's import-hook lock, like the shim's own (npu_shim._startup), must not be
-    inherited held by a thread the child does not have. Taken in the order the
-    shim takes them (shim lock, then wrapt's while arming)."""
+def _hold_import_hooks_lock_across_fork() -> None:
+    """wrapt's import-hook lock, like the shim's own (held by npu_shim._startup), must
+    not be inherited held by a thread the child does not have. Added after the shim's
+    lock: the order the shim takes them (shim lock, then wrapt's while arming). The
+    hooks are registered again now that logging is loaded, so that they take the
+    shim's locks before logging takes its own (the shim logs under its lock)."""
     hooks_lock = getattr(getattr(wrapt, "importer", None), "_post_import_hooks_lock", None)
-    if hooks_lock is None:
-        return
-
-    def before():
-        shim_lock.acquire()
-        hooks_lock.acquire()
-
-    def after():
-        hooks_lock.release()
-        shim_lock.release()
-
-    os.register_at_fork(before=before, after_in_parent=after, after_in_child=after)
-
-
-def _settings():
-    state = _startup_state
-    if state is not None and state.settings is not None:
-        return state.settings
-    return _config.Settings()
+    if hooks_lock is not None:
+        _fork.hold_across_fork(hooks_lock)
+    _fork.register_with_interpreter()
 
 
 def _configure_logging(settings) -> None:
@@ -135,12 +117,12 @@ def patch_named(name: str) -> Patch:
 def register(patch: Patch) -> None:
     record = _add(patch)
     if _startup_state.installed:
-        _arm_one(record, _settings())
+        _arm_one(record, _config.settings())
 
 
 def arm() -> None:
     """Register a post-import hook for every patch the environment allows."""
-    settings = _settings()
+    settings = _config.settings()
     unknown = settings.unknown_names(_records)
     if unknown:
         message = "; ".join("%s names unknown patch %r" % pair for pair in unknown)
@@ -202,7 +184,7 @@ def _structural_check(patch: Patch, module):
         slot = Slot(module, path)   # raises TargetMismatch for a missing owner
         if not slot.is_item and not slot.exists():
             raise TargetMismatch("%s.%s not found" % (module.__name__, path))
-    return guards.select_family(patch, module, by_structure=_settings().family_by_structure)
+    return guards.select_family(patch, module, by_structure=_config.settings().family_by_structure)
 
 
 def on_target_imported(record: Record, module) -> None:
@@ -215,7 +197,7 @@ def on_target_imported(record: Record, module) -> None:
 
 
 def _decide_and_apply(record: Record, module) -> None:
-    settings = _settings()
+    settings = _config.settings()
     patch = record.patch
     with _startup_state.lock:
         if record.undo is not None:
@@ -240,7 +222,7 @@ def _decide_and_apply(record: Record, module) -> None:
             _complain(settings, patch, record.reason, exc)
             return
         try:
-            values = guards.build_values(patch, family, implementation, subject)
+            values = guards.build_values(patch, implementation, subject)
             record.undo = apply_atomically(module, patch, values)
         except Exception as exc:
             record.set(FAILED, "%s: %s" % (type(exc).__name__, exc))
@@ -293,7 +275,7 @@ def _complain(settings, patch: Patch, message: str, cause: BaseException = None)
 
 def status(import_targets: bool = False) -> list:
     """Evaluate every patch for this process; optionally import the targets first."""
-    settings = _settings()
+    settings = _config.settings()
     if import_targets:
         _import_targets(settings)
     rows = []
@@ -314,7 +296,6 @@ def status(import_targets: bool = False) -> list:
                 "replaces": list(patch.replaces),
                 "state": state,
                 "family": family,
-                "adapter": family,   # the name before families; kept for readers of 0.1 rows
                 "families": [f.name for f in patch.families] if patch.named_families else [],
                 "admitted": guards.admitting_families(patch, guards.versions_of(patch)),
                 "reason": reason,
@@ -346,8 +327,7 @@ def stats() -> dict:
     counted = counters.snapshot()
     out = {}
     for row in status():
-        entry = {"state": row["state"], "reason": row["reason"], "family": row["family"],
-                 "adapter": row["family"]}
+        entry = {"state": row["state"], "reason": row["reason"], "family": row["family"]}
         entry.update(counted.get(row["name"]) or counters.empty_row())
         out[row["name"]] = entry
     return out

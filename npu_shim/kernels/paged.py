@@ -1,6 +1,6 @@
 """Paged causal prefill attention, the call sglang's context-parallel path makes.
 
-sglang PR 26705 (seed 002) fixed ``do_cp_attn_fia`` for batch > 1: query
+sglang PR 26705 fixed ``do_cp_attn_fia`` for batch > 1: query
 tokens packed TND, K/V in the paged cache viewed as
 ``(num_blocks, block_size, Nkv * D)``, and ``torch.ops.npu.npu_fused_infer_attention_score``
 with ``sparse_mode=3`` (causal, query rows aligned to the *end* of each

@@ -69,15 +69,28 @@ def applied_module():
 
 @contextlib.contextmanager
 def env_choice(value):
-    """Build models with ``NPU_SHIM_MOONVIT_ATTN=value`` (None: unset), then restore."""
+    """Build models with ``NPU_SHIM_MOONVIT_ATTN=value`` (None: unset), then restore.
+
+    The patch reads the choice from this process's validated settings, so those
+    are swapped for ones with this choice (a malformed value raises ConfigError
+    here, naming the variable); the variable is set too, for child interpreters.
+    """
+    import copy
+
+    from npu_shim import _config
+
+    chosen = copy.copy(_config.settings())
+    chosen.moonvit_attn = _config.Settings({} if value is None else {ENV_VAR: value}).moonvit_attn
     old = os.environ.get(ENV_VAR)
     if value is None:
         os.environ.pop(ENV_VAR, None)
     else:
         os.environ[ENV_VAR] = value
+    previous = _config.use_settings(chosen)
     try:
         yield
     finally:
+        _config.use_settings(previous)
         if old is None:
             os.environ.pop(ENV_VAR, None)
         else:

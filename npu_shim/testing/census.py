@@ -1,4 +1,4 @@
-"""More of vLLM's vision towers on CPU, for the census of issue 18: which towers beyond
+"""More of vLLM's vision towers on CPU, for a census: which towers beyond
 Qwen2.5-VL, Qwen3-VL, Kimi-VL and GLM-4.1V make no device->host read per forward once
 ``vllm.mm_encoder_host_lengths`` and ``vllm.mm_encoder_attn`` apply.
 

@@ -20,9 +20,9 @@ from npu_shim.reference import lane_table
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.lanes(*sorted(lane for lane, pins in lane_table(ROOT).items() if "vllm-ascend" in pins))
 
-DEV_VERSION = "0.19.1rc2.dev1265+g1a2b3c4"      # what an image built from main reported (issue 25)
+DEV_VERSION = "0.19.1rc2.dev1265+g1a2b3c4"      # what an image built from main reported
 NOTE = "family chosen by structure: vllm-ascend %s is a development build" % DEV_VERSION
-# The patches whose families the matrix must tell apart in every lane (issue 25); every
+# The patches whose families the matrix must tell apart in every lane; every
 # other patch may not have two families accepting one release's code either.
 ENCODER = ("vllm.mm_encoder_attn", "vllm.mm_encoder_attn_310p")
 

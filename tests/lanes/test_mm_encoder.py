@@ -507,7 +507,7 @@ def test_status_and_replaced_methods(stack):
     from npu_shim.patches.vllm_ascend.mm_encoder_attn import PATCH
 
     assert stack.status["reason"] == "vllm-ascend %s" % stack.vllm_ascend_version
-    assert stack.status["adapter"] == "0.13.0-0.17.0rc1"
+    assert stack.status["family"] == "0.13.0-0.17.0rc1"
     for path in PATCH.replaces:
         name = path.split(".")[1]
         ours = vars(stack.patched)[name]
@@ -565,7 +565,7 @@ err = lambda scale: max((o.double() - attention_f64(flat(q), flat(k), flat(v), c
 torch.save(outs[0], OUT)
 forward_file = cls.forward_oot.__code__.co_filename
 npu_shim.uninstall()
-print(json.dumps({"state": row["state"], "reason": row["reason"], "adapter": row["adapter"],
+print(json.dumps({"state": row["state"], "reason": row["reason"], "family": row["family"],
                   "syncs": syncs.count, "ops": sorted({c.name for c in calls}),
                   "init_file": cls.__init__.__code__.co_filename,
                   "forward_file": forward_file,
@@ -611,7 +611,7 @@ def test_disabled_is_exactly_upstream(stack, run_python, make_env, tmp_path):
 
 def test_enabled_in_a_fresh_interpreter_and_uninstall_restores(stack, run_python, make_env, tmp_path):
     result, _ = _run_in_fresh_interpreter(run_python, make_env, tmp_path)
-    assert result["state"] == "applied" and result["adapter"] == "0.13.0-0.17.0rc1", result
+    assert result["state"] == "applied" and result["family"] == "0.13.0-0.17.0rc1", result
     assert result["forward_file"] != result["module_file"]
     assert result["forward_file_after_uninstall"] == result["module_file"]
     assert result["syncs"] == 1
@@ -635,7 +635,7 @@ def test_strict_mode_raises_on_a_mismatch_inside_the_window(stack, run_python, m
     assert "0.13.0-0.17.0rc1" in result["message"] and "maybe_compute_seq_lens" in result["message"]
 
 
-# -------------------------------------------------- defects 2 and 3 (issue 10)
+# -------------------------------------------------- layers built outside the patched __init__, buffers rewritten in place
 
 
 def test_layer_made_with_new_works(stack):

@@ -1,4 +1,4 @@
-"""``vllm.mm_encoder_attn`` on vllm-ascend 0.18.0 (adapter v018) and 0.21.0rc1 (adapter v019).
+"""``vllm.mm_encoder_attn`` on vllm-ascend 0.18.0 (family v018) and 0.21.0rc1 (family v019).
 
 Real upstream code at the pinned versions: vLLM's ``MMEncoderAttention`` and
 vllm-ascend's ``AscendMMEncoderAttention``; the only stand-in is torch_npu
@@ -158,7 +158,7 @@ def max_err(outs, ref):
 def test_applied_with_the_adapter_of_this_release(stack):
     from npu_shim.engine import counters
 
-    assert stack.status["adapter"] == expected_adapter(stack.version)
+    assert stack.status["family"] == expected_adapter(stack.version)
     assert stack.status["reason"] == "vllm-ascend %s" % stack.version
     assert npu_shim.stats()[PATCH_NAME]["family"] == stack.status["family"]
     # Only forward_oot is replaced; __init__ is upstream's (it parses nothing here).
@@ -447,7 +447,7 @@ cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
 with count_host_syncs(device_tensors=[cu]) as syncs:
     outs = [layer.forward_oot(q, k, v, cu_seqlens=cu) for layer in layers]
 torch.save(outs[0], os.environ["TEST_OUT"])
-print(json.dumps({"state": applied["state"], "adapter": applied["adapter"], "after": row()["state"],
+print(json.dumps({"state": applied["state"], "family": applied["family"], "after": row()["state"],
                   "syncs": syncs.count, "module_file": module.__file__,
                   "forward_file": vars(cls)["forward_oot"].__code__.co_filename,
                   "patched_before": forward_before.__code__.co_filename != module.__file__}))
@@ -476,7 +476,7 @@ def test_disabled_is_exactly_upstream(stack, run_python, make_env, tmp_path):
     import torch
 
     result, out = run_mode(run_python, make_env, tmp_path, "plain", NPU_SHIM_DISABLE=PATCH_NAME)
-    assert result["state"] == "disabled" and result["adapter"] is None, result
+    assert result["state"] == "disabled" and result["family"] is None, result
     assert result["forward_file"] == result["module_file"]
     assert result["syncs"] == 3
     assert torch.equal(torch.load(out), upstream_output(stack))
@@ -487,7 +487,7 @@ def test_applied_in_a_fresh_interpreter_and_uninstall_restores_upstream(stack, r
 
     result, out = run_mode(run_python, make_env, tmp_path, "uninstall")
     assert result["state"] == "applied" and result["patched_before"], result
-    assert result["adapter"] == expected_adapter(stack.version)
+    assert result["family"] == expected_adapter(stack.version)
     assert result["after"] == "disabled"
     assert result["forward_file"] == result["module_file"]
     assert result["syncs"] == 3

@@ -179,7 +179,7 @@ def head_dims(stack):
 
 
 def test_status_names_the_adapter(stack):
-    assert stack.status["adapter"] == expected_adapter(stack.version)
+    assert stack.status["family"] == expected_adapter(stack.version)
     assert stack.status["reason"] == "vllm-ascend %s" % stack.version
     ours, original = vars(stack.patched)["forward_oot"], vars(stack.upstream)["forward_oot"]
     assert os.path.join("npu_shim", "patches", "vllm_ascend", "mm_encoder", "v0") in ours.__code__.co_filename
@@ -501,7 +501,7 @@ def test_0_23_op_choice_follows_upstreams(stack):
     import torch
     import torch_npu
 
-    assert stack.status["adapter"] == "0.23.0rc1+"
+    assert stack.status["family"] == "0.23.0rc1+"
     assert not hasattr(torch_npu, "_npu_flash_attention_unpad_v2")
     q, k, v = qkv("4d", 1, 6, 4, 4, 80, seed=17)
     cu = packed([6])
@@ -535,7 +535,7 @@ def test_selftest_module(stack):
     result = run_one(PATCH_NAME, device="cpu")
     assert result["ok"], result["verdict"]
     assert (result["host_syncs"], result["expected_host_syncs"]) == (1, 1)
-    assert stack.status["adapter"] in result["detail"]
+    assert stack.status["family"] in result["detail"]
 
 
 def test_uninstall_restores_upstream_and_install_applies_again(stack):
@@ -547,11 +547,11 @@ def test_uninstall_restores_upstream_and_install_applies_again(stack):
         assert vars(stack.patched)["forward_oot"] is ours.__wrapped_upstream__
         assert vars(stack.patched)["forward_oot"].__code__.co_filename == stack.module.__file__
         row = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
-        assert row["state"] == "disabled" and row["adapter"] is None
+        assert row["state"] == "disabled" and row["family"] is None
     finally:
         npu_shim.install()       # the target is imported: the hook applies the patch again
     row = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
-    assert row["state"] == "applied" and row["adapter"] == stack.status["adapter"]
+    assert row["state"] == "applied" and row["family"] == stack.status["family"]
     assert vars(stack.patched)["forward_oot"].__wrapped_upstream__ is ours.__wrapped_upstream__
 
 
@@ -610,7 +610,7 @@ cu = torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32)
 with count_host_syncs(device_tensors=[cu]) as syncs:
     outs = [layer.forward_oot(q, k, v, cu) for layer in layers]
 torch.save(outs[0], OUT)
-print(json.dumps({"state": row["state"], "adapter": row["adapter"], "syncs": syncs.count,
+print(json.dumps({"state": row["state"], "family": row["family"], "syncs": syncs.count,
                   "forward_file": cls.__dict__["forward_oot"].__code__.co_filename,
                   "module_file": module.__file__}))
 '''
@@ -629,7 +629,7 @@ def test_disabled_is_exactly_upstream(stack, run_python, make_env, tmp_path):
     import torch
 
     result, out = run_fresh(run_python, make_env, tmp_path, NPU_SHIM_DISABLE=PATCH_NAME)
-    assert result["state"] == "disabled" and result["adapter"] is None, result
+    assert result["state"] == "disabled" and result["family"] is None, result
     assert result["forward_file"] == result["module_file"]
     assert result["syncs"] == 3                      # upstream's copy per layer
     gen = torch.Generator().manual_seed(0)

@@ -1,6 +1,6 @@
 """Patch ``vllm.mm_encoder_attn``, fused-infer families (lanes vllm-0.22, latest-vllm).
 
-vllm-ascend 0.22.1rc1 (adapter v022) and 0.26.0rc1 (adapter v023, which serves
+vllm-ascend 0.22.1rc1 (family v022) and 0.26.0rc1 (family v023, which serves
 0.23.0rc1 and later) on the real wheels, with vLLM 0.22.1 / 0.26.0. The only
 stand-in is torch_npu (npu-shim's emulation of the documented ops).
 
@@ -146,7 +146,7 @@ def tower(layers, q, k, v, cu, **kw):
 def test_status_names_the_adapter_and_only_forward_oot_is_replaced(stack):
     from npu_shim.engine import counters
 
-    assert stack.status["adapter"] == stack.adapter
+    assert stack.status["family"] == stack.adapter
     assert stack.status["reason"] == "vllm-ascend %s" % stack.version
     assert npu_shim_stats()[PATCH_NAME]["family"] == stack.adapter
     ours = vars(stack.patched)["forward_oot"]
@@ -582,5 +582,5 @@ def test_uninstall_restores_and_install_reapplies(stack):
     finally:
         npu_shim.install()
     row = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
-    assert row["state"] == "applied" and row["adapter"] == stack.adapter
+    assert row["state"] == "applied" and row["family"] == stack.adapter
     assert vars(stack.patched)["forward_oot"] is not original

@@ -50,7 +50,7 @@ def test_applied_with_adapter_v023(latest):
     _, version, before, after = latest
     assert before["state"] in ("pending", "applied")   # applied when another module imported it first
     assert after["state"] == "applied", after
-    assert after["adapter"] == "0.23.0rc1+"
+    assert after["family"] == "0.23.0rc1+"
     assert after["reason"] == "vllm-ascend %s" % version
     assert after["versions"] == {"vllm-ascend": version}
 
@@ -63,7 +63,7 @@ def test_cli_status_names_the_adapter(latest, capsys):
 
     assert cli.main(["status", "--json"]) == 0
     row = next(r for r in json.loads(capsys.readouterr().out) if r["name"] == PATCH_NAME)
-    assert row["state"] == "applied" and row["adapter"] == "0.23.0rc1+", row
+    assert row["state"] == "applied" and row["family"] == "0.23.0rc1+", row
     assert cli.main(["status"]) == 0
     line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(PATCH_NAME))
     assert line.split()[1:3] == ["applied", "0.23.0rc1+"], line

@@ -140,7 +140,7 @@ def test_zero_syncs_same_fia_calls_bit_identical_and_correct(module, methods, sp
     for rank in range(CP_SIZE):
         up_out, up_syncs, up_calls, rows, forward_batch = _run(module, upstream, batch, rank, LAYERS)
         out, syncs, calls, _, _ = _run(module, patched, batch, rank, LAYERS)
-        # finding 2: 4 per layer upstream (.tolist() of cu_seqlens_q[1:] and of the KV lengths, twice)
+        # 4 per layer upstream (.tolist() of cu_seqlens_q[1:] and of the KV lengths, twice)
         assert up_syncs.count == 4 * LAYERS and up_syncs.kinds() == {"tolist": 4 * LAYERS}, up_syncs.summary()
         assert syncs.count == 0, syncs.summary()
         # the same op, called the same way

@@ -1,4 +1,4 @@
-"""sglang.cp_npu_refuse on the real sglang 0.5.20, 0.5.21 and 0.5.22 wheels (issue 11, finding 4).
+"""sglang.cp_npu_refuse on the real sglang 0.5.20, 0.5.21 and 0.5.22 wheels, where the NPU prefill CP KV gather is a stub that raises.
 
 First the finding, run on upstream (no shim): the NPU CP KV gather is a stub
 that raises, and the Ascend backend's prefill CP path reaches it at the first

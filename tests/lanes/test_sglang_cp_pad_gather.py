@@ -1,4 +1,4 @@
-"""sglang.cp_pad_gather on the real sglang 0.5.16 / 0.5.17 / 0.5.19 wheels (issue 11, finding 1).
+"""sglang.cp_pad_gather on the real sglang 0.5.16 / 0.5.17 / 0.5.19 wheels: CP-v2 pad rows crash the NPU prefill KV gather.
 
 Two CP ranks as two processes (sglang_support/cp_pad_worker.py, a gloo group
 under sglang's own ``GroupCoordinator``) run one attention layer of a CP-v2

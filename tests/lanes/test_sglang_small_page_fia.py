@@ -41,8 +41,8 @@ TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 POOL = "sglang.srt.hardware_backend.npu.memory_pool_npu"
 NAME = "sglang.small_page_fia"
 FIA, QLENS = "npu_fused_infer_attention_score", "_npu_flash_attention_qlens"
-ADAPTERS = {"0.5.12": "0.5.12", "0.5.13": "0.5.13", "0.5.14": "0.5.14"}
-ADAPTERS.update({"0.5.%d" % minor: "0.5.15-0.5.23" for minor in range(15, 24)})
+FAMILY_OF_RELEASE = {"0.5.12": "0.5.12", "0.5.13": "0.5.13", "0.5.14": "0.5.14"}
+FAMILY_OF_RELEASE.update({"0.5.%d" % minor: "0.5.15-0.5.23" for minor in range(15, 24)})
 
 
 @pytest.fixture(scope="module")
@@ -110,14 +110,14 @@ def _same_arguments(a, b):
             assert x == y
 
 
-def test_applies_with_the_adapter_of_this_release(modules):
+def test_applies_with_the_family_of_this_release(modules):
     import npu_shim
     from npu_shim.engine import counters
 
     row = next(r for r in npu_shim.status() if r["name"] == NAME)
     version = row["versions"]["sglang"]
     assert row["state"] == "applied", row
-    assert npu_shim.stats()[NAME]["family"] == ADAPTERS[version]
+    assert npu_shim.stats()[NAME]["family"] == FAMILY_OF_RELEASE[version]
 
 
 @pytest.mark.lanes("sglang-0.5.11")
@@ -216,10 +216,10 @@ def test_calls_it_does_not_route_reach_upstream_unchanged(modules, methods):
     backend, layer, forward_batch, q, k, v = prefill_case.prefill_inputs(*modules, batch)
     from npu_shim.patches.sglang import small_page_fia as patch
 
-    adapter = next(a for a in patch.ADAPTERS if a.name == ADAPTERS[_version()])
-    assert not adapter.reaches_qlens(backend, layer, forward_batch, None, None)
-    assert adapter.reaches_qlens(backend, cp_case.make_layer(SMALL[0]), forward_batch, None, None)
-    assert not adapter.reaches_qlens(backend, cp_case.make_layer(SMALL[0]), forward_batch, None,
+    family = next(f for f in patch.FAMILIES if f.name == FAMILY_OF_RELEASE[_version()])
+    assert not family.reaches_qlens(backend, layer, forward_batch, None, None)
+    assert family.reaches_qlens(backend, cp_case.make_layer(SMALL[0]), forward_batch, None, None)
+    assert not family.reaches_qlens(backend, cp_case.make_layer(SMALL[0]), forward_batch, None,
                                      sinks=q.new_zeros(spec.num_heads))
 
 

@@ -1,4 +1,4 @@
-"""Census for issue 18: vLLM vision towers beyond Qwen2.5-VL, Qwen3-VL, Kimi-VL and
+"""A census of vLLM vision towers beyond Qwen2.5-VL, Qwen3-VL, Kimi-VL and
 GLM-4.1V, and the device->host reads one whole forward makes, upstream (vllm-ascend's
 untouched ``AscendMMEncoderAttention``) -> with ``vllm.mm_encoder_host_lengths`` +
 ``vllm.mm_encoder_attn``.

@@ -6,8 +6,7 @@ Why: with ``--enable-prefill-context-parallel`` and ``ASCEND_USE_FIA=1`` (non-ML
   ``actual_seq_q_prev`` / ``kv_len_prev``: right for one sequence only. sglang
   PR 23269 made ``ContextParallelMetadata`` per-sequence (lists, scalars
   removed) for batch sizes > 1 but left this method alone, so every build
-  between that PR and PR 26705 raises AttributeError on the first CP prefill
-  (seed 002).
+  between that PR and PR 26705 raises AttributeError on the first CP prefill.
 How: replace the method. A rank's local tokens are laid out
   ``[s0.prev, s1.prev, ..., s0.next, s1.next, ...]`` (zigzag: block r and block
   2*cp_size-1-r of every sequence), so Q is split after the prev blocks

@@ -7,7 +7,7 @@ Why: from sglang 0.5.20 the older CP helpers in ``sglang.srt.layers.utils.cp_uti
   prefill of a started server, for every length. 0.5.20 also refused NPU prefill CP
   in ``validate_prefill_cp_platform`` (a server-argument check that runs before the
   model is resolved); 0.5.21 dropped NPU from that check (HIP/MUSA only) and 0.5.22
-  checks MUSA only, while the NPU gather stayed a stub (issue 11, finding 4).
+  checks MUSA only, while the NPU gather stayed a stub.
 How: wrap ``sglang.srt.arg_groups.parallel_hook.validate_prefill_cp_platform``:
   upstream's check runs first, unchanged; then, when ``--enable-prefill-cp`` is on
   and sglang's platform is NPU, raise one ``ValueError`` saying what is wrong, that

@@ -9,7 +9,7 @@ Why: from sglang 0.5.16, ``prepare_cp_forward`` pads every CP rank's tokens
   keeps every rank's pad rows and then splits by the real block lengths:
   ``torch.split`` raises (``split_with_sizes expects split_sizes to sum
   exactly to ...``) before the KV cache is written. With one prompt at
-  cp_size 2 every length not divisible by 8 crashes (issue 11, finding 1).
+  cp_size 2 every length not divisible by 8 crashes.
   ``do_cp_attn_fia`` also hands FIA the pad rows at the end of its second
   half (more query rows than ``actual_seq_lengths[-1]``).
 How: two small wrappers around upstream's own functions, so the NPU op calls

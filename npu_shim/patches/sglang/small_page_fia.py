@@ -99,7 +99,7 @@ SPECULATIVE_V1_V2 = ("forward_batch.forward_mode.is_target_verify() or "
 SPECULATIVE_V2 = "forward_batch.forward_mode.is_target_verify() or forward_batch.forward_mode.is_draft_extend_v2()"
 
 
-class Adapter:
+class GateFamily:
     """One release family: the gates it expects, and which calls reach qlens there.
 
     ``check``/``build`` are the family's (see the ``Family`` declarations below)."""
@@ -153,13 +153,13 @@ class Adapter:
         )
 
 
-class Sinks012(Adapter):
+class Sinks012(GateFamily):
     name = "0.5.12"
     gates = COMMON_GATES | {SPECULATIVE_V1_V2, "sinks is not None"}
     absent = frozenset({"sinks is not None or (self.is_hybrid_swa and layer.sliding_window_size != -1)"})
 
 
-class HybridSwa013(Adapter):
+class HybridSwa013(GateFamily):
     name = "0.5.13"
     gates = COMMON_GATES | {SPECULATIVE_V1_V2,
                             "sinks is not None or (self.is_hybrid_swa and layer.sliding_window_size != -1)"}
@@ -168,7 +168,7 @@ class HybridSwa013(Adapter):
         return sinks is not None or (backend.is_hybrid_swa and layer.sliding_window_size != -1)
 
 
-class SwaFia014(Adapter):
+class SwaFia014(GateFamily):
     name = "0.5.14"
     gates = COMMON_GATES | {SPECULATIVE_V2,
                             "sinks is not None or (self._is_swa_layer(layer) and self.use_fia)"}
@@ -187,7 +187,7 @@ class SwaFiaFa015(SwaFia014):
         return backend.use_fa
 
 
-SINKS_ONLY, HYBRID_SWA, SWA_FIA, SWA_FIA_FA = ADAPTERS = (Sinks012(), HybridSwa013(), SwaFia014(), SwaFiaFa015())
+SINKS_ONLY, HYBRID_SWA, SWA_FIA, SWA_FIA_FA = FAMILIES = (Sinks012(), HybridSwa013(), SwaFia014(), SwaFiaFa015())
 
 
 def if_conditions(function) -> frozenset:
@@ -216,16 +216,6 @@ def gate_conditions(module) -> frozenset:
     return if_conditions(method)
 
 
-def select_adapter(module) -> Adapter:
-    """The family whose gates ``forward_extend`` has (structure only, no version)."""
-    conditions = gate_conditions(module)
-    for adapter in ADAPTERS:
-        if adapter.matches(conditions):
-            return adapter
-    raise TargetMismatch("%s has gates before the qlens call that no adapter knows (expected one "
-                         "of the families %s)" % (METHOD, ", ".join(a.name for a in ADAPTERS)))
-
-
 class FiaPrefillView:
     """The backend as upstream's forward_extend sees it, with ``use_fia`` on.
 
@@ -252,7 +242,7 @@ def sglang_fia_explicit(environ=os.environ) -> bool:
     return environ.get(SGLANG_FIA_SWITCH, "").strip() != ""
 
 
-def make_forward_extend(original, adapter):
+def make_forward_extend(original, family):
     import functools
 
     from npu_shim.engine import counters
@@ -261,7 +251,7 @@ def make_forward_extend(original, adapter):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None,
                        k_rope=None, topk_indices=None, sinks=None, *args, **kwargs):
         if (self.page_size < SMALLEST_SAFE_PAGE and not self.use_fia and not sglang_fia_explicit()
-                and adapter.reaches_qlens(self, layer, forward_batch, topk_indices, sinks)):
+                and family.reaches_qlens(self, layer, forward_batch, topk_indices, sinks)):
             counters.count(NAME, "calls")
             backend = FiaPrefillView(self)
         else:

@@ -7,7 +7,7 @@ Why: vLLM's MoonViT (the Kimi-VL vision tower) is a transformers
   shim's ``"ascend_fa"`` therefore dies with ``ValueError: Specified
   attn_implementation="ascend_fa" is not supported`` before vLLM's own
   dispatch table (where ``vllm.moonvit_attn`` registers the name) is ever
-  consulted (seed 000, vllm 0.10.1.1 + transformers 4.56.0).
+  consulted (seen with vllm 0.10.1.1 + transformers 4.56.0).
 How: wrap ``PreTrainedModel.get_correct_attn_implementation``. A request for
   a name the shim provides returns that name unchanged, but only for a model
   class that can dispatch it: a subclass of vLLM's ``MoonVitPretrainedModel``

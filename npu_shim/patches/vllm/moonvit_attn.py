@@ -5,9 +5,9 @@ Why: vLLM's MoonViT (Kimi-VL vision tower) dispatches attention by name through
   (CUDA flash-attn) and ``sdpa``. On Ascend it falls back to ``sdpa``, which
   packs every image of the batch into one sequence and builds a dense
   ``(1, S, S)`` boolean mask: 303,548 tokens at 100 concurrent images need
-  303,548² B = 85.8 GiB and OOM (seed 000). Filling that mask slices with the
+  303,548² B = 85.8 GiB and OOM (Kimi-VL on vllm 0.10.1.1). Filling that mask slices with the
   ``cu_seqlens`` tensor entries, four host syncs per image per layer
-  (10,800 per forward at 100 images). The seed's own fixes went through an
+  (10,800 per forward at 100 images). Earlier fixes tried went through an
   inverted-polarity mask (torch_npu masks True = *masked*: wrong answers), an
   all-False mask (images attend to each other) and a per-image loop (the same
   host syncs).
@@ -42,16 +42,13 @@ Remove when: the pinned vLLM is 0.14 or later.
 """
 import contextvars
 
+from npu_shim import _config
 from npu_shim.engine import counters
-from npu_shim._config import MOONVIT_ATTN_CHOICES
 from npu_shim.patch import Family, Patch, TargetMismatch, Selftest
 
 NAME = "vllm.moonvit_attn"
 
 ATTENTION_NAME = "ascend_fa"
-ENV_VAR = "NPU_SHIM_MOONVIT_ATTN"
-CHOICES = MOONVIT_ATTN_CHOICES   # validated at start-up with the other variables
-DEFAULT_CHOICE = "auto"
 LAYER_KERNEL_ATTR = "npu_shim_attention"
 
 # The VarlenAttention of the layer whose attention_qkvpacked is running (per
@@ -59,11 +56,9 @@ LAYER_KERNEL_ATTR = "npu_shim_attention"
 _current_kernel = contextvars.ContextVar("npu_shim_moonvit_layer_kernel", default=None)
 
 
-def selected_choice(environ=None) -> str:
-    """``NPU_SHIM_MOONVIT_ATTN`` validated (ConfigError naming the variable otherwise)."""
-    from npu_shim._config import env_choice
-
-    return env_choice(ENV_VAR, CHOICES, DEFAULT_CHOICE, environ)
+def selected_choice() -> str:
+    """``NPU_SHIM_MOONVIT_ATTN`` as validated with the other variables (this process's settings)."""
+    return _config.settings().moonvit_attn
 
 
 def choose_implementation(requested, upstream_choice, choice) -> str:

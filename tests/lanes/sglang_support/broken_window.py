@@ -4,7 +4,7 @@ Between sglang PR 23269 (``ContextParallelMetadata`` became per-sequence lists;
 the scalar ``actual_seq_q_prev`` / ``kv_len_prev`` fields were removed) and PR
 26705 (``AscendAttnBackend.do_cp_attn_fia`` updated to them) every build of
 sglang's main branch had the new metadata and the old method: its CP prefill
-raised AttributeError on the first call (seed 002). No release has that shape
+raised AttributeError on the first call. No release has that shape
 (0.5.12 has old + old, 0.5.13 new + new), so this module builds it honestly:
 
 * the ascend_backend module of the *installed* sglang 0.5.13 (its real file),

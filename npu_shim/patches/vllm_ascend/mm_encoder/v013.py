@@ -1,4 +1,4 @@
-"""Adapter v013: vllm-ascend 0.13.0 .. 0.17.0rc1 (``_npu_flash_attention_unpad`` everywhere).
+"""Family v013: vllm-ascend 0.13.0 .. 0.17.0rc1 (``_npu_flash_attention_unpad`` everywhere).
 
 Upstream there: ``forward_oot`` copies ``torch.diff(cu_seqlens).to("cpu")`` in
 every layer (0.13.0/0.14.0rc1 build the uniform ``cu_seqlens`` on
@@ -64,7 +64,7 @@ def build(cls):
     # 0.13.0/0.14.0rc1: pad only while envs_ascend.USE_OPTIMIZED_MODEL; read where upstream reads it.
     pads_if_optimized = C.calls_name(original_forward, OPTIMIZED_MODEL_SWITCH)
     upstream_copies_uniform = _builds_uniform_on_query_device(original_forward)
-    use_tnd = _config.Settings().mm_encoder_tnd
+    use_tnd = _config.settings().mm_encoder_tnd
 
     def make_state(layer):
         pad = C.PAD_MIN < layer.head_size < C.PAD_TO

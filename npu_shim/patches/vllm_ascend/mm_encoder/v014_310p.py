@@ -1,4 +1,4 @@
-"""Adapter v014_310p: ``AscendMMEncoderAttention310`` of vllm-ascend 0.14.0rc1.
+"""Family v014_310p: ``AscendMMEncoderAttention310`` of vllm-ascend 0.14.0rc1.
 
 Upstream there: a subclass of 0.14.0rc1's ``AscendMMEncoderAttention`` (the
 class ``vllm.mm_encoder_attn`` patches), registered as ``"MMEncoderAttention"``

@@ -1,4 +1,4 @@
-"""Adapter v018: vllm-ascend 0.18.0 (TND ``npu_fusion_attention``, ``sequence_lengths``).
+"""Family v018: vllm-ascend 0.18.0 (TND ``npu_fusion_attention``, ``sequence_lengths``).
 
 Upstream there: ``forward_oot`` takes ``sequence_lengths`` when the tower
 computed them with the class's ``maybe_compute_seq_lens`` (host, once per

@@ -1,4 +1,4 @@
-"""Adapter v018_310p: ``AscendMMEncoderAttention310``, vllm-ascend 0.18.0rc1 .. 0.22.1rc1.
+"""Family v018_310p: ``AscendMMEncoderAttention310``, vllm-ascend 0.18.0rc1 .. 0.22.1rc1.
 
 Upstream there (``vllm_ascend/_310p/ops/mm_encoder_attention.py``, the same
 file in 0.18.0rc1, 0.18.0, 0.19.1rc1, 0.20.2rc1, 0.21.0rc1 and 0.22.1rc1): a

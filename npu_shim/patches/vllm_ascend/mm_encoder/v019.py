@@ -1,4 +1,4 @@
-"""Adapter v019: vllm-ascend 0.19.1rc1 .. 0.21.0rc1 (``DeviceOperator.npu_flash_attention``).
+"""Family v019: vllm-ascend 0.19.1rc1 .. 0.21.0rc1 (``DeviceOperator.npu_flash_attention``).
 
 Upstream there: the 0.18.0 ``forward_oot`` (``sequence_lengths`` when the
 tower passes them, else ``torch.diff(cu_seqlens).to("cpu")`` in every layer;

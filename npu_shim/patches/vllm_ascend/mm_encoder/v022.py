@@ -1,4 +1,4 @@
-"""Adapter v022: vllm-ascend 0.22.1rc1 (fused-infer attention, ``head_size ** -0.5``).
+"""Family v022: vllm-ascend 0.22.1rc1 (fused-infer attention, ``head_size ** -0.5``).
 
 Upstream there (see :mod:`.fia` for what the fused-infer families share):
 ``_maybe_compute_actual_seq_lengths`` takes the host ``sequence_lengths`` when

@@ -1,4 +1,4 @@
-"""Adapter v023: vllm-ascend 0.23.0rc1 .. 0.26.0rc1 and every later source of that shape.
+"""Family v023: vllm-ascend 0.23.0rc1 .. 0.26.0rc1 and every later source of that shape.
 
 Upstream there (see :mod:`.fia` for what the fused-infer families share): the
 eager path ignores ``sequence_lengths`` (vLLM 0.23+ no longer computes them for

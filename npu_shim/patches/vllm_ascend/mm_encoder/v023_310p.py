@@ -1,4 +1,4 @@
-"""Adapter v023_310p: ``AscendMMEncoderAttention310``, vllm-ascend 0.23.0rc1 and later.
+"""Family v023_310p: ``AscendMMEncoderAttention310``, vllm-ascend 0.23.0rc1 and later.
 
 Upstream there (the same file in 0.23.0rc1, 0.23.0, 0.24.0rc1, 0.25.1rc1 and
 0.26.0rc1): the 0.18.0 ``forward_oot`` (see :mod:`.v018_310p`: per-layer
