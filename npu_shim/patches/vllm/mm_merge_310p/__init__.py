@@ -35,7 +35,7 @@ Upstream fix: none released; vllm-ascend PR #12914 and PR #11435 (both open) pat
 Remove when: every supported vllm-ascend release patches the merge for 310P itself,
   or torch_npu's IndexPut works on 310P.
 """
-from npu_shim.patch import Family, Patch
+from npu_shim.patch import Family, Patch, Selftest
 
 NAME = "vllm.mm_merge_310p"
 TARGET = "vllm.model_executor.models.utils"
@@ -49,6 +49,7 @@ PATCH = Patch(
     outside_window={"vllm": "before 0.20 vLLM merges with masked_scatter_ (vLLM #22105), not the "
                             "boolean-mask assignment whose 310P IndexPut kernel fails"},
     needs_npu=True,
+    selftest=Selftest("npu_shim.selftest.vllm_mm_merge_310p", host_syncs={"310P": 0, "A2/A3": 0}),
     families=(
         Family(("0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1",
                 "0.28.0", "0.29.0", "0.30.0"),
