@@ -24,7 +24,10 @@ How: the function is replaced by one that, on a 310P (the SoC torch_npu reports,
   assignment broadcasts them; a count mismatch raises upstream's ``ValueError`` with
   upstream's message (the placeholder count is the number of positions: no read).
   A mask that is not a 1-D boolean of the embeddings' length goes to upstream's
-  function. Output is ``torch.equal`` to upstream's wherever upstream runs.
+  function. Output is ``torch.equal`` to upstream's wherever upstream runs. vLLM's model
+  modules import the function by name (``from .utils import _merge_multimodal_embeddings``),
+  so they hold the replacement itself: it defers to whatever the target module holds now,
+  and those modules follow ``npu_shim.uninstall()`` and a later ``install()`` too.
 Window: read in the wheels: 0.13.0, 0.14.1, 0.18.0 and 0.19.1 merge with
   ``masked_scatter_`` (vLLM #22105; no IndexPut, and no 310P failure of it reported):
   outside the window, and the check says "not needed" on that shape. 0.20.2 and
