@@ -101,7 +101,7 @@ def measure(device_classes):
         towers.emulate_device_class(device_class)
         for name in census.CENSUS:
             if name not in census._MODULES:
-                rows.append({"tower": name, "class": census.CENSUS[name].cls, "device_class": device_class,
+                rows.append({"tower": name, "class": getattr(census.CENSUS[name], "classes", census.CENSUS[name].cls), "device_class": device_class,
                              "absent": True})
                 continue
             forwards = []
@@ -123,7 +123,7 @@ def measure(device_classes):
                     "err_vs_sdpa": err_sdpa, "tolerance": tol, "dtype": str(run.out.dtype).replace("torch.", ""),
                     "ok": equal and err_f64 <= tol and err_sdpa <= tol,
                 })
-            rows.append({"tower": name, "class": census.CENSUS[name].cls, "device_class": device_class,
+            rows.append({"tower": name, "class": getattr(census.CENSUS[name], "classes", census.CENSUS[name].cls), "device_class": device_class,
                          "forwards": forwards})
     return release, rows
 

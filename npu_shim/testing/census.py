@@ -224,6 +224,7 @@ class Spec(types.SimpleNamespace):
     kwargs (constructor), width (pixel row length from the tower), grid_arg (grid -> the
     tower's argument), grid_on_device (whether vLLM sends it there), call (tower, x,
     grid_arg) -> output, grids (optional: the two forwards' grids, default ``GRIDS``),
+    classes (optional: the vLLM classes, where cls is a constructor),
     device_args (optional: grid_arg -> the tensors in it vLLM has on the device)."""
 
 
@@ -254,6 +255,7 @@ CENSUS = {
                     grid_on_device=False, call=lambda tower, x, g: tower(x, grid_thw=g),
                     width=lambda tower: tower.patch_embed.proj.weight[0].numel()),
     "Keye-VL": Spec(module="vllm.model_executor.models.keye", cls=_keye_vision, config=_keye_configs, kwargs={},
+                    classes="KeyeSiglipVisionModel + Projector",
                     grid_arg=_host_tensor, grid_on_device=True, call=_keye_encode, grids=IMAGE_GRIDS,
                     width=lambda tower: tower.visual.vision_model.embeddings.patch_embedding.weight[0].numel()),
     "PaddleOCR-VL": Spec(module="vllm.model_executor.models.paddleocr_vl", cls="SiglipVisionModel",
