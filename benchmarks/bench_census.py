@@ -56,22 +56,24 @@ WHY = {
                "`forward`, which GLM-OCR overrides. The host has the numbers: a host-lengths patch like "
                "Qwen3-Omni's would bring it to 0 (not built: listed).",
     "Keye-VL": "its field config sends the grid to the device, and the model's `_process_image_input` reads "
-               "each row back (`.cpu()`, 1 per image) to build cu_seqlens, position ids and sample indices "
-               "as host lists, which it copies with blocking `.to(device)` (the 3 H2D copies); the rotary "
-               "table's `torch.arange(pids.max() + 1)` reads 1; the attention reads cu_seqlens once; the "
-               "tower slices its output with device `cu_seqlens[i]` (2 per image) and the projector's "
-               "`rearrange` takes the device grid's t, h, w (2 per image). Only the attention's read and "
-               "the output slicing use numbers the host built; the grid reads set the floor as long as "
-               "the grid is on the device.",
+               "it back to build cu_seqlens, position ids and sample indices as host lists (0.26.0: `.cpu()` "
+               "per row and 3 blocking `.to(device)` copies; 0.30.0: one `.tolist()` and no blocking copy); "
+               "the attention reads cu_seqlens once; the projector's `rearrange` takes the device grid's "
+               "t, h, w (2 per image). 0.26.0 also reads the rotary table's `pids.max() + 1` and slices "
+               "the output with device `cu_seqlens[i]` (2 per image). The attention's read (and 0.26.0's "
+               "slicing) are of numbers the host built; the grid reads set the floor while the grid is "
+               "on the device.",
     "PaddleOCR-VL": "per image (the model encodes images one by one): its own `encode_image` reads the "
-                    "device grid row (`.tolist()`, the field config is `batched` without `keep_on_cpu`), "
-                    "the rotary table reads `pids.max() + 1`, and the attention reads cu_seqlens (built on "
-                    "the host, copied with a blocking `.to`) once. Measured: `encode_image` per image, "
-                    "without the projector (`mlp_AR`) `_process_image_input` applies after it.",
+                    "device grid row (`.tolist()`: the field config is `batched` without `keep_on_cpu`), "
+                    "and the attention reads cu_seqlens, which `encode_image` built on the host and copied, "
+                    "once; 0.26.0 also reads the rotary table's `pids.max() + 1` and copies with a blocking "
+                    "`.to` (3 per image). Measured: `encode_image` per image, without the projector "
+                    "(`mlp_AR`) `_process_image_input` applies after it. The grid read sets the floor.",
     "HunYuan-Vision": "the attention runs per image with no cu_seqlens (no read, upstream or shim); the "
                       "tower copies its host cu_seqlens to the device and then `.tolist()`s the "
                       "differences to split its output: 1 read of numbers the host built a few lines "
-                      "above (`split_lengths`). Only a patch of the tower's `forward` removes it.",
+                      "above (`split_lengths`). Only a patch of the tower's `forward` removes it. "
+                      "vLLM 0.30.0 has no `hunyuan_vision` module.",
 }
 
 
