@@ -20,7 +20,23 @@ multimodal field config puts it:
   frame (``_vision_forward``) on the device and hands the tower that.
   Here that is the expanded grid, marked as a device tensor;
 * LLaVA-OneVision-2 (``LlavaOnevision2VisionTower``): ``image_grid_thw`` and
-  ``patch_positions`` go to the device (its field config), both marked so.
+  ``patch_positions`` go to the device (its field config), both marked so;
+* GLM-OCR (``GlmOcrVisionTransformer``, a subclass of GLM-4.1V's tower with its own
+  ``forward``): the Qwen2-VL field factory keeps ``image_grid_thw`` on the host, and the
+  model hands the tower that host tensor (``self.visual(pixel_values, grid_thw=grid_thw)``);
+* Keye-VL (``KeyeSiglipVisionModel`` and its ``Projector``): the model's own
+  ``_process_image_input`` with every image's pixels in one tensor and the grid, both on
+  the device (``flat_from_sizes`` and ``batched``); images only;
+* PaddleOCR-VL (``SiglipVisionModel`` of ``paddleocr_vl``): the model's own ``encode_image``
+  runs once per image on that image's pixels and grid row, both on the device (its field
+  config is ``batched`` without ``keep_on_cpu``); images only. The projector
+  (``mlp_AR``) the model applies afterwards is not run;
+* HunYuan-Vision (``HunYuanVisionTransformer``): ``image_grid_thw`` is ``keep_on_cpu``
+  and the model hands the tower ``grid_thw.tolist()``, a list. Images only (the tower
+  splits its sequence by ``h * w`` per item), so its grids are single-frame.
+
+Towers that are not here, and why, are listed by ``NOT_MEASURED`` (the census document
+prints it).
 """
 import importlib
 import importlib.util
@@ -33,6 +49,8 @@ __all__ = ["CENSUS", "build", "call", "grids", "pixel_values", "reference_forwar
 # Two forwards with different grids, each with a multi-frame item (t > 1); h, w multiples of 2
 # (the 2x2 merge) and at most 12 (Qwen3-Omni's learned 8x8 position grid is interpolated).
 GRIDS = ([[1, 8, 8], [2, 4, 12]], [[1, 4, 4], [3, 8, 4], [1, 12, 8]])
+# The same sizes, one frame each, for towers that take images only.
+IMAGE_GRIDS = ([[1, 8, 8], [1, 4, 12]], [[1, 4, 4], [1, 8, 4], [1, 12, 8]])
 
 
 def _qwen2_vl_config():
@@ -80,6 +98,107 @@ def _llava_ov2_config():
                                  frame_windows_size=2)
 
 
+def _glm_ocr_config():
+    from transformers.models.glm_ocr.configuration_glm_ocr import GlmOcrTextConfig, GlmOcrVisionConfig
+
+    # (text config, vision config): the tower's first argument is the text config (its merger's
+    # width). Head dim 80, padded to 128 by vllm-ascend's rule.
+    text = GlmOcrTextConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=1)
+    vision = GlmOcrVisionConfig(depth=3, hidden_size=160, num_heads=2, intermediate_size=128,
+                                out_hidden_size=64, patch_size=14, image_size=112, spatial_merge_size=2,
+                                temporal_patch_size=2, rms_norm_eps=1e-5)
+    return text, vision
+
+
+def _hunyuan_vision_config():
+    from vllm.transformers_utils.configs.hunyuan_vl import HunYuanVLVisionConfig
+
+    # Head dim 80; an 8x8 learned position grid (max_image_size / patch_size), interpolated.
+    return HunYuanVLVisionConfig(hidden_size=160, intermediate_size=256, num_attention_heads=2,
+                                 num_hidden_layers=3, out_hidden_size=64, patch_size=16, max_image_size=128,
+                                 spatial_merge_size=2, temporal_patch_size=1)
+
+
+def _paddleocr_vl_config():
+    from transformers import PretrainedConfig
+
+    # PaddleOCR-VL's vision config is read by attribute (SigLIP's names). Head dim 80; an 8x8
+    # learned position grid (image_size / patch_size), interpolated to each image's grid.
+    return PretrainedConfig(hidden_size=160, intermediate_size=256, num_attention_heads=2, num_hidden_layers=3,
+                            num_channels=3, image_size=112, patch_size=14, layer_norm_eps=1e-6,
+                            hidden_act="gelu_pytorch_tanh")
+
+
+class _Images(types.SimpleNamespace):
+    """Per-image inputs as vLLM's batched field config hands them to a model: ``grid`` (the
+    grid tensor, sent to the device) and ``sizes`` (each image's patch count: vLLM batches
+    the pixels per image on the host side, so the split is known without reading the grid)."""
+
+
+def _per_image(grid):
+    return _Images(grid=_host_tensor(grid), sizes=[t * h * w for t, h, w in grid])
+
+
+def _keye_configs():
+    from transformers import PretrainedConfig
+
+    # (text config, vision config), read by attribute. The projector reads the text width only.
+    vision = PretrainedConfig(hidden_size=160, intermediate_size=256, num_attention_heads=2, num_hidden_layers=3,
+                              num_channels=3, image_size=112, patch_size=14, layer_norm_eps=1e-6,
+                              hidden_act="gelu_pytorch_tanh")
+    return PretrainedConfig(hidden_size=64), vision
+
+
+def _keye_vision(module):
+    """What Keye-VL's ``_process_image_input`` reads of its model: ``visual`` (vLLM's
+    ``KeyeSiglipVisionModel``) and ``mlp_AR`` (vLLM's ``Projector``, what Keye-VL's
+    ``_build_projector`` returns), held by one module so that they are built, weighted and
+    placed together."""
+    import torch
+
+    class KeyeVision(torch.nn.Module):
+        def __init__(self, text_config, vision_config, prefix=""):
+            super().__init__()
+            self.visual = module.KeyeSiglipVisionModel(vision_config, prefix="%s.visual" % prefix)
+            self.mlp_AR = module.Projector(text_config, vision_config, prefix="%s.mlp_AR" % prefix)
+
+    return KeyeVision
+
+
+def _keye_encode(tower, x, grid):
+    """Keye-VL's model: its own ``_process_image_input`` with the pixels of every image in one
+    tensor (``flat_from_sizes``) and the grid, both on the device (``batched`` grid field)."""
+    import torch
+
+    p = tower.visual.vision_model.embeddings.patch_size
+    base = _MODULES["Keye-VL"].BaseKeyeModule
+    image_input = {"type": "pixel_values", "pixel_values": x.reshape(x.shape[0], -1, p, p), "image_grid_thw": grid}
+    return torch.cat(list(base._process_image_input(tower, image_input)))
+
+
+def _paddleocr_vl_encode(tower, x, images):
+    """PaddleOCR-VL's model: ``_process_image_input`` calls its own ``encode_image`` once per
+    image with that image's pixels ``(patches, 3, p, p)`` and its grid row, both on the device
+    (``MultiModalFieldConfig.batched("image")``). Run here as upstream's method on a holder
+    whose only attribute is the tower (``self.visual``, all the method reads of ``self``)."""
+    import torch
+
+    encode_image = _MODULES["PaddleOCR-VL"].PaddleOCRVLForConditionalGeneration.encode_image
+    holder = types.SimpleNamespace(visual=tower)
+    p = tower.vision_model.embeddings.patch_size
+    outs = []
+    for pixels, row in zip(x.split(images.sizes), images.grid):
+        outs.append(encode_image(holder, pixels.reshape(pixels.shape[0], -1, p, p), row).squeeze(0))
+    return torch.cat(outs)
+
+
+def _cat(outputs):
+    import torch
+
+    return torch.cat(list(outputs))
+
+
 def _grid_and_positions(grid):
     """LLaVA-OneVision-2's ``image_grid_thw`` and ``patch_positions`` (one ``(t, h, w)`` row per
     patch, raster order), both sent to the device by its field config."""
@@ -101,9 +220,12 @@ def _per_frame(grid):
 
 
 class Spec(types.SimpleNamespace):
-    """module, cls, config, kwargs (constructor), width (pixel row length from the tower),
-    grid_arg (grid -> the tower's argument), grid_on_device (whether vLLM sends it there),
-    call (tower, x, grid_arg) -> output."""
+    """module, cls (a class name in module, or module -> constructor), config (one config, or a tuple of the constructor's positional configs),
+    kwargs (constructor), width (pixel row length from the tower), grid_arg (grid -> the
+    tower's argument), grid_on_device (whether vLLM sends it there), call (tower, x,
+    grid_arg) -> output, grids (optional: the two forwards' grids, default ``GRIDS``),
+    classes (optional: the vLLM classes, where cls is a constructor),
+    device_args (optional: grid_arg -> the tensors in it vLLM has on the device)."""
 
 
 CENSUS = {
@@ -128,6 +250,32 @@ CENSUS = {
                         config=_ernie45_vl_config, kwargs={"norm_eps": 1e-6}, grid_arg=_per_frame,
                         grid_on_device=True, call=lambda tower, x, g: tower(x, g),
                         width=lambda tower: tower.patch_embed.proj.weight[0].numel()),
+    "GLM-OCR": Spec(module="vllm.model_executor.models.glm_ocr", cls="GlmOcrVisionTransformer",
+                    config=_glm_ocr_config, kwargs={"norm_eps": 1e-6}, grid_arg=_host_tensor,
+                    grid_on_device=False, call=lambda tower, x, g: tower(x, grid_thw=g),
+                    width=lambda tower: tower.patch_embed.proj.weight[0].numel()),
+    "Keye-VL": Spec(module="vllm.model_executor.models.keye", cls=_keye_vision, config=_keye_configs, kwargs={},
+                    classes="KeyeSiglipVisionModel + Projector",
+                    grid_arg=_host_tensor, grid_on_device=True, call=_keye_encode, grids=IMAGE_GRIDS,
+                    width=lambda tower: tower.visual.vision_model.embeddings.patch_embedding.weight[0].numel()),
+    "PaddleOCR-VL": Spec(module="vllm.model_executor.models.paddleocr_vl", cls="SiglipVisionModel",
+                         config=_paddleocr_vl_config, kwargs={}, grid_arg=_per_image, grid_on_device=True,
+                         device_args=lambda images: [images.grid], call=_paddleocr_vl_encode, grids=IMAGE_GRIDS,
+                         width=lambda tower: tower.vision_model.embeddings.patch_embedding.weight[0].numel()),
+    "HunYuan-Vision": Spec(module="vllm.model_executor.models.hunyuan_vision", cls="HunYuanVisionTransformer",
+                           config=_hunyuan_vision_config, kwargs={},
+                           grid_arg=lambda grid: [list(g) for g in grid], grid_on_device=False,
+                           call=lambda tower, x, g: _cat(tower(x, grid_thw=g)), grids=IMAGE_GRIDS,
+                           width=lambda tower: tower.embeddings.patch_embedding.weight[0].numel()),
+}
+
+# Towers in vLLM that reach MMEncoderAttention and are not in CENSUS: why (printed by the
+# census document as it is; nothing here is a measurement).
+NOT_MEASURED = {
+    "RADIO (RadioModel)": "not built (time box): its config (patch generator, CPE, registers) is "
+                          "larger than the others'; read in the wheel: cu_seqlens is built with "
+                          "torch.tensor(accumulate(host lengths), device=...) and max_seqlen kept on the "
+                          "host, so the attention's read is of numbers the host has",
 }
 
 _MODULES = {}
@@ -160,15 +308,19 @@ def build(stack, name, attention_class=None, *, seed=0, dtype=None):
     from vllm.config import set_current_vllm_config
 
     spec = CENSUS[name]
+    configs = spec.config()
+    configs = configs if isinstance(configs, tuple) else (configs,)
     with towers.registered(attention_class), set_current_vllm_config(stack.config):
-        tower = getattr(_MODULES[name], spec.cls)(spec.config(), prefix="visual", **spec.kwargs)
+        cls = spec.cls(_MODULES[name]) if callable(spec.cls) else getattr(_MODULES[name], spec.cls)
+        tower = cls(*configs, prefix="visual", **spec.kwargs)
     towers._init_weights(tower, seed)
     tower.to(dtype or towers.hardware_dtype()).eval()
     return towers._route_custom_ops(tower, attention_class)
 
 
-def grids(forward):
-    return [list(g) for g in GRIDS[forward]]
+def grids(forward, name=None):
+    chosen = getattr(CENSUS[name], "grids", None) if name is not None else None
+    return [list(g) for g in (chosen or GRIDS)[forward]]
 
 
 def pixel_values(name, tower, grid, seed=0):
@@ -195,7 +347,7 @@ def side_by_side(stack, name, device_class="A2", forwards=2):
     sdpa = build(stack, name, None, dtype=dtype)
     runs = []
     for forward in range(forwards):
-        grid = grids(forward)
+        grid = grids(forward, name)
         x = pixel_values(name, patched, grid, seed=forward)
         out, syncs = call(name, patched, attention, x, grid)
         up, up_syncs = call(name, upstream, untouched, x, grid)
@@ -225,7 +377,10 @@ def call(name, tower, attention_class, x, grid):
 
     spec = CENSUS[name]
     arg = spec.grid_arg(grid)
-    device = [x] + (list(arg) if isinstance(arg, tuple) else [arg] if spec.grid_on_device else [])
+    if getattr(spec, "device_args", None) is not None:
+        device = [x] + list(spec.device_args(arg))
+    else:
+        device = [x] + (list(arg) if isinstance(arg, tuple) else [arg] if spec.grid_on_device else [])
     with torch.inference_mode(), towers.registered(attention_class):
         with count_host_syncs(device_tensors=device, device_modules=[tower]) as syncs:
             out = spec.call(tower, x, arg)

@@ -393,7 +393,11 @@ def _f64_attention_layers(model):
     def attend(layer, query, key, value, cu_seqlens=None, *args, **kwargs):
         heads, dim = layer.num_heads, layer.head_size
         flat = [t.reshape(-1, heads, dim) for t in (query, key, value)]
-        out = attention_f64(*flat, cu_seqlens.tolist(), scale=layer.scale)
+        if cu_seqlens is None:      # MMEncoderAttention's batch layout: each of the B rows is one sequence
+            bounds = [i * query.shape[1] for i in range(query.shape[0] + 1)]
+        else:
+            bounds = cu_seqlens.tolist()
+        out = attention_f64(*flat, bounds, scale=layer.scale)
         return out.to(query.dtype).reshape(query.shape[:2] + ((heads, dim) if query.dim() == 4 else (-1,)))
 
     for layer in model.modules():

@@ -164,27 +164,60 @@ def test_a2_keeps_upstreams_path(utils, soc):
     assert after["calls"] == before["calls"]
 
 
-HOLDERS_CODE = """
-import json, sys
-from npu_shim.testing import towers
-towers.setup()                  # as a worker starts: the shim, then vLLM's model modules
-utils = sys.modules[%r]
-patched = getattr(utils, %r)
-holders = {name: vars(module)[%r] is patched for name, module in list(sys.modules.items())
-           if name.startswith("vllm.model_executor.models.") and name != %r and %r in vars(module)}
-print(json.dumps(holders))
-""" % (TARGET, FUNCTION, FUNCTION, TARGET, FUNCTION)
+def by_name_holders(utils):
+    """vLLM's model modules, already imported, that imported the function by name."""
+    return {name: vars(module)[FUNCTION] for name, module in list(sys.modules.items())
+            if name.startswith("vllm.model_executor.models.") and name != TARGET
+            and FUNCTION in vars(module)}
 
 
-def test_the_models_merge_with_the_patched_function(run_python):
-    """vLLM's model modules import the function by name at their top; imported after the
-    target, they hold the replacement (Qwen3-VL's deepstack merge among them where it has one).
-    In a fresh interpreter: in this one, earlier tests import the models before reinstalling."""
-    import json
+def test_the_models_merge_with_the_patched_function(utils, soc):
+    """vLLM's model modules import the function by name at their top (Qwen3-VL's deepstack merge
+    among them where it has one): what they hold merges on 310P through the shim's path. A module
+    imported before an uninstall/install cycle (another test file's) holds the first replacement,
+    which defers to the one in place: same rows, counted as the shim's calls."""
+    import torch
 
-    holders = json.loads(run_python(HOLDERS_CODE, timeout=600).stdout.strip().splitlines()[-1])
+    import npu_shim
+
+    holders = by_name_holders(utils)
     assert holders, "no vLLM model module imported the function"
-    assert all(holders.values()), holders
+    assert all(getattr(f, "__wrapped_upstream__", None) is upstream_of(utils) for f in holders.values()), \
+        sorted(name for name, f in holders.items() if not hasattr(f, "__wrapped_upstream__"))
+    inputs, embeddings, mask = case(torch.float16)
+    soc("A2")
+    expected, _ = run(upstream_of(utils), inputs, embeddings, mask, mask_on_device=False, defect=False)
+    soc("310P")
+    for name, function in sorted(holders.items()):
+        before = npu_shim.stats()[NAME]["calls"]
+        got, syncs = run(function, inputs, embeddings, mask, mask_on_device=False, defect=True)
+        assert isinstance(got, torch.Tensor) and torch.equal(got, expected), (name, got)
+        assert npu_shim.stats()[NAME]["calls"] == before + 1 and syncs.count == 0, name
+
+
+def test_uninstall_reaches_the_modules_that_imported_the_function(utils, soc):
+    """After ``npu_shim.uninstall()`` a by-name holder runs upstream's function (on an emulated 310P
+    the defect then fails it, as it does upstream); ``install()`` brings the shim's path back."""
+    import torch
+
+    import npu_shim
+
+    holders = by_name_holders(utils)
+    name, function = sorted(holders.items())[0]
+    upstream = upstream_of(utils)
+    inputs, embeddings, mask = case(torch.float16)
+    soc("310P")
+    try:
+        npu_shim.uninstall()
+        assert getattr(utils, FUNCTION) is upstream
+        failed, _ = run(function, inputs, embeddings, mask, mask_on_device=False, defect=True)
+        assert isinstance(failed, ValueError) and "507018" in str(failed.__cause__), (name, repr(failed))
+    finally:
+        npu_shim.install()
+    row = next(r for r in npu_shim.status() if r["name"] == NAME)
+    assert row["state"] == "applied", row
+    merged, _ = run(function, inputs, embeddings, mask, mask_on_device=False, defect=True)
+    assert isinstance(merged, torch.Tensor), (name, repr(merged))
 
 
 def test_the_check_says_not_needed_for_masked_scatter(utils):
@@ -209,3 +242,54 @@ def test_the_check_says_not_needed_for_masked_scatter(utils):
         _flatten_embeddings=utils._flatten_embeddings,
         _embedding_count_expression=utils._embedding_count_expression))
 
+
+
+def test_selftest_on_310p(utils, soc):
+    """The declared selftest, on an emulated 310P: the shim's path, float16, exact against the
+    float64 merge, no read back (host mask), the emulated IndexPut defect armed."""
+    from npu_shim.selftest import run_one
+
+    soc("310P")
+    result = run_one(NAME, device="cpu")
+    assert result["ok"], result["verdict"]
+    assert (result["case"], result["expected_host_syncs"], result["host_syncs"]) == ("310P", 0, 0), result
+    assert result["error"] == 0.0 and result["error_measure"] == "max_abs_err", result
+    assert "float16" in result["detail"] and "defect armed" in result["detail"], result["detail"]
+
+
+def test_selftest_on_a2(utils, soc):
+    """On an A2 the selftest runs too (the patch applies on every NPU): upstream's path, same rows."""
+    from npu_shim.selftest import run_one
+
+    soc("A2")
+    result = run_one(NAME, device="cpu")
+    assert result["ok"], result["verdict"]
+    assert (result["case"], result["host_syncs"]) == ("A2/A3", 0), result
+    assert "upstream's boolean-mask assignment" in result["detail"], result["detail"]
+
+
+def test_selftest_fails_when_the_310p_path_reads_back(utils, soc, monkeypatch):
+    """The verdict is not fooled by right numbers: with the selftest's mask standing for a
+    device tensor, the merge reads the positions back (nonzero's size), computes the same
+    rows, and the selftest fails on its reads."""
+    import npu_shim.testing
+    from npu_shim.selftest import run_one, vllm_mm_merge_310p as selftest
+
+    real_case, real_count = selftest.case, npu_shim.testing.count_host_syncs
+    masks = []
+
+    def recording_case(device, dtype):
+        inputs, embeddings, mask = real_case(device, dtype)
+        masks.append(mask)
+        return inputs, embeddings, mask
+
+    def mask_on_device(device_tensors=(), **kwargs):
+        return real_count(list(device_tensors) + masks[-1:], **kwargs)
+
+    monkeypatch.setattr(selftest, "case", recording_case)
+    monkeypatch.setattr(npu_shim.testing, "count_host_syncs", mask_on_device)
+    soc("310P")
+    result = run_one(NAME, device="cpu")
+    assert masks, "the selftest did not build its case through case()"
+    assert result["error"] == 0.0 and result["host_syncs"] == 1, result
+    assert not result["ok"] and result["failed"] == ["reads"], result

@@ -24,7 +24,10 @@ How: the function is replaced by one that, on a 310P (the SoC torch_npu reports,
   assignment broadcasts them; a count mismatch raises upstream's ``ValueError`` with
   upstream's message (the placeholder count is the number of positions: no read).
   A mask that is not a 1-D boolean of the embeddings' length goes to upstream's
-  function. Output is ``torch.equal`` to upstream's wherever upstream runs.
+  function. Output is ``torch.equal`` to upstream's wherever upstream runs. vLLM's model
+  modules import the function by name (``from .utils import _merge_multimodal_embeddings``),
+  so they hold the replacement itself: it defers to whatever the target module holds now,
+  and those modules follow ``npu_shim.uninstall()`` and a later ``install()`` too.
 Window: read in the wheels: 0.13.0, 0.14.1, 0.18.0 and 0.19.1 merge with
   ``masked_scatter_`` (vLLM #22105; no IndexPut, and no 310P failure of it reported):
   outside the window, and the check says "not needed" on that shape. 0.20.2 and
@@ -35,7 +38,7 @@ Upstream fix: none released; vllm-ascend PR #12914 and PR #11435 (both open) pat
 Remove when: every supported vllm-ascend release patches the merge for 310P itself,
   or torch_npu's IndexPut works on 310P.
 """
-from npu_shim.patch import Family, Patch
+from npu_shim.patch import Family, Patch, Selftest
 
 NAME = "vllm.mm_merge_310p"
 TARGET = "vllm.model_executor.models.utils"
@@ -49,6 +52,7 @@ PATCH = Patch(
     outside_window={"vllm": "before 0.20 vLLM merges with masked_scatter_ (vLLM #22105), not the "
                             "boolean-mask assignment whose 310P IndexPut kernel fails"},
     needs_npu=True,
+    selftest=Selftest("npu_shim.selftest.vllm_mm_merge_310p", host_syncs={"310P": 0, "A2/A3": 0}),
     families=(
         Family(("0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1",
                 "0.28.0", "0.29.0", "0.30.0"),

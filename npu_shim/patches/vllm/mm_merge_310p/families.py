@@ -73,6 +73,12 @@ class _BooleanMaskAssignment:
         upstream = _function(module)
 
         def merge(inputs_embeds, multimodal_embeddings, is_multimodal):
+            current = vars(module).get(FUNCTION)
+            if current is not merge:
+                # A model module that imported the function by name holds this replacement;
+                # after uninstall (or a re-install's new replacement) it follows the target:
+                # upstream's function, or the replacement now in place.
+                return current(inputs_embeds, multimodal_embeddings, is_multimodal)
             if not (on_310p() and _plain_mask(inputs_embeds, is_multimodal)):
                 count(NAME, "upstream_calls")
                 return upstream(inputs_embeds, multimodal_embeddings, is_multimodal)

@@ -1,0 +1,282 @@
+"""The vision-tower census: device->host reads per whole tower forward, upstream -> shim, for
+every tower :mod:`npu_shim.testing.census` builds, and the site that sets the floor.
+
+    python benchmarks/bench_census.py [--lane LANE] [--device-class A2|310P ...]
+    python benchmarks/bench_census.py --doc            # docs/towers.md from the results only
+
+Run in a lane venv (vLLM + vllm-ascend installed, npu-shim installed there). For each
+tower and device class it runs :func:`npu_shim.testing.census.side_by_side` (the shim's
+attention, vllm-ascend's untouched class, vLLM's TORCH_SDPA tower; same weights, two
+forwards over different grids), checks each forward (the shim's output ``torch.equal`` to
+upstream's, within the census test's tolerance of a float64 copy of the tower and of the
+TORCH_SDPA tower) and prints a table. The reads the shim leaves are grouped by the code
+that made them (``file:line in function``): the floor's sites.
+
+With ``--lane`` it also writes ``benchmarks/results/census-<LANE>.json`` (what it
+measured, with date, machine and commit) and then regenerates ``docs/towers.md`` from every
+``census-*.json`` there: the document's figures are the last runs' figures, never typed
+in. ``--doc`` only regenerates the document. The prose on each tower (why a read stays)
+is :data:`WHY` below; the measured columns beside it are the run's.
+"""
+import argparse
+import datetime
+import glob
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+DOC = os.path.join(ROOT, "docs", "towers.md")
+
+os.environ.setdefault("VLLM_PLUGINS", "")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+# Why each tower's remaining reads stay: read in the wheels, checked against the sites the run
+# prints beside it (the measured columns come from the run, this column does not).
+WHY = {
+    "Qwen2-VL": "cu_seqlens is built with NumPy on the host and copied by the tower itself; "
+                "`vllm.qwen2_vl_host_lengths` keeps the host array on that copy. The grid stays on the "
+                "host (`keep_on_cpu`).",
+    "Qwen3-Omni": "cu_seqlens comes from the host grid (`repeat_interleave`) and is copied by the tower; "
+                  "`vllm.qwen3_omni_vision_host_lengths` keeps the host lengths on that copy.",
+    "dots.ocr": "the grid list goes to the device (`torch.tensor(grid, device=...)`, a blocking copy) and "
+                "cu_seqlens is built there (`repeat_interleave` with device repeats: a shape read); the "
+                "attention then reads cu_seqlens once. No host record exists to use.",
+    "LLaVA-OneVision-2": "cu_seqlens goes through `maybe_recompute_cu_seqlens` (attention: 0); "
+                         "`_build_window_cu_seqlens` reads the device `image_grid_thw` (`.tolist()`), "
+                         "sent there by the field config.",
+    "Ernie4.5-VL": "the field config sends the grid to the device; `rot_pos_emb` iterates it (scalar reads "
+                   "per frame row), the rotary table reads max(grid), cu_seqlens is built on the device and "
+                   "the attention reads it once.",
+    "GLM-OCR": "the attention's one read of cu_seqlens (`mm_encoder/common.py` `host_values`), which GLM-OCR's "
+               "own `forward` builds on the host from the host grid (`repeat_interleave`) and copies itself "
+               "(`.to(self.device, non_blocking=True)`); `vllm.glm4_1v_host_lengths` patches GLM-4.1V's "
+               "`forward`, which GLM-OCR overrides. The host has the numbers: a host-lengths patch like "
+               "Qwen3-Omni's would bring it to 0 (not built: listed).",
+    "Keye-VL": "its field config sends the grid to the device, and the model's `_process_image_input` reads "
+               "it back to build cu_seqlens, position ids and sample indices as host lists (0.26.0: `.cpu()` "
+               "per row and 3 blocking `.to(device)` copies; 0.30.0: one `.tolist()` and no blocking copy); "
+               "the attention reads cu_seqlens once; the projector's `rearrange` takes the device grid's "
+               "t, h, w (2 per image). 0.26.0 also reads the rotary table's `pids.max() + 1` and slices "
+               "the output with device `cu_seqlens[i]` (2 per image). The attention's read (and 0.26.0's "
+               "slicing) are of numbers the host built; the grid reads set the floor while the grid is "
+               "on the device.",
+    "PaddleOCR-VL": "per image (the model encodes images one by one): its own `encode_image` reads the "
+                    "device grid row (`.tolist()`: the field config is `batched` without `keep_on_cpu`), "
+                    "and the attention reads cu_seqlens, which `encode_image` built on the host and copied, "
+                    "once; 0.26.0 also reads the rotary table's `pids.max() + 1` and copies with a blocking "
+                    "`.to` (3 per image). Measured: `encode_image` per image, without the projector "
+                    "(`mlp_AR`) `_process_image_input` applies after it. The grid read sets the floor.",
+    "HunYuan-Vision": "the attention runs per image with no cu_seqlens (no read, upstream or shim); the "
+                      "tower copies its host cu_seqlens to the device and then `.tolist()`s the "
+                      "differences to split its output: 1 read of numbers the host built a few lines "
+                      "above (`split_lengths`). Only a patch of the tower's `forward` removes it. "
+                      "vLLM 0.30.0 has no `hunyuan_vision` module.",
+}
+
+
+def _site(event):
+    """``file:line in function`` with the path cut to the package (vllm/..., vllm_ascend/...)."""
+    location = event.location
+    for root in ("vllm_ascend/", "vllm/", "npu_shim/"):
+        i = location.find("/" + root)
+        if i >= 0:
+            return location[i + 1:]
+    return location
+
+
+def measure(device_classes):
+    import torch
+    from importlib.metadata import version
+
+    from npu_shim.testing import census, towers
+
+    sys.path.insert(0, os.path.join(ROOT, "tests", "lanes"))
+    from test_tower_census import TOWER_TOL    # the census test's tolerances, one source
+
+    stack = census.setup()
+    release = {"vllm": version("vllm"), "vllm-ascend": version("vllm-ascend")}
+    rows = []
+    for device_class in device_classes:
+        towers.emulate_device_class(device_class)
+        for name in census.CENSUS:
+            if name not in census._MODULES:
+                rows.append({"tower": name, "class": getattr(census.CENSUS[name], "classes", census.CENSUS[name].cls), "device_class": device_class,
+                             "absent": True})
+                continue
+            forwards = []
+            for run in census.side_by_side(stack, name, device_class):
+                equal = bool(torch.equal(run.out, run.up))
+                ref = census.reference_forward(stack, name, run.x, run.grid)
+                scale = ref.abs().max().item()
+                err_f64 = (run.out.double() - ref).abs().max().item() / scale
+                err_sdpa = (run.out.double() - run.sdpa.double()).abs().max().item() / scale
+                tol = TOWER_TOL[str(run.out.dtype).replace("torch.", "")]
+                sites = {}
+                for event in run.syncs.events:
+                    key = "%s at %s" % (event.kind, _site(event))
+                    sites[key] = sites.get(key, 0) + 1
+                forwards.append({
+                    "grid": run.grid, "upstream": run.up_syncs.count, "shim": run.syncs.count,
+                    "upstream_h2d": run.up_syncs.h2d_count, "shim_h2d": run.syncs.h2d_count,
+                    "shim_sites": sites, "equal_to_upstream": equal, "err_vs_float64": err_f64,
+                    "err_vs_sdpa": err_sdpa, "tolerance": tol, "dtype": str(run.out.dtype).replace("torch.", ""),
+                    "ok": equal and err_f64 <= tol and err_sdpa <= tol,
+                })
+            rows.append({"tower": name, "class": getattr(census.CENSUS[name], "classes", census.CENSUS[name].cls), "device_class": device_class,
+                         "forwards": forwards})
+    return release, rows
+
+
+def print_table(release, rows):
+    print("vllm %s + vllm-ascend %s" % (release["vllm"], release["vllm-ascend"]))
+    print("%-18s %-5s %-10s %-10s %-8s %-5s %s" % ("tower", "class", "forward 0", "forward 1", "h2d", "ok",
+                                                 "what the shim leaves (reads per forward 0, by site)"))
+    for row in rows:
+        if row.get("absent"):
+            print("%-18s %-5s not in this vLLM release" % (row["tower"], row["device_class"]))
+            continue
+        f = row["forwards"]
+        print("%-18s %-5s %-10s %-10s %-8s %-5s %s" % (
+            row["tower"], row["device_class"], "%d -> %d" % (f[0]["upstream"], f[0]["shim"]),
+            "%d -> %d" % (f[1]["upstream"], f[1]["shim"]),
+            "%d -> %d" % (max(x["upstream_h2d"] for x in f), max(x["shim_h2d"] for x in f)),
+            all(x["ok"] for x in f), "; ".join("%s x%d" % kv for kv in f[0]["shim_sites"].items()) or "-"))
+
+
+def _commit():
+    import subprocess
+
+    def git(*words):
+        proc = subprocess.run(["git", *words], cwd=ROOT, capture_output=True, text=True)
+        return proc.stdout.strip() if proc.returncode == 0 else ""
+
+    head = git("rev-parse", "--short=12", "HEAD") or "no git commit"
+    return head + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
+
+
+def write_result(lane, release, rows):
+    import platform
+
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, "census-%s.json" % lane)
+    with open(path, "w") as handle:
+        json.dump({"lane": lane, "release": release, "rows": rows, "commit": _commit(),
+                   "ran": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+                   "machine": "%s, %d cores, Python %s" % (platform.system(), os.cpu_count() or 0,
+                                                           platform.python_version())},
+                  handle, indent=1, sort_keys=True)
+        handle.write("\n")
+    return path
+
+
+INTRO = """\
+# Vision towers: device->host reads per forward, upstream -> shim
+
+Generated by `benchmarks/bench_census.py` from `benchmarks/results/census-*.json`, which that
+script writes when it measures (`python benchmarks/bench_census.py --lane LANE` in the lane's
+venv). Every figure below is the last run's; do not edit them by hand (`--doc` regenerates this
+file from the results alone).
+
+How it is measured (`npu_shim.testing.census`): vLLM's own tower class at the lane's release,
+from a tiny random config (3 layers, so upstream reads `cu_seqlens` back once per layer), run
+on CPU with npu-shim's emulated torch_npu ops. The tower's parameters and inputs stand in for
+device tensors (`npu_shim.testing.count_host_syncs`), and placement is followed from there; each
+tower gets its grid where vLLM's multimodal field config puts it. Two forwards over different
+grids, in `torch.inference_mode()`, the hardware dtype of the device class (A2: bfloat16, 310P:
+float16). Upstream is vllm-ascend's untouched `AscendMMEncoderAttention` (310P: its 310P class)
+with vLLM's tower code; the shim side has every patch that applies. A forward is `ok` when the
+shim's output is `torch.equal` to upstream's and within the census test's tolerance (relative to
+max |reference|) of a float64 copy of the tower (attention from its definition,
+`npu_shim.testing.attention_f64`) and of vLLM's TORCH_SDPA tower.
+
+The four towers with their own patches and benchmarks (Qwen2.5-VL, Qwen3-VL, Kimi-VL,
+GLM-4.1V: 0 reads per forward) are in `benchmarks/results/towers-*.txt`.
+"""
+
+READ_NOT_MEASURED = """\
+## Read in the wheels, not measured
+
+Other `MMEncoderAttention` users in vLLM 0.26.0 and 0.30.0, by where their `cu_seqlens` comes
+from (read, not run):
+
+- Through `maybe_recompute_cu_seqlens` (served by `vllm.mm_encoder_host_lengths`): Qwen2.5-VL's
+  class (also Qwen2.5-Omni's thinker), EXAONE-4.5 (subclasses it), Kimi-K2.5's ViT; in 0.30.0 also
+  `cohere_compass.py`, `muse_glimmer.py`, `pixtral.py`, `ultravox.py`.
+- Built on the device from the grid or sizes (no host record to use): Isaac, Siglip2-NaViT,
+  MiMo-V2-Omni's vision tower, openPangu-VL (plus `.item()` for windows), LFM2's Siglip2.
+- Audio encoders, out of scope: FunASR, Fun-Audio-Chat, Qwen3-Omni's audio tower.
+"""
+
+
+def render(results):
+    from npu_shim.testing import census
+
+    out = [INTRO]
+    for result in sorted(results, key=lambda r: r["release"]["vllm"]):
+        out.append("## vLLM %s + vllm-ascend %s (lane `%s`)\n" % (
+            result["release"]["vllm"], result["release"]["vllm-ascend"], result["lane"]))
+        out.append("Ran %s on %s, at commit %s.\n" % (result["ran"], result["machine"], result["commit"]))
+        out.append("| tower (vLLM class) | device class | forward 0 | forward 1 | blocking H2D | ok | "
+                   "error vs float64 (worst) | the shim's reads, by site (forward 0) |")
+        out.append("|---|---|---|---|---|---|---|---|")
+        for row in result["rows"]:
+            if row.get("absent"):
+                out.append("| %s (`%s`) | %s | not in this release | | | | | |"
+                           % (row["tower"], row["class"], row["device_class"]))
+                continue
+            f = row["forwards"]
+            sites = "; ".join("`%s` x%d" % kv for kv in f[0]["shim_sites"].items()) or "none"
+            out.append("| %s (`%s`) | %s | %d -> %d | %d -> %d | %d -> %d | %s | %.1e (tol %.0e, %s) | %s |" % (
+                row["tower"], row["class"], row["device_class"], f[0]["upstream"], f[0]["shim"],
+                f[1]["upstream"], f[1]["shim"], max(x["upstream_h2d"] for x in f),
+                max(x["shim_h2d"] for x in f), "yes" if all(x["ok"] for x in f) else "**no**",
+                max(x["err_vs_float64"] for x in f), f[0]["tolerance"], f[0]["dtype"], sites))
+        out.append("")
+    out.append("## What remains, and why\n")
+    for name in census.CENSUS:
+        out.append("- **%s**: %s" % (name, WHY.get(name, "(no note)")))
+    out.append("")
+    out.append("## Not measured\n")
+    for name, why in census.NOT_MEASURED.items():
+        out.append("- **%s**: %s." % (name, why))
+    out.append("")
+    out.append(READ_NOT_MEASURED)
+    return "\n".join(out)
+
+
+def write_doc():
+    results = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "census-*.json"))):
+        with open(path) as handle:
+            results.append(json.load(handle))
+    with open(DOC, "w") as handle:
+        handle.write(render(results))
+    return DOC
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--lane", help="write benchmarks/results/census-LANE.json and docs/towers.md")
+    parser.add_argument("--device-class", action="append", choices=("A2", "310P"))
+    parser.add_argument("--doc", action="store_true", help="only regenerate docs/towers.md from the results")
+    args = parser.parse_args(argv)
+    if args.doc:
+        print("wrote %s" % write_doc())
+        return 0
+    release, rows = measure(args.device_class or ["A2"])
+    print_table(release, rows)
+    if args.lane:
+        print("wrote %s" % write_result(args.lane, release, rows))
+        print("wrote %s" % write_doc())
+    failed = [r["tower"] for r in rows if not r.get("absent") and not all(f["ok"] for f in r["forwards"])]
+    if failed:
+        print("not ok: %s" % ", ".join(failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
