@@ -74,6 +74,15 @@ def on_host(tensor):
     return device.type == "cpu" and device.index is None
 
 
+def version_of(tensor):
+    """The tensor's version counter; None for a tensor made under ``torch.inference_mode()``,
+    which has none (and cannot be modified in place outside it)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
 def host_cumulative(metadata):
     """The host list of cumulative lengths (leading 0 included) kept for ``metadata``, or None."""
     kept = getattr(metadata, "__dict__", {}).get(HOST_ATTR)
@@ -81,13 +90,13 @@ def host_cumulative(metadata):
         return None
     device, version, values = kept
     current = metadata.cu_seqlens
-    if current is not device or current._version != version:
+    if current is not device or version_of(current) != version:
         return None
     return values
 
 
 def keep(metadata, values):
-    metadata.__dict__[HOST_ATTR] = (metadata.cu_seqlens, metadata.cu_seqlens._version, values)
+    metadata.__dict__[HOST_ATTR] = (metadata.cu_seqlens, version_of(metadata.cu_seqlens), values)
     return metadata
 
 
@@ -296,9 +305,8 @@ PATCH = Patch(
     target=TARGET,
     replaces=(METADATA, FORWARD),
     requires={"sglang": ">=0.5.16,<0.5.24"},
-    outside_window={"sglang": "before 0.5.16 there is no vision attention metadata and the towers that keep "
-                              "cu_seqlens on the host on NPU hand VisionAscendAttention host lengths (0 reads "
-                              "there); releases after 0.5.23 not verified"},
+    outside_window={"sglang": "before 0.5.16 there is no vision attention metadata: sglang.vision_device_lengths "
+                              "serves 0.5.11 - 0.5.15; releases after 0.5.23 not verified"},
     needs_npu=True,
     families=(
         Family(("0.5.16",), __name__ + ":SEQ_LENS", fence=">=0.5.16,<0.5.17",
