@@ -156,13 +156,17 @@ def sglang_main():
                     raise
                 rows.append((name, release, device_class, "-", "-", "-", str(exc).split(":")[0] + ": not on 310P"))
                 continue
-            up = max(r.up_syncs.count for r in runs), max(r.up_syncs.h2d_count for r in runs)
+            ran = [r for r in runs if r.up is not None]
+            up = ("%d" % max(r.up_syncs.count for r in ran), "%d" % max(r.up_syncs.h2d_count for r in ran)) \
+                if ran else ("fails", "fails")
             shim = max(r.syncs.count for r in runs), max(r.syncs.h2d_count for r in runs)
             equal = all(torch.equal(sglang_towers.tower_output(r.out), sglang_towers.tower_output(r.up))
-                        for r in runs)
-            rows.append((name, release, device_class, "%d -> %d" % (up[0], shim[0]),
-                         "%d -> %d" % (up[1], shim[1]), "%.1e" % max(r.error for r in runs),
-                         "yes" if equal else "NO"))
+                        for r in ran)
+            failed = ["%d images" % len(r.grid) for r in runs if r.up is None]
+            rows.append((name, release, device_class, "%s -> %d" % (up[0], shim[0]),
+                         "%s -> %d" % (up[1], shim[1]), "%.1e" % max(r.error for r in runs),
+                         ("yes" if equal else "NO") + ("; upstream fails with %s (FIA: actual_seq_lengths)"
+                                                       % ", ".join(failed) if failed else "")))
             if device_class == "A2":
                 for site, count in sorted(max((r.sites() for r in runs), key=len).items()):
                     remain.append("  %s %s: %s (%d)" % (name, release, site, count))
