@@ -9,7 +9,7 @@ Why: before 0.5.16 sglang's ``VisionAscendAttention.forward`` takes the tower's
   "cpu" on NPU and the attention reads nothing; Qwen3-VL moves its host lengths to
   "cpu" and then copies them to the device itself (``qwen3_vl.py``:
   ``cu_seqlens.to(self.device, non_blocking=True)``), so the attention reads the same
-  tensor back in every layer: 1 read per layer (27 for Qwen3-VL-8B's tower).
+  tensor back in every layer: 1 read per layer of the tower.
 How: ``VisionAscendAttention.forward`` is wrapped; upstream's forward runs every time,
   with upstream's op call and arguments. A host ``cu_seqlens`` (or none, or a
   ``SingletonCache``, or the NPU-graph mode) goes to it unchanged. A device one is

@@ -37,12 +37,12 @@ Upstream fix: 0.5.17 (PR #31867) passes cumulative lengths (0.5.16's multi-image
   that PR #15434 had removed).
 Remove when: sglang's vision metadata keeps the host lengths for the NPU backend.
 
-Releases before 0.5.16 (read from the wheels, measured on the lanes): 0.5.11 -
-0.5.13 call ``_npu_flash_attention_unpad`` with ``seq_lens`` moved to the host
-only if they are on the NPU, 0.5.14 - 0.5.15 call FIA with
-``cu_seqlens[1:].tolist()``; there is no metadata, and the towers that move
-``cu_seqlens`` to ``"cpu"`` on NPU (Qwen2.5-VL, Qwen3-VL, GLM-4V) hand the
-attention host lengths: 0 reads in the attention, nothing to fix.
+Releases before 0.5.16 (read from the wheels, measured on the lanes with sglang's own towers,
+``npu_shim.testing.sglang_towers``): 0.5.11 - 0.5.13 call ``_npu_flash_attention_unpad`` with
+``seq_lens`` moved to the host only if they are on the NPU, 0.5.14 - 0.5.15 call FIA with
+``cu_seqlens[1:].tolist()``; there is no metadata. Qwen2.5-VL and GLM-4V hand the attention
+host lengths (0 reads there); Qwen3-VL hands it a device copy of its host lengths (1 read per
+layer): ``sglang.vision_device_lengths`` serves those releases (1 read per forward).
 
 A model module binds ``prepare_vision_attention_metadata`` by name when it
 imports; the replacement forwards to whatever the vision module holds now when
