@@ -128,8 +128,9 @@ def sglang_main():
     """An sglang lane: sglang's own Qwen2.5-VL, Qwen3-VL and GLM-4V towers
     (:mod:`npu_shim.testing.sglang_towers`), A2 (bfloat16) and 310P (float16), each over its two
     grids; per forward (the most of the two): reads upstream -> shim, blocking host->device
-    copies upstream -> shim, the shim's output vs float64 (max |out - ref| / max |ref|, the
-    worse forward) and whether it equals upstream's bit for bit; then where the shim's reads
+    copies upstream -> shim, the outputs vs float64 (max |out - ref| / max |ref|, the worse
+    forward; upstream's over the forwards it ran) and whether the shim's equals upstream's bit
+    for bit; then where the shim's reads
     remain (file:line, reads per forward)."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
                                     "placeholders"))     # sgl_kernel_npu: imported, never called
@@ -163,16 +164,17 @@ def sglang_main():
             equal = all(torch.equal(sglang_towers.tower_output(r.out), sglang_towers.tower_output(r.up))
                         for r in ran)
             failed = ["%d images" % len(r.grid) for r in runs if r.up is None]
+            up_error = "%.1e" % max(r.up_error for r in ran) if ran else "-"
             rows.append((name, release, device_class, "%s -> %d" % (up[0], shim[0]),
-                         "%s -> %d" % (up[1], shim[1]), "%.1e" % max(r.error for r in runs),
-                         ("yes" if equal else "NO") + ("; upstream fails with %s (FIA: actual_seq_lengths)"
+                         "%s -> %d" % (up[1], shim[1]), "%s -> %.1e" % (up_error, max(r.error for r in runs)),
+                         ("yes" if equal else "NO") + ("; upstream refused with %s (FIA: actual_seq_lengths)"
                                                        % ", ".join(failed) if failed else "")))
             if device_class == "A2":
                 for site, count in sorted(max((r.sites() for r in runs), key=len).items()):
                     remain.append("  %s %s: %s (%d)" % (name, release, site, count))
     os.environ.pop("NPU_SHIM_EMULATE_SOC", None)
     header = ("tower", "release", "class", "d->h reads / forward", "blocking h->d copies",
-              "vs float64 (rel)", "== upstream")
+              "vs float64 (rel), upstream -> shim", "shim == upstream")
     widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
     print("applied: %s" % (", ".join(families) or "none"))
     for row in [header, tuple("-" * w for w in widths)] + rows:

@@ -254,8 +254,8 @@ def relative_error(out, ref):
 class Forward(types.SimpleNamespace):
     """One forward of a tower on both sides: ``grid``, ``out``/``syncs``/``calls`` (the shim),
     ``up``/``up_syncs``/``up_calls`` (upstream; None, with ``up_failure`` the op's refusal, where
-    upstream cannot run: 0.5.16 with two images or more), ``error`` (the shim's output vs
-    float64, :func:`relative_error`)."""
+    upstream cannot run: 0.5.16 with two images or more), ``error`` / ``up_error`` (the shim's /
+    upstream's output vs float64, :func:`relative_error`)."""
 
     def sites(self, upstream=False):
         """Where the reads were made: ``{"file:line in function": count}``."""
@@ -281,5 +281,6 @@ def side_by_side(name, dtype, *, seed=0):
         out, syncs, calls = forward(name, tower, x, grid)
         ref = reference_forward(name, x, grid, seed=seed)
         runs.append(Forward(index=index, grid=grid, out=out, syncs=syncs, calls=calls, up=up, up_syncs=up_syncs,
-                            up_calls=up_calls, up_failure=up_failure, error=relative_error(out, ref)))
+                            up_calls=up_calls, up_failure=up_failure, error=relative_error(out, ref),
+                            up_error=None if up is None else relative_error(up, ref)))
     return runs

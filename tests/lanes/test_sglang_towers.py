@@ -21,8 +21,9 @@ expected counts are built from the sites that read:
 Outputs: ``torch.equal`` to upstream's (the same ops on the same data), and within tolerance of the
 float64 tower (same weights rounded to the dtype, attention ``attention_f64``): relative error
 measured worst 4.1e-2 (GLM-4V, bfloat16; its position embedding interpolates in the model dtype).
-On 0.5.16 upstream refuses the three-image forward (per-image lengths to FIA TND); the shim's output
-is checked against float64 there. 310P (float16): the ops before 0.5.14 (``_npu_flash_attention_unpad``);
+On 0.5.16 upstream hands FIA per-image lengths: with two images or more it is refused (lengths
+that decrease) or wrong (relative error to float64 above 0.6); the shim's output is checked
+against float64 there. 310P (float16): the ops before 0.5.14 (``_npu_flash_attention_unpad``);
 from 0.5.14 sglang's vision attention calls FIA, which the vendor does not document for 310P: the
 emulation refuses it on both sides, as it would fail there.
 """
@@ -91,10 +92,16 @@ def test_tower_reads_and_outputs_a2(stack, name):
         assert in_attention == attention, run.sites()
         assert shim.h2d_count == H2D[name], shim.h2d_events
         assert run.error <= TOLERANCE["bfloat16"], run.error
-        if run.up is None:          # 0.5.16, two images or more: upstream's FIA call is refused
-            assert _release() == Version("0.5.16") and len(run.grid) > 1, run.up_failure
-            assert "actual_seq_lengths" in run.up_failure
+        if _release() == Version("0.5.16") and len(run.grid) > 1:
+            # upstream hands FIA (TND) per-image lengths: refused where they decrease (the real op
+            # refuses any list whose last element is not the token count); where the emulation
+            # runs them, the segments are wrong and so is the output
+            if run.up is None:
+                assert "actual_seq_lengths" in run.up_failure
+            else:
+                assert run.up_error > 10 * TOLERANCE["bfloat16"], run.up_error
             continue
+        assert run.up is not None, run.up_failure
         assert run.up_syncs.count == tower + attention_reads(name, upstream=True), run.sites(upstream=True)
         assert run.up_syncs.h2d_count == H2D[name]
         assert torch.equal(sglang_towers.tower_output(run.out), sglang_towers.tower_output(run.up))
