@@ -42,10 +42,13 @@ def main(argv=None):
     args = parser.parse_args(argv)
 
     import contextlib
+    import importlib.util
 
     import torch
     from importlib.metadata import version
 
+    if importlib.util.find_spec("vllm") is None and importlib.util.find_spec("sglang") is not None:
+        return sglang_main()
     from npu_shim.testing import count_host_syncs, towers
 
     stack = towers.setup()
@@ -119,6 +122,66 @@ def moonvit_rows(stack, release, repeat):
                      % (shim[2] * 1e3, up[2] * 1e3, shim[2] / up[2])))
     os.environ.pop("NPU_SHIM_EMULATE_SOC", None)
     return rows
+
+
+def sglang_main():
+    """An sglang lane: sglang's own Qwen2.5-VL, Qwen3-VL and GLM-4V towers
+    (:mod:`npu_shim.testing.sglang_towers`), A2 (bfloat16) and 310P (float16), each over its two
+    grids; per forward (the most of the two): reads upstream -> shim, blocking host->device
+    copies upstream -> shim, the outputs vs float64 (max |out - ref| / max |ref|, the worse
+    forward; upstream's over the forwards it ran) and whether the shim's equals upstream's bit
+    for bit; then where the shim's reads
+    remain (file:line, reads per forward)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests",
+                                    "placeholders"))     # sgl_kernel_npu: imported, never called
+    from importlib.metadata import version
+
+    import torch
+
+    import npu_shim
+    from npu_shim.testing import sglang_towers, towers
+
+    sglang_towers.setup()
+    release = "sglang %s" % version("sglang")
+    families = sorted({r["family"] for r in npu_shim.status()
+                       if r["name"] in ("sglang.vision_host_lengths", "sglang.vision_device_lengths")
+                       and r["state"] == "applied"})
+    rows, remain = [], []
+    for name in sglang_towers.TOWERS:
+        for device_class, dtype in (("A2", torch.bfloat16), ("310P", torch.float16)):
+            towers.emulate_device_class(device_class)
+            try:
+                runs = sglang_towers.side_by_side(name, dtype)
+            except ValueError as exc:       # upstream's op where the vendor documents no dtype
+                if "not documented for" not in str(exc):
+                    raise
+                rows.append((name, release, device_class, "-", "-", "-", str(exc).split(":")[0] + ": not on 310P"))
+                continue
+            ran = [r for r in runs if r.up is not None]
+            up = ("%d" % max(r.up_syncs.count for r in ran), "%d" % max(r.up_syncs.h2d_count for r in ran)) \
+                if ran else ("fails", "fails")
+            shim = max(r.syncs.count for r in runs), max(r.syncs.h2d_count for r in runs)
+            equal = all(torch.equal(sglang_towers.tower_output(r.out), sglang_towers.tower_output(r.up))
+                        for r in ran)
+            failed = ["%d images" % len(r.grid) for r in runs if r.up is None]
+            up_error = "%.1e" % max(r.up_error for r in ran) if ran else "-"
+            rows.append((name, release, device_class, "%s -> %d" % (up[0], shim[0]),
+                         "%s -> %d" % (up[1], shim[1]), "%s -> %.1e" % (up_error, max(r.error for r in runs)),
+                         ("yes" if equal else "NO") + ("; upstream refused with %s (FIA: actual_seq_lengths)"
+                                                       % ", ".join(failed) if failed else "")))
+            if device_class == "A2":
+                for site, count in sorted(max((r.sites() for r in runs), key=len).items()):
+                    remain.append("  %s %s: %s (%d)" % (name, release, site, count))
+    os.environ.pop("NPU_SHIM_EMULATE_SOC", None)
+    header = ("tower", "release", "class", "d->h reads / forward", "blocking h->d copies",
+              "vs float64 (rel), upstream -> shim", "shim == upstream")
+    widths = [max(len(str(r[i])) for r in rows + [header]) for i in range(len(header))]
+    print("applied: %s" % (", ".join(families) or "none"))
+    for row in [header, tuple("-" * w for w in widths)] + rows:
+        print("  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip())
+    print("\nreads that remain with the shim (A2, the forward with the most sites):")
+    print("\n".join(remain) if remain else "  none")
+    return 0
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ BUILTIN_PATCHES = (
     ("sglang.cp_fia_host_lengths", "npu_shim.patches.sglang.cp_fia_host_lengths"),
     ("sglang.small_page_fia", "npu_shim.patches.sglang.small_page_fia"),
     ("sglang.vision_host_lengths", "npu_shim.patches.sglang.vision_host_lengths"),
+    ("sglang.vision_device_lengths", "npu_shim.patches.sglang.vision_device_lengths"),
 )
 
 # Top-level packages whose import loads the patch machinery.

@@ -221,7 +221,8 @@ def test_switched_off_is_upstream_and_strict_raises_on_another_shape(vision, run
 
 @outside
 def test_outside_the_window_skipped_and_host_lengths_cost_nothing_upstream(vision):
-    """0.5.11 - 0.5.15: no metadata; the attention reads only lengths the tower left on the device."""
+    """0.5.11 - 0.5.15: no metadata; upstream's attention reads only lengths the tower left on the
+    device, once per layer (sglang.vision_device_lengths' tests: once per forward with the shim)."""
     import torch
 
     from npu_shim.testing import sglang_vision
@@ -235,5 +236,7 @@ def test_outside_the_window_skipped_and_host_lengths_cost_nothing_upstream(visio
         out, syncs, calls = sglang_vision.run_layers(vision, case, LAYERS)
         assert syncs.count == 0 and syncs.h2d_count == 0, syncs.events
         assert sglang_vision.error(case, out) <= sglang_vision.TOLERANCES[torch.bfloat16]
-        _, syncs, _ = sglang_vision.run_layers(vision, case, LAYERS, device_lengths=True)
+        forward = vision.VisionAscendAttention.forward      # sglang.vision_device_lengths' there
+        _, syncs, _ = sglang_vision.run_layers(vision, case, LAYERS, device_lengths=True,
+                                               forward=getattr(forward, "__wrapped_upstream__", forward))
         assert syncs.count == LAYERS, syncs.events

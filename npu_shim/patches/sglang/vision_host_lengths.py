@@ -37,12 +37,12 @@ Upstream fix: 0.5.17 (PR #31867) passes cumulative lengths (0.5.16's multi-image
   that PR #15434 had removed).
 Remove when: sglang's vision metadata keeps the host lengths for the NPU backend.
 
-Releases before 0.5.16 (read from the wheels, measured on the lanes): 0.5.11 -
-0.5.13 call ``_npu_flash_attention_unpad`` with ``seq_lens`` moved to the host
-only if they are on the NPU, 0.5.14 - 0.5.15 call FIA with
-``cu_seqlens[1:].tolist()``; there is no metadata, and the towers that move
-``cu_seqlens`` to ``"cpu"`` on NPU (Qwen2.5-VL, Qwen3-VL, GLM-4V) hand the
-attention host lengths: 0 reads in the attention, nothing to fix.
+Releases before 0.5.16 (read from the wheels, measured on the lanes with sglang's own towers,
+``npu_shim.testing.sglang_towers``): 0.5.11 - 0.5.13 call ``_npu_flash_attention_unpad`` with
+``seq_lens`` moved to the host only if they are on the NPU, 0.5.14 - 0.5.15 call FIA with
+``cu_seqlens[1:].tolist()``; there is no metadata. Qwen2.5-VL and GLM-4V hand the attention
+host lengths (0 reads there); Qwen3-VL hands it a device copy of its host lengths (1 read per
+layer): ``sglang.vision_device_lengths`` serves those releases (1 read per forward).
 
 A model module binds ``prepare_vision_attention_metadata`` by name when it
 imports; the replacement forwards to whatever the vision module holds now when
@@ -74,6 +74,15 @@ def on_host(tensor):
     return device.type == "cpu" and device.index is None
 
 
+def version_of(tensor):
+    """The tensor's version counter; None for a tensor made under ``torch.inference_mode()``,
+    which has none (and cannot be modified in place outside it)."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
 def host_cumulative(metadata):
     """The host list of cumulative lengths (leading 0 included) kept for ``metadata``, or None."""
     kept = getattr(metadata, "__dict__", {}).get(HOST_ATTR)
@@ -81,13 +90,13 @@ def host_cumulative(metadata):
         return None
     device, version, values = kept
     current = metadata.cu_seqlens
-    if current is not device or current._version != version:
+    if current is not device or version_of(current) != version:
         return None
     return values
 
 
 def keep(metadata, values):
-    metadata.__dict__[HOST_ATTR] = (metadata.cu_seqlens, metadata.cu_seqlens._version, values)
+    metadata.__dict__[HOST_ATTR] = (metadata.cu_seqlens, version_of(metadata.cu_seqlens), values)
     return metadata
 
 
@@ -296,9 +305,8 @@ PATCH = Patch(
     target=TARGET,
     replaces=(METADATA, FORWARD),
     requires={"sglang": ">=0.5.16,<0.5.24"},
-    outside_window={"sglang": "before 0.5.16 there is no vision attention metadata and the towers that keep "
-                              "cu_seqlens on the host on NPU hand VisionAscendAttention host lengths (0 reads "
-                              "there); releases after 0.5.23 not verified"},
+    outside_window={"sglang": "before 0.5.16 there is no vision attention metadata: sglang.vision_device_lengths "
+                              "serves 0.5.11 - 0.5.15; releases after 0.5.23 not verified"},
     needs_npu=True,
     families=(
         Family(("0.5.16",), __name__ + ":SEQ_LENS", fence=">=0.5.16,<0.5.17",

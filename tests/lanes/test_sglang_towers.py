@@ -1,0 +1,135 @@
+"""sglang's own vision towers, whole, on every sglang lane: Qwen2.5-VL, Qwen3-VL and GLM-4V
+(:mod:`npu_shim.testing.sglang_towers`: the installed release's tower classes, tiny random configs,
+the ``ascend_attn`` backend, emulated ops, CPU), upstream (the shim uninstalled) -> shim
+(``sglang.vision_device_lengths`` on 0.5.11 - 0.5.15, ``sglang.vision_host_lengths`` on 0.5.16 - 0.5.23).
+
+Counted per forward, two forwards (three images, one of them two frames except for GLM-4V; then two
+images): every device->host read, where it is made, and the blocking host->device copies. The
+expected counts are built from the sites that read:
+
+* the towers' own reads, the same on both sides (the shim does not patch the towers):
+  Qwen2.5-VL 3 (``torch.unique_consecutive`` of the window bounds it built on the device from its
+  host grid, then ``cu_seqlens`` and ``cu_window_seqlens`` moved to "cpu"); GLM-4V 2 per image (its
+  position embedding copies the host lengths to the device and ``.repeat(lengths[i])`` reads each
+  back, twice); Qwen3-VL none;
+* the vision attention's: before 0.5.16, 1 per layer where the tower hands it device lengths
+  (Qwen3-VL; upstream) -> 1 per forward (shim), 0 on host lengths; from 0.5.16, 1 per metadata
+  object (``.item()``) + 1 per layer (upstream) -> 0 (shim);
+* blocking host->device copies: Qwen2.5-VL 4 and GLM-4V 1 (the towers' own), Qwen3-VL 0; the shim
+  adds none.
+
+Outputs: ``torch.equal`` to upstream's (the same ops on the same data), and within tolerance of the
+float64 tower (same weights rounded to the dtype, attention ``attention_f64``): relative error
+measured worst 4.1e-2 (GLM-4V, bfloat16; its position embedding interpolates in the model dtype).
+On 0.5.16 upstream hands FIA per-image lengths: with two images or more it is refused (lengths
+that decrease) or wrong (relative error to float64 above 0.6); the shim's output is checked
+against float64 there. 310P (float16): the ops before 0.5.14 (``_npu_flash_attention_unpad``);
+from 0.5.14 sglang's vision attention calls FIA, which the vendor does not document for 310P: the
+emulation refuses it on both sides, as it would fail there.
+"""
+import pytest
+
+HOST = "sglang.vision_host_lengths"
+DEVICE = "sglang.vision_device_lengths"
+
+pytestmark = [pytest.mark.claimed(HOST, DEVICE), pytest.mark.patch(HOST, DEVICE)]
+
+DEPTH = {"Qwen2.5-VL": 4, "Qwen3-VL": 3, "GLM-4V": 3}
+METADATA_OBJECTS = {"Qwen2.5-VL": 2, "Qwen3-VL": 1, "GLM-4V": 1}     # window + full; one
+DEVICE_LENGTHS = ("Qwen3-VL",)      # hands the attention a device copy of its host lengths
+H2D = {"Qwen2.5-VL": 4, "Qwen3-VL": 0, "GLM-4V": 1}
+ATTENTION_FILES = ("attention/vision.py", "sglang/vision_device_lengths.py", "sglang/vision_host_lengths.py")
+TOLERANCE = {"bfloat16": 6e-2, "float16": 1.5e-2}
+
+
+def _release():
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    return Version(version("sglang"))
+
+
+def tower_reads(name, grid):
+    return {"Qwen2.5-VL": 3, "Qwen3-VL": 0, "GLM-4V": 2 * len(grid)}[name]
+
+
+def attention_reads(name, upstream):
+    from packaging.version import Version
+
+    if _release() < Version("0.5.16"):
+        if name not in DEVICE_LENGTHS:
+            return 0
+        return DEPTH[name] if upstream else 1
+    return METADATA_OBJECTS[name] + DEPTH[name] if upstream else 0
+
+
+@pytest.fixture(scope="module")
+def stack():
+    from npu_shim.testing import sglang_towers
+
+    return sglang_towers.setup()
+
+
+@pytest.mark.parametrize("name", ["Qwen2.5-VL", "Qwen3-VL", "GLM-4V"])
+def test_tower_reads_and_outputs_a2(stack, name):
+    import torch
+
+    import npu_shim
+    from npu_shim.testing import sglang_towers
+    from packaging.version import Version
+
+    applied = {r["name"]: r["state"] for r in npu_shim.status()}
+    assert applied[HOST if _release() >= Version("0.5.16") else DEVICE] == "applied", applied
+    for run in sglang_towers.side_by_side(name, torch.bfloat16):
+        shim = run.syncs
+        print("%s sglang %s forward %d: upstream %s -> shim %s; error %.2e; shim reads at %s"
+              % (name, _release(), run.index, run.up_syncs and run.up_syncs.summary(), shim.summary(),
+                 run.error, run.sites()))
+        tower, attention = tower_reads(name, run.grid), attention_reads(name, upstream=False)
+        assert shim.count == tower + attention, run.sites()
+        in_attention = sum(n for site, n in run.sites().items() if site.startswith(ATTENTION_FILES))
+        assert in_attention == attention, run.sites()
+        assert shim.h2d_count == H2D[name], shim.h2d_events
+        assert run.error <= TOLERANCE["bfloat16"], run.error
+        if _release() == Version("0.5.16") and len(run.grid) > 1:
+            # upstream hands FIA (TND) per-image lengths: refused where they decrease (the real op
+            # refuses any list whose last element is not the token count); where the emulation
+            # runs them, the segments are wrong and so is the output
+            if run.up is None:
+                assert "actual_seq_lengths" in run.up_failure
+            else:
+                assert run.up_error > 10 * TOLERANCE["bfloat16"], run.up_error
+            continue
+        assert run.up is not None, run.up_failure
+        assert run.up_syncs.count == tower + attention_reads(name, upstream=True), run.sites(upstream=True)
+        assert run.up_syncs.h2d_count == H2D[name]
+        assert torch.equal(sglang_towers.tower_output(run.out), sglang_towers.tower_output(run.up))
+        assert [c.name for c in run.calls] == [c.name for c in run.up_calls]
+
+
+@pytest.mark.parametrize("name", ["Qwen2.5-VL", "Qwen3-VL", "GLM-4V"])
+def test_tower_310p_float16(stack, name, monkeypatch):
+    import torch
+
+    from npu_shim.testing import sglang_towers
+    from npu_shim.testing.towers import SOC_310P
+    from packaging.version import Version
+
+    monkeypatch.setenv("NPU_SHIM_EMULATE_SOC", SOC_310P)
+    if _release() >= Version("0.5.14"):
+        # sglang's vision attention calls FIA from 0.5.14; not documented for 310P (no dtype there)
+        tower = sglang_towers.build(name, torch.float16)
+        grid = sglang_towers.TOWERS[name].grids[1]
+        x = sglang_towers.pixel_values(tower, grid)
+        for upstream in (True, False):
+            with pytest.raises(ValueError, match="not documented for .*310P"):
+                sglang_towers.forward(name, tower, x, grid, upstream=upstream)
+        return
+    for run in sglang_towers.side_by_side(name, torch.float16):
+        tower, attention = tower_reads(name, run.grid), attention_reads(name, upstream=False)
+        assert run.syncs.count == tower + attention, run.sites()
+        assert run.up_syncs.count == tower + attention_reads(name, upstream=True)
+        assert run.syncs.h2d_count == run.up_syncs.h2d_count == H2D[name]
+        assert torch.equal(run.out, run.up)
+        assert run.error <= TOLERANCE["float16"], run.error
