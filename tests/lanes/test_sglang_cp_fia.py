@@ -247,7 +247,12 @@ def test_selftest_runs_the_patched_path_in_a_broken_window_build(broken_window_r
     row = next(r for r in broken_window_run["selftest"] if r["patch"] == "sglang.cp_fia")
     assert (row["state"], row["ok"], row["kernels"]) == ("applied", True, "emulation"), row
     assert row["host_syncs"] == row["expected_host_syncs"] == 0
-    assert row["error_measure"] == "max_abs_err" and 0 <= row["error"] <= row["tolerance"] == 2e-5
+    import torch
+
+    from npu_shim.testing import cp_case
+
+    # float16, the dtype the real FIA takes on every device class that has it
+    assert row["error_measure"] == "max_abs_err" and 0 <= row["error"] <= row["tolerance"] == cp_case.tolerance(torch.float16)
     assert "do_cp_attn_fia" in row["reason"]
 
 
