@@ -145,7 +145,9 @@ def test_skipped_on_0_5_11_whose_fia_prefill_ignores_the_kv_cache(modules):
         assert all(c.kwargs["input_layout"] == "BSND" and "block_table" not in c.kwargs for c in calls)
         errors.append(cp_case.max_abs_err(out, prefill_case.expected(batch)))
     tolerance = cp_case.tolerance(spec.dtype)
-    assert errors[0] <= tolerance and errors[1] > 1000 * tolerance, errors
+    # right without a cached prefix; with one, off by more than 1 on N(0, 1) data (3.4 measured in
+    # bfloat16): attention to the wrong keys, not rounding (the tolerance is 3e-2)
+    assert errors[0] <= tolerance and errors[1] > 1.0, errors
 
 
 SMALL = [
