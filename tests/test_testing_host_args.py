@@ -18,6 +18,7 @@ emulation.install()
 import torch_npu  # noqa: E402
 
 N, D = 2, 16
+DTYPE = torch.float16   # a dtype every emulated op takes on both device classes; the reads are the point here
 
 
 def _cu():
@@ -25,12 +26,12 @@ def _cu():
 
 
 def unpad(op, lengths, arg):
-    q = torch.randn(7, N, D)
+    q = torch.randn(7, N, D, dtype=DTYPE)
     op(q, q, q, lengths, 0.25, N, N, torch.empty_like(q))
 
 
 def fusion_attention(op, lengths, arg):
-    q = torch.randn(7, N, D)
+    q = torch.randn(7, N, D, dtype=DTYPE)
     host = {"actual_seq_qlen": [3, 7], "actual_seq_kvlen": [3, 7]}
     host[arg] = lengths
     op(q, q, q, N, "TND", scale=0.25, **host)
@@ -38,7 +39,7 @@ def fusion_attention(op, lengths, arg):
 
 def fusion_attention_positional(op, lengths, arg):
     # actual_seq_qlen / actual_seq_kvlen are positions 14 / 15 of the documented signature
-    q = torch.randn(7, N, D)
+    q = torch.randn(7, N, D, dtype=DTYPE)
     host = {"actual_seq_qlen": [3, 7], "actual_seq_kvlen": [3, 7]}
     host[arg] = lengths
     op(q, q, q, N, "TND", None, None, None, 0.25, 1.0, 2147483647, 2147483647, 0, None,
@@ -46,22 +47,22 @@ def fusion_attention_positional(op, lengths, arg):
 
 
 def fused_infer_attention(op, lengths, arg):
-    q = torch.randn(7, N, D)
+    q = torch.randn(7, N, D, dtype=DTYPE)
     host = {"actual_seq_lengths": [3, 7], "actual_seq_lengths_kv": [3, 7]}
     host[arg] = lengths
     op(q, q, q, num_heads=N, scale=0.25, input_layout="TND", **host)
 
 
 def prompt_flash_attention(op, lengths, arg):
-    q = torch.randn(2, 4, N, D)
+    q = torch.randn(2, 4, N, D, dtype=DTYPE)
     host = {"actual_seq_lengths": [3, 4], "actual_seq_lengths_kv": [3, 4]}
     host[arg] = lengths
     op(q, q, q, num_heads=N, scale_value=0.25, input_layout="BSND", **host)
 
 
 def incre_flash_attention(op, lengths, arg):
-    q = torch.randn(2, 1, N, D)
-    k = torch.randn(2, 4, N, D)
+    q = torch.randn(2, 1, N, D, dtype=DTYPE)
+    k = torch.randn(2, 4, N, D, dtype=DTYPE)
     op(q, k, k, num_heads=N, scale_value=0.25, input_layout="BSND", actual_seq_lengths=lengths)
 
 
@@ -122,7 +123,7 @@ def test_strict_mode_names_the_op_and_the_argument(op_name, arg, call, lengths):
 
 def test_the_torch_ops_spelling_counts_too():
     cu = _cu()
-    q = torch.randn(7, N, D)
+    q = torch.randn(7, N, D, dtype=DTYPE)
     out = torch.zeros_like(q)
     with count_host_syncs(device_tensors=[cu]) as syncs:
         torch.ops.npu._npu_flash_attention_unpad(q, q, q, torch.diff(cu), 0.25, N, N, out)
@@ -136,7 +137,7 @@ def test_the_torch_ops_spelling_counts_too():
 
 def test_strict_mode_raises_before_the_op_runs():
     cu = _cu()
-    q = torch.randn(7, N, D)
+    q = torch.randn(7, N, D, dtype=DTYPE)
     out = torch.zeros_like(q)
     with count_host_syncs(device_tensors=[cu], strict=True):
         with pytest.raises(HostArgumentError):
@@ -147,7 +148,7 @@ def test_strict_mode_raises_before_the_op_runs():
 def test_device_scalars_in_a_list_are_one_read_each():
     # the op's argument parser reads each element: torch.ops takes 0-d tensors in an int[]
     cu = _cu().long()
-    q = torch.randn(7, N, D)
+    q = torch.randn(7, N, D, dtype=DTYPE)
     with count_host_syncs(device_tensors=[cu]) as syncs:
         torch.ops.npu.npu_fusion_attention(q, q, q, N, "TND", scale=0.25,
                                            actual_seq_qlen=[cu[1], cu[2]], actual_seq_kvlen=[3, 7])
@@ -157,7 +158,7 @@ def test_device_scalars_in_a_list_are_one_read_each():
 def test_the_issue_probe():
     """Issue 22's probe: with cu a device tensor, each of these is one read, as cu.tolist() is."""
     cu = _cu()
-    q = torch.randn(7, N, D)
+    q = torch.randn(7, N, D, dtype=DTYPE)
     counts = []
     for step in (
         lambda: torch_npu._npu_flash_attention_unpad(q, q, q, torch.diff(cu), 0.25, N, N,
