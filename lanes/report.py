@@ -443,8 +443,9 @@ def cmd_summary(args):
         print("lanes with failures or no tests: " + ", ".join(failed))
     record.append("lanes: " + closing_line(overall))
     if args.record:
+        header = run_header(args)   # before the file is opened: truncating it would read as an uncommitted change
         with open(args.record, "w", encoding="utf-8") as handle:
-            handle.write(run_header(args) + "\n\n" + "\n".join(record[:1]) + "\n" + "\n".join(record[1:]) + "\n")
+            handle.write(header + "\n\n" + "\n".join(record[:1]) + "\n" + "\n".join(record[1:]) + "\n")
     print(record[-1])
     return 1 if failed else 0
 
