@@ -20,20 +20,14 @@ import pytest
 
 import npu_shim
 from npu_shim.patches.sglang import vision_device_lengths as declaration
+from npu_shim.testing import claims
 
-from sglang_support import declared  # noqa: E402  (tests/lanes/conftest.py)
 
 NAME = declaration.NAME
 TARGET = declaration.TARGET
 LAYERS = 6
 
 pytestmark = [pytest.mark.claimed(NAME), pytest.mark.patch(NAME)]
-
-
-def _version():
-    from importlib.metadata import version
-
-    return version("sglang")
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +49,7 @@ def _upstream(vision):
 
 def test_applies_with_the_family_whose_fence_admits_this_release(vision):
     row = next(r for r in npu_shim.status() if r["name"] == NAME)
-    family = declared.family_for(declaration.PATCH, _version())
+    family = claims.claimed_family(NAME)
     assert row["state"] == "applied" and row["family"] == family.name, row
     assert getattr(vision.VisionAscendAttention.forward, "__npu_shim_patch__", None) == NAME
     assert not hasattr(vision, declaration.METADATA)
@@ -86,7 +80,7 @@ def test_reads_calls_and_outputs_against_upstream_and_float64(vision, lengths, d
     assert after["upstream_calls"] - before["upstream_calls"] == (0 if device_lengths else LAYERS)
     assert torch.equal(out, up)
     assert sglang_vision.error(case, out) <= sglang_vision.TOLERANCES[dtype]
-    op = declared.family_for(declaration.PATCH, _version()).load().op
+    op = claims.claimed_family(NAME).load().op
     assert [c.name for c in calls] == [c.name for c in up_calls] == [op] * LAYERS
     for mine, theirs in zip(calls, up_calls):
         assert sorted(mine.kwargs) == sorted(theirs.kwargs)

@@ -25,8 +25,8 @@ import pytest
 import npu_shim
 from npu_shim import reference
 from npu_shim.patches.sglang import vision_host_lengths as declaration
+from npu_shim.testing import claims
 
-from sglang_support import declared  # noqa: E402  (tests/lanes/conftest.py)
 
 NAME = declaration.NAME
 TARGET = declaration.TARGET
@@ -39,12 +39,6 @@ LAYERS = 6
 pytestmark = [pytest.mark.claimed(NAME), pytest.mark.lanes(*OUTSIDE), pytest.mark.patch(NAME)]
 inside = pytest.mark.claimed(NAME)
 outside = pytest.mark.lanes(*OUTSIDE)
-
-
-def _version():
-    from importlib.metadata import version
-
-    return version("sglang")
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +54,7 @@ def vision():
 
 
 def _family():
-    return declared.family_for(declaration.PATCH, _version())
+    return claims.claimed_family(NAME)
 
 
 def _upstream(vision):
