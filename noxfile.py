@@ -235,6 +235,7 @@ def lane(session, lane):
         spec.get("tests_of", lane),
         "--stands-for",
         spec["stands_for"],
+        *(["--variant"] if "tests_of" in spec else []),
         *[argument for text in spec["expected_skips"] for argument in ("--expected-skip", text)],
         "--",
         "-q",

@@ -308,6 +308,8 @@ def cmd_run(args):
     if os.path.exists(junit_path):
         os.remove(junit_path)
     env = dict(os.environ, NPU_SHIM_LANE=args.tests_of or args.lane)
+    if args.variant:
+        env["NPU_SHIM_LANE_VARIANT"] = "1"
     mismatches = release_mismatches(args.stands_for) if args.stands_for is not None else []
     if mismatches:
         # Before any test: the lane's results would be credited to a release it did not run.
@@ -486,6 +488,9 @@ def main(argv=None):
     run.add_argument("--out", required=True, help="directory for junit.xml and summary.json")
     run.add_argument("--install-seconds", type=float, default=None, help="how long the lane's install took")
     run.add_argument("--tests-of", default=None, help="run this lane's tests (NPU_SHIM_LANE); default --lane")
+    run.add_argument("--variant", action="store_true",
+                     help="a Python variant of the --tests-of lane: leave out its tests marked "
+                          "claimed(..., per_family=True) (NPU_SHIM_LANE_VARIANT=1; tests/conftest.py)")
     run.add_argument("--stands-for", default=None,
                      help="the pin file's '# Stands for:' value: the installed releases must be among them")
     run.add_argument("--expected-skip", action="append", default=[],

@@ -243,19 +243,53 @@ def lane_table(root):
     return {os.path.basename(path)[:-4]: lane_pins(path) for path in lane_files(root)}
 
 
-def claimed_lanes(root, declared=None):
-    """``{patch name: [lanes]}``: the lanes whose pinned releases a family of the patch claims
-    (its fence admits them, inside the patch's window; :func:`guards.admitting_families`). On
-    each of them the lane gate requires the patch applied and a test marked for it passed, so
-    the tests of a patch select these lanes (``pytest.mark.claimed`` in tests/conftest.py)."""
+def family_lanes(root, declared=None):
+    """``{patch name: {family: [lanes]}}``: the lanes whose pinned releases each family of the
+    patch claims (its fence admits them, inside the patch's window;
+    :func:`guards.admitting_families`)."""
     from npu_shim.engine import guards
 
     lanes = lane_table(root)
     out = {}
     for patch, _ in declared or patches():
         dists = guards.dists_of(patch)
-        out[patch.name] = sorted(name for name, pinned in lanes.items()
-                                 if guards.admitting_families(patch, {dist: pinned.get(dist) for dist in dists}))
+        by_family = out.setdefault(patch.name, {})
+        for name, pinned in sorted(lanes.items()):
+            for family in guards.admitting_families(patch, {dist: pinned.get(dist) for dist in dists}):
+                by_family.setdefault(family, []).append(name)
+    return out
+
+
+def claimed_lanes(root, declared=None):
+    """``{patch name: [lanes]}``: the lanes a family of the patch claims (:func:`family_lanes`).
+    On each of them the lane gate requires the patch applied and a test marked for it passed,
+    so the tests of a patch select these lanes (``pytest.mark.claimed`` in tests/conftest.py)."""
+    return {name: sorted({lane for lanes in by_family.values() for lane in lanes})
+            for name, by_family in family_lanes(root, declared).items()}
+
+
+def lane_per_family(root, declared=None):
+    """``{patch name: [lanes]}``: one lane for each family that claims any, the one that pins
+    the newest release of the family's distribution (a lane that runs another lane's tests,
+    ``# Tests of:``, never stands for a family). ``pytest.mark.claimed(..., per_family=True)``
+    runs a test there only: a test that starts fresh interpreters to show a switch or strict
+    mode, whose subject is the engine's handling of one family, not each release's code."""
+    from packaging.version import Version
+
+    table = lane_table(root)
+    variants = {os.path.basename(path)[:-4] for path in lane_files(root) if lane_header(path, "Tests of")}
+    declared = declared or patches()
+    claims = family_lanes(root, declared)
+    out = {}
+    for patch, _ in declared:
+        families = {family.name: family for family in patch.families}
+        chosen = set()
+        for family, lanes in claims[patch.name].items():
+            dist = patch.family_dist(families[family])
+            lanes = [lane for lane in lanes if lane not in variants]
+            if lanes:
+                chosen.add(max(lanes, key=lambda lane: (Version(table[lane][dist]), lane)))
+        out[patch.name] = sorted(chosen)
     return out
 
 

@@ -17,7 +17,11 @@ declarations instead of a hand-kept list: ``pytest.mark.claimed("vllm.qwen2_vl_h
 adds every lane whose pinned releases a family of that patch claims (its fence admits
 them; ``npu_shim.reference.claimed_lanes``), the same lanes on which ``lanes/report.py``
 requires the patch applied and a test marked for it passed. Reading one more release
-into a fence moves the test onto its lane with no edit here.
+into a fence moves the test onto its lane with no edit here. A test that starts fresh
+interpreters to show a switch or strict mode (the engine's handling of one family, 5-20 s
+each) says ``pytest.mark.claimed(patch, per_family=True)``: it runs on one lane per family
+of the patch, the lane pinning the family's newest release, and not in the Python-variant
+lanes (``# Tests of:``), where everything else of their base lane runs.
 
 The markers are checked over every collected test, selected or not: a lane name
 that nox does not define (a pin file ``lanes/<name>.txt`` whose name does not
@@ -42,7 +46,8 @@ LANES_DIR = os.path.join(REPO, "lanes")
 def pytest_configure(config):
     config.addinivalue_line("markers", "lanes(*names): pinned stacks this test runs in")
     config.addinivalue_line("markers", "patch(*names): the npu-shim patches this test exercises")
-    config.addinivalue_line("markers", "claimed(*patches): run on every lane a family of these patches claims")
+    config.addinivalue_line("markers", "claimed(*patches, per_family=False): run on every lane a family of "
+                                       "these patches claims; per_family=True: on one lane per family")
     config.addinivalue_line("markers", "float32_math: a math check that feeds the emulated attention "
                                        "ops float32, which the real ops reject (see float32_math)")
     config.addinivalue_line("markers", "hardware_dtypes: only the dtypes the real ops take, also in a "
@@ -70,12 +75,15 @@ def builtin_patch_names():
 
 
 @functools.lru_cache(maxsize=None)
-def claimed_lanes():
-    """``{patch: [lanes]}`` from the installed npu_shim's declarations and this checkout's pin
-    files, computed in a child interpreter with the shim off (``import npu_shim`` installs it,
-    which this collecting process must not do before the tests ask for it)."""
+def declared_lanes():
+    """``{"claimed": {patch: [lanes]}, "per_family": {patch: [lanes]}}`` from the installed
+    npu_shim's declarations and this checkout's pin files (``reference.claimed_lanes``,
+    ``reference.lane_per_family``), computed in a child interpreter with the shim off
+    (``import npu_shim`` installs it, which this collecting process must not do before the
+    tests ask for it)."""
     code = ("import json, sys; from npu_shim import reference; "
-            "json.dump(reference.claimed_lanes(sys.argv[1]), sys.stdout)")
+            "json.dump({'claimed': reference.claimed_lanes(sys.argv[1]), "
+            "'per_family': reference.lane_per_family(sys.argv[1])}, sys.stdout)")
     env = dict(os.environ, NPU_SHIM="0")
     proc = subprocess.run([sys.executable, "-c", code, REPO], env=env, capture_output=True, text=True,
                           cwd=os.path.dirname(sys.executable))
@@ -84,17 +92,32 @@ def claimed_lanes():
     return json.loads(proc.stdout)
 
 
-def _lanes_of(item):
+def claimed_lanes():
+    return declared_lanes()["claimed"]
+
+
+def _lanes_of(item, variant=False):
     """The lanes of the closest node (test, class, module) that names any: its ``lanes`` and
     the lanes its ``claimed`` patches claim, together; a test's own marker replaces its
-    module's, so a test marked for one lane outside a module's claims stays there."""
+    module's, so a test marked for one lane outside a module's claims stays there.
+    ``claimed(..., per_family=True)`` takes one lane per family instead
+    (``reference.lane_per_family``), and none in a variant run (a lane that runs another
+    lane's tests on another Python, ``NPU_SHIM_LANE_VARIANT=1``)."""
     for node in item.listchain()[::-1]:
         marks = [m for m in node.own_markers if m.name in ("lanes", "claimed")]
         if marks:
             lanes = set()
             for mark in marks:
+                unknown = set(mark.kwargs) - ({"per_family"} if mark.name == "claimed" else set())
+                if unknown:
+                    raise pytest.UsageError("%s: pytest.mark.%s takes no %s" % (item.nodeid, mark.name,
+                                                                                ", ".join(sorted(unknown))))
                 if mark.name == "lanes":
                     lanes.update(mark.args)
+                elif mark.kwargs.get("per_family"):
+                    if not variant:
+                        for patch in mark.args:
+                            lanes.update(declared_lanes()["per_family"].get(patch, ()))
                 else:
                     for patch in mark.args:
                         lanes.update(claimed_lanes().get(patch, ()))
@@ -131,9 +154,10 @@ def pytest_collection_modifyitems(config, items):
     if problems:
         raise pytest.UsageError("bad test markers:\n  " + "\n  ".join(dict.fromkeys(problems)))
     lane = os.environ.get("NPU_SHIM_LANE", BASE_LANE)
+    variant = os.environ.get("NPU_SHIM_LANE_VARIANT") == "1"
     selected, deselected = [], []
     for item in items:
-        (selected if lane in _lanes_of(item) else deselected).append(item)
+        (selected if lane in _lanes_of(item, variant) else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected

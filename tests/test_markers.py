@@ -156,3 +156,84 @@ def test_selected_tests_record_their_patches_in_the_junit_xml(tmp_path, lane):
     }
     assert properties == {"test_module_level": ["sglang.cp_pad_gather"],
                           "test_two_patches": ["sglang.cp_fia", "sglang.cp_pad_gather"]}
+
+
+PER_FAMILY_SOURCE = '''
+    import pytest
+
+    @pytest.mark.claimed({patch!r}, per_family=True)
+    def test_once_per_family():
+        pass
+
+    @pytest.mark.claimed({patch!r})
+    def test_every_claimed_lane():
+        pass
+'''
+
+
+def per_family_case():
+    """A patch with more claimed lanes than families: its per-family lanes and one claimed lane
+    that stands for no family."""
+    from npu_shim import reference
+
+    per_family = reference.lane_per_family(REPO)
+    claimed = reference.claimed_lanes(REPO)
+    variants = {lane for lane in conftest.defined_lanes() if reference.lane_header(
+        os.path.join(REPO, "lanes", lane + ".txt"), "Tests of")}
+    for patch, chosen in sorted(per_family.items()):
+        others = sorted(set(claimed[patch]) - set(chosen) - variants)
+        if chosen and others:
+            return patch, chosen, others[0]
+    pytest.fail("no patch has a claimed lane beside its per-family lanes")
+
+
+def test_per_family_runs_on_one_lane_per_family_and_not_in_variants(tmp_path):
+    patch, chosen, other = per_family_case()
+    source = PER_FAMILY_SOURCE.format(patch=patch)
+    on_chosen = run_pytest(tmp_path, source, lane=chosen[0])
+    assert "2 passed" in on_chosen.stdout, on_chosen.stdout + on_chosen.stderr
+    on_other = run_pytest(tmp_path, source, "-vv", lane=other)
+    assert "1 passed, 1 deselected" in on_other.stdout and "test_every_claimed_lane PASSED" in on_other.stdout, \
+        on_other.stdout + on_other.stderr
+    env = clean_env(NPU_SHIM_LANE=chosen[0], NPU_SHIM_LANE_VARIANT="1")
+    variant = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sample.py", "-vv"],
+                             cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert "1 passed, 1 deselected" in variant.stdout and "test_every_claimed_lane PASSED" in variant.stdout, \
+        variant.stdout + variant.stderr
+
+
+def test_per_family_lanes_are_claimed_one_per_family_newest_release_no_variant():
+    from packaging.version import Version
+
+    from npu_shim import reference
+
+    table = reference.lane_table(REPO)
+    variants = {lane for lane in table if reference.lane_header(
+        os.path.join(REPO, "lanes", lane + ".txt"), "Tests of")}
+    declared = dict((patch.name, patch) for patch, _ in reference.patches())
+    for name, by_family in reference.family_lanes(REPO).items():
+        chosen = reference.lane_per_family(REPO)[name]
+        assert not set(chosen) & variants, (name, chosen)
+        for family_name, lanes in by_family.items():
+            family = next(f for f in declared[name].families if f.name == family_name)
+            dist = declared[name].family_dist(family)
+            mine = [lane for lane in chosen if lane in lanes]
+            assert mine, (name, family_name, chosen)
+            newest = max(Version(table[lane][dist]) for lane in lanes if lane not in variants)
+            assert any(Version(table[lane][dist]) == newest for lane in mine), (name, family_name, mine)
+        assert len(chosen) <= len(by_family), (name, chosen)
+
+
+def test_an_unknown_claimed_keyword_fails_collection(tmp_path):
+    from npu_shim import reference
+
+    patch = next(name for name, lanes in sorted(reference.claimed_lanes(REPO).items()) if lanes)
+    proc = run_pytest(tmp_path, '''
+        import pytest
+
+        @pytest.mark.claimed(%r, once=True)
+        def test_one():
+            pass
+    ''' % patch, lane=reference.claimed_lanes(REPO)[patch][0])
+    assert proc.returncode != 0
+    assert "pytest.mark.claimed takes no once" in proc.stdout + proc.stderr, proc.stdout + proc.stderr

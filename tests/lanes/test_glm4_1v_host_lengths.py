@@ -205,6 +205,7 @@ print(json.dumps([row["state"], row["reason"], hasattr(m.Glm4vVisionEmbeddings.f
 """ % PATCH_NAME
 
 
+@pytest.mark.claimed(PATCH_NAME, per_family=True)
 @pytest.mark.parametrize("strict", ["0", "1"])
 def test_a_mismatch_inside_the_window_skips_or_raises_in_strict_mode(stack, strict):
     if not applies():
@@ -227,6 +228,7 @@ def test_a_mismatch_inside_the_window_skips_or_raises_in_strict_mode(stack, stri
         assert state == "skipped" and "not the body" in reason and not patched, (state, reason)
 
 
+@pytest.mark.claimed(PATCH_NAME, per_family=True)
 def test_disable_switch(stack):
     from npu_shim.testing import towers
 

@@ -160,6 +160,7 @@ def test_a_device_grid_runs_upstreams_path(stack):
     assert not any(h._forward_pre_hooks for h in tower.encoder.blocks)          # nothing left behind
 
 
+@pytest.mark.claimed(PATCH_NAME, per_family=True)
 def test_disable_switch(stack):
     from npu_shim.testing import towers
 

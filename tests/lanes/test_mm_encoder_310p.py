@@ -623,6 +623,7 @@ def run_fresh(run_python, make_env, tmp_path, mode="plain", **env):
     return json.loads(proc.stdout.strip().splitlines()[-1]), out
 
 
+@pytest.mark.claimed(PATCH_NAME, per_family=True)
 def test_disabled_is_exactly_upstream(stack, run_python, make_env, tmp_path):
     """NPU_SHIM_DISABLE=vllm.mm_encoder_attn_310p: upstream's own forward_oot runs, with its
     per-layer copy and ignored scale, and the very same output as the untouched copy."""
@@ -638,6 +639,7 @@ def test_disabled_is_exactly_upstream(stack, run_python, make_env, tmp_path):
     assert torch.equal(torch.load(out), upstream.forward_oot(q, k, v, packed([5, 1, 9, 3])))
 
 
+@pytest.mark.claimed(PATCH_NAME, per_family=True)
 def test_strict_mode_raises_on_a_shape_no_adapter_knows(run_python, make_env, tmp_path):
     """Inside the version window, the installed class reshaped (another post-import hook runs
     before the shim's): NPU_SHIM_STRICT=1 raises from the import of the target."""

@@ -158,6 +158,7 @@ def test_a_reused_cu_seqlens_tensor_is_read_again(stack):
         assert (out.reshape(ref.shape).double() - ref).abs().max().item() < HW_TOL
 
 
+@pytest.mark.claimed(PATCH_NAME, per_family=True)
 def test_disable_switch(stack):
     from npu_shim.testing import towers
 

@@ -71,6 +71,9 @@ def test_this_moonvit_has_no_dispatch_table(moonvit):
             assert method.__code__.co_filename == moonvit.__file__
 
 
+# Two fresh interpreters importing vLLM (16 s a lane): on the first release after the fence
+# and on the newest; the in-process tests above run on every lane.
+@pytest.mark.lanes("vllm-0.15", "vllm-0.30")
 def test_module_imports_unchanged(moonvit, run_python, make_env):
     """Same globals, same code, with the shim (and emulated torch_npu) as with NPU_SHIM=0.
 

@@ -101,6 +101,7 @@ def test_the_copy_keeps_upstreams_arguments_and_leaves_the_host_tensor_clean(sta
     assert "to" not in other.__dict__
 
 
+@pytest.mark.claimed(PATCH_NAME, per_family=True)
 def test_disabled_the_two_reads_come_back(stack):
     """With the patch disabled (NPU_SHIM_DISABLE) the Qwen2.5-VL tower reads its two
     cu_seqlens tensors back again, with the same output: what the patch removes."""

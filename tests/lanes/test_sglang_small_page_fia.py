@@ -243,6 +243,7 @@ def test_uninstall_restores_upstreams_method(modules, methods):
         npu_shim.install()
 
 
+@pytest.mark.claimed(NAME, per_family=True)
 def test_switched_off_is_upstream_and_strict_raises_when_unreadable(modules, run_python, make_env):
     placeholders = os.path.join(os.path.dirname(os.path.dirname(__file__)), "placeholders")
     off = run_python(

@@ -184,7 +184,7 @@ def test_selftest_declares_and_makes_no_reads(vision):
     assert result["host_syncs"] == result["expected_host_syncs"] == 0, result
 
 
-@inside
+@pytest.mark.claimed(NAME, per_family=True)
 def test_switched_off_is_upstream_and_strict_raises_on_another_shape(vision, run_python, make_env):
     placeholders = os.path.join(os.path.dirname(os.path.dirname(__file__)), "placeholders")
     off = run_python(

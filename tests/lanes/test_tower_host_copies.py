@@ -23,6 +23,9 @@ pytestmark = [pytest.mark.patch("vllm.qwen2_vl_host_lengths", "vllm.qwen3_omni_v
 TOWER_TOL = {"bfloat16": 1e-1, "float16": 8e-3}
 PATCHES = {"Qwen2-VL": "vllm.qwen2_vl_host_lengths", "Qwen3-Omni": "vllm.qwen3_omni_vision_host_lengths"}
 TOWERS = [pytest.param(name, marks=pytest.mark.claimed(patch), id=name) for name, patch in PATCHES.items()]
+# Fresh interpreters, 19 s a tower: one lane per family (tests/conftest.py).
+TOWERS_PER_FAMILY = [pytest.param(name, marks=pytest.mark.claimed(patch, per_family=True), id=name)
+                     for name, patch in PATCHES.items()]
 UPSTREAM_READS = 3        # one per layer
 
 
@@ -127,7 +130,7 @@ def test_qwen3_omni_a_device_grid_keeps_nothing(stack):
     assert families.host_lengths(meta) is None
 
 
-@pytest.mark.parametrize("name", TOWERS)
+@pytest.mark.parametrize("name", TOWERS_PER_FAMILY)
 def test_disabled_the_attention_read_comes_back(stack, name):
     """With the patch disabled (NPU_SHIM_DISABLE) the tower's cu_seqlens is read back once
     again (vllm.mm_encoder_attn's one read), with the same output: what the patch removes."""
