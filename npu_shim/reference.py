@@ -354,17 +354,41 @@ def render_lanes_report(root):
     return "\n".join(out) + "\n"
 
 
+BENCHMARKS_REPORT = os.path.join("docs", "benchmarks.md")
+
+
+def benchmark_files(root):
+    return sorted(glob.glob(os.path.join(root, "benchmarks", "results", "*.txt")))
+
+
 def render_benchmarks(root):
-    files = sorted(glob.glob(os.path.join(root, "benchmarks", "results", "*.txt")))
-    if not files:
+    """The reference's pointer to the benchmark figures (``docs/benchmarks.md``)."""
+    names = [os.path.basename(path)[:-4] for path in benchmark_files(root)]
+    if not names:
         return []
-    out = ["## Benchmark figures (as the benchmarks wrote them on their last run)", "",
-           "Each block is what `nox -s \"bench(<name>)\"` printed, saved with the date and machine "
-           "it ran on. Times on the emulated ops say nothing about NPU speed; sync counts, call "
-           "counts and memory bounds are what carry over."]
-    for path in files:
-        out += ["", "### %s" % os.path.basename(path)[:-4], "", "```", open(path).read().rstrip("\n"), "```"]
-    return out
+    return ["## Benchmark figures", "",
+            "What each benchmark printed on its last run, with the date and machine, is in "
+            "[`%s`](%s): %s." % (BENCHMARKS_REPORT, os.path.basename(BENCHMARKS_REPORT),
+                                 ", ".join("[%s](%s#%s)" % (name, os.path.basename(BENCHMARKS_REPORT),
+                                                            anchor(name)) for name in names))]
+
+
+def anchor(title):
+    """GitHub's anchor of a heading: lower case, punctuation other than ``-`` and ``_`` dropped,
+    spaces as ``-``."""
+    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
+
+
+def render_benchmarks_report(root):
+    """``docs/benchmarks.md``: every file under benchmarks/results as its run wrote it."""
+    out = [HEADER + "# Benchmark figures (as the benchmarks wrote them on their last run)", "",
+           "Each block is what `nox -s \"bench(<name>)\"` (or the run its first line names) wrote to "
+           "`benchmarks/results/<name>.txt`, with the date and machine it ran on. Times on the "
+           "emulated ops say nothing about NPU speed; sync counts, call counts and memory bounds are "
+           "what carry over. The user's reference is [reference.md](reference.md)."]
+    for path in benchmark_files(root):
+        out += ["", "## %s" % os.path.basename(path)[:-4], "", "```", open(path).read().rstrip("\n"), "```"]
+    return "\n".join(out) + "\n"
 
 
 def render(root):
@@ -378,8 +402,10 @@ def render(root):
 
 
 def outputs(root, output):
-    """``{relative path: generated text}``: the reference and the lanes' run report."""
-    return {output: render(root), LANES_REPORT: render_lanes_report(root)}
+    """``{relative path: generated text}``: the reference, the lanes' run report and the
+    benchmark figures."""
+    return {output: render(root), LANES_REPORT: render_lanes_report(root),
+            BENCHMARKS_REPORT: render_benchmarks_report(root)}
 
 
 def main(args):

@@ -122,3 +122,22 @@ def test_the_release_table_says_tested_only_where_a_lane_stands_for_the_release(
     os.remove(str(tmp_path / "lanes" / "vllm-0.18.txt"))
     assert cell(tmp_path, "vllm-ascend", "0.18.0", "vllm.mm_encoder_attn") == "`0.18.0rc1-0.18.0` read only"
     assert cell(tmp_path, "vllm", "0.12.0", "vllm.glm4_1v_host_lengths") == "not served"
+
+
+def test_benchmark_output_is_a_report_of_its_own_the_reference_links(tmp_path):
+    """A benchmark's re-run rewrites docs/benchmarks.md only; the user's reference links each
+    result and holds none of its text."""
+    import shutil
+
+    shutil.copytree(os.path.join(REPO, "lanes"), str(tmp_path / "lanes"))
+    shutil.copytree(os.path.join(REPO, "benchmarks", "results"), str(tmp_path / "benchmarks" / "results"))
+    before = reference.render(str(tmp_path)), reference.render_benchmarks_report(str(tmp_path))
+    name = sorted(os.listdir(str(tmp_path / "benchmarks" / "results")))[-1]
+    assert name.endswith(".txt")
+    with open(str(tmp_path / "benchmarks" / "results" / name), "a") as handle:
+        handle.write("a figure of another run\n")
+    after = reference.render(str(tmp_path)), reference.render_benchmarks_report(str(tmp_path))
+    assert after[0] == before[0]
+    assert "a figure of another run" in after[1] and after[1] != before[1]
+    assert "(benchmarks.md#%s)" % reference.anchor(name[:-4]) in after[0]
+    assert "## %s" % name[:-4] in after[1]
