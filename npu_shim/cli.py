@@ -3,7 +3,7 @@
     npu-shim status [--json] [--import]   what each patch does in this environment
     npu-shim run -- CMD [ARGS...]         run CMD with the shim installed at start-up
     npu-shim selftest [--json]            check every applicable patched path against float64
-    npu-shim reference [--check]          write (or check) docs/reference.md and docs/lanes.md
+    npu-shim reference [--check]          write (or check) docs/reference.md, docs/lanes.md, docs/benchmarks.md
 """
 import argparse
 import contextlib
