@@ -56,7 +56,7 @@ EXPECTED = {
 }
 
 
-# The towers added by issue 25: (upstream, shim) per forward, by vLLM release where they differ.
+# The towers beyond the first four (GLM-OCR, Keye-VL, PaddleOCR-VL, HunYuan-Vision): (upstream, shim) per forward, by vLLM release where they differ.
 # None: the release has no module for the tower (checked, not skipped).
 EXPECTED_BY_RELEASE = {
     # 1 left: the attention's read of cu_seqlens, which GLM-OCR's own forward builds on the host

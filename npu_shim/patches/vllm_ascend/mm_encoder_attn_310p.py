@@ -22,7 +22,7 @@ How: one family per 310P release family (modules in
   passed with the repeated K/V. A layer's state is built from its own
   attributes on first use (layers made with ``__new__`` work).
 
-Upstream fix: none as of 0.26.0rc1.
+Upstream fix: none in any release its families list (the newest is in its reference row).
 Remove when: vllm-ascend's 310P class reads host lengths once per encoder
   forward and passes the model's scale.
 """
