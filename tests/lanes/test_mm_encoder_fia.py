@@ -26,6 +26,7 @@ import types
 
 import pytest
 
+from npu_shim.testing.claims import claimed_family
 from npu_shim.testing.errors import Tolerance
 
 pytestmark = [pytest.mark.lanes("vllm-0.22", "latest-vllm", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30"), pytest.mark.patch("vllm.mm_encoder_attn"),
@@ -75,7 +76,8 @@ def stack():
         module=module, patched=module.AscendMMEncoderAttention,
         upstream=upstream_module.AscendMMEncoderAttention, upstream_module=upstream_module,
         config=VllmConfig(device_config=DeviceConfig(device="cpu")), status=row,
-        version=version, adapter="0.22.1rc1" if version.startswith("0.22") else "0.23.0rc1+",
+        version=version, adapter=claimed_family(PATCH_NAME).name,
+        family_module=claimed_family(PATCH_NAME).implementation,
         ignores_scale=version.startswith("0.22"))
 
 
@@ -161,7 +163,7 @@ def test_each_adapter_refuses_the_other_family(stack):
     from npu_shim.patch import TargetMismatch
     from npu_shim.patches.vllm_ascend.mm_encoder import v022, v023
 
-    accepting, refusing = (v022, v023) if stack.adapter == "0.22.1rc1" else (v023, v022)
+    accepting, refusing = (v022, v023) if stack.family_module == v022.__name__ else (v023, v022)
     accepting.check(stack.upstream)
     with pytest.raises(TargetMismatch):
         refusing.check(stack.upstream)

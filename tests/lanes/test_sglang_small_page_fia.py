@@ -36,13 +36,12 @@ pytestmark = [pytest.mark.claimed("sglang.small_page_fia"),
 from sglang_support import prefill_case  # noqa: E402  (tests/lanes/conftest.py)
 
 from npu_shim.testing import cp_case  # noqa: E402
+from npu_shim.testing.claims import claimed_family  # noqa: E402
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 POOL = "sglang.srt.hardware_backend.npu.memory_pool_npu"
 NAME = "sglang.small_page_fia"
 FIA, QLENS = "npu_fused_infer_attention_score", "_npu_flash_attention_qlens"
-FAMILY_OF_RELEASE = {"0.5.12": "0.5.12", "0.5.13": "0.5.13", "0.5.14": "0.5.14"}
-FAMILY_OF_RELEASE.update({"0.5.%d" % minor: "0.5.15-0.5.23" for minor in range(15, 24)})
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +116,7 @@ def test_applies_with_the_family_of_this_release(modules):
     row = next(r for r in npu_shim.status() if r["name"] == NAME)
     version = row["versions"]["sglang"]
     assert row["state"] == "applied", row
-    assert npu_shim.stats()[NAME]["family"] == FAMILY_OF_RELEASE[version]
+    assert npu_shim.stats()[NAME]["family"] == claimed_family(NAME).name
 
 
 @pytest.mark.lanes("sglang-0.5.11")
@@ -218,7 +217,7 @@ def test_calls_it_does_not_route_reach_upstream_unchanged(modules, methods):
     backend, layer, forward_batch, q, k, v = prefill_case.prefill_inputs(*modules, batch)
     from npu_shim.patches.sglang import small_page_fia as patch
 
-    family = next(f for f in patch.FAMILIES if f.name == FAMILY_OF_RELEASE[_version()])
+    family = next(f for f in patch.FAMILIES if f.name == claimed_family(NAME).name)
     assert not family.reaches_qlens(backend, layer, forward_batch, None, None)
     assert family.reaches_qlens(backend, cp_case.make_layer(SMALL[0]), forward_batch, None, None)
     assert not family.reaches_qlens(backend, cp_case.make_layer(SMALL[0]), forward_batch, None,
