@@ -373,12 +373,6 @@ def render_benchmarks(root):
                                                             anchor(name)) for name in names))]
 
 
-def anchor(title):
-    """GitHub's anchor of a heading: lower case, punctuation other than ``-`` and ``_`` dropped,
-    spaces as ``-``."""
-    return re.sub(r"[^\w\- ]", "", title.lower()).replace(" ", "-")
-
-
 def render_benchmarks_report(root):
     """``docs/benchmarks.md``: every file under benchmarks/results as its run wrote it."""
     out = [HEADER + "# Benchmark figures (as the benchmarks wrote them on their last run)", "",
