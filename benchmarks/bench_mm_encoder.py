@@ -258,7 +258,7 @@ def main(argv=None):
         uniform_on_device = "device=query.device" in inspect.getsource(cls.forward_oot)
         if row["name"] == "vllm.mm_encoder_attn_310p":
             socs = ["Ascend310P3"]
-        elif row["family"] == "0.13.0-0.17.0rc1" and not release.startswith("0.14"):
+        elif row["name"] == "vllm.mm_encoder_attn" and release.startswith(("0.13", "0.15", "0.16", "0.17")):
             socs = ["Ascend910B1", "Ascend310P3"]  # no separate 310P class in 0.13, 0.15-0.17
         else:
             socs = ["Ascend910B1"]

@@ -36,15 +36,24 @@ class PatchError(RuntimeError):
     """Raised in strict mode when a patch fails or its target mismatches."""
 
 
+_FAMILY_ID = re.compile(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$")
+
+
 @dataclass(frozen=True)
 class Family:
-    """One release family of a patch: the upstream releases it serves, as data.
+    """One release family of a patch: one shape of upstream code, as data.
 
-    ``releases``  the upstream releases read (and, where a lane exists, run) for
-                  this family, oldest first. They name the family:
-                  ``"0.13.0-0.17.0rc1"``, ``"0.18.0"``, or ``"0.23.0rc1+"`` when
-                  ``fence`` has no upper bound (later releases of the same shape
-                  are served too); ``"unreleased"`` for builds between releases.
+    ``id``        the family's stable name: the shape of upstream code it serves
+                  (``"fia-tnd"``, ``"host-grid"``), lower case words joined by
+                  ``-``. Default: the implementation's attribute in that spelling
+                  (``"...families:HOST_GRID"`` -> ``"host-grid"``), so the object
+                  that holds the family's code and the family share one name.
+                  Reading one more release of the same shape changes
+                  ``releases`` only; the id stays.
+    ``releases``  evidence: the upstream releases read (and, where a lane exists,
+                  run) for this family, oldest first. They decide nothing: the
+                  fence and the structural check do. The reference shows them
+                  and the releases the lanes run (:attr:`release_span`).
     ``implementation``  where ``check`` and ``build`` live, imported only once
                   the target module is: ``"package.module"`` (module-level
                   functions) or ``"package.module:attribute"`` (an object with
@@ -60,6 +69,10 @@ class Family:
                   (pre-releases count as inside); "" = the patch's own window.
     ``dist``      the distribution ``fence`` reads; default: the patch's first
                   ``requires`` entry.
+
+    A family with neither an id nor an implementation attribute is named by its
+    releases (``"0.13.0-0.17.0rc1"``, ``"0.23.0rc1+"``), as before ids existed;
+    every built-in family has an id (tests/test_machinery.py).
     """
 
     releases: Tuple[str, ...]
@@ -67,10 +80,14 @@ class Family:
     keeps: str
     fence: str = ""
     dist: str = ""
+    id: str = ""
 
     def __post_init__(self):
         if isinstance(self.releases, str):
             raise TypeError("Family.releases must be a tuple of release versions, not a string")
+        if self.id and not _FAMILY_ID.match(self.id):
+            raise ValueError("Family id %r: give lower-case words joined by '-', starting with a letter "
+                             "(the shape of upstream code, e.g. 'fia-tnd'), not a release" % (self.id,))
 
     @property
     def open_ended(self) -> bool:
@@ -78,6 +95,17 @@ class Family:
 
     @property
     def name(self) -> str:
+        """The family's id (see the class docstring)."""
+        if self.id:
+            return self.id
+        if isinstance(self.implementation, str) and ":" in self.implementation:
+            return self.implementation.rpartition(":")[2].lower().replace("_", "-")
+        return self.release_span
+
+    @property
+    def release_span(self) -> str:
+        """The releases read, as a span: ``"0.18.0rc1-0.18.0"``, ``"0.23.0rc1+"`` when the fence
+        has no upper bound, ``"unreleased"`` for builds between releases."""
         if not self.releases:
             return "unreleased"
         if self.open_ended:

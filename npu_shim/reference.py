@@ -70,7 +70,8 @@ def version_key(text):
     return Version(text)
 
 
-def render_patches(declared):
+def render_patches(declared, root):
+    run = releases_run(root, declared)
     out = ["## Patches", ""]
     out.append(table(("patch", "target", "families", "what it does"), [
         ("[`%s`](#%s)" % (p.name, anchor(p.name)), "`%s`" % p.target,
@@ -92,9 +93,11 @@ def render_patches(declared):
         for name in SECTIONS:
             if name in sections:
                 out += ["", "**%s:** %s" % (name, sections[name])]
-        out += ["", table(("family", "fence", "releases read", "upstream op call kept", "implementation"), [
+        out += ["", table(("family", "fence", "releases read", "releases the lanes run", "upstream op call kept",
+                           "implementation"), [
             ("`%s`" % f.name, "%s `%s`" % (patch.family_dist(f), f.fence) if f.fence else "the window",
-             ", ".join(f.releases) or "none (builds between releases)", f.keeps, "`%s`" % f.implementation)
+             ", ".join(f.releases) or "none (builds between releases)",
+             ", ".join(run[patch.name].get(f.name, ())) or "none", f.keeps, "`%s`" % f.implementation)
             for f in patch.families])]
     return out
 
@@ -260,6 +263,22 @@ def family_lanes(root, declared=None):
     return out
 
 
+def releases_run(root, declared=None):
+    """``{patch name: {family: [releases]}}``: the releases of the family's distribution that
+    the lanes it claims pin (:func:`family_lanes`), oldest first: with the fence, what the
+    reference shows of a family's range; ``Family.releases`` is what was read."""
+    table_ = lane_table(root)
+    declared = declared or patches()
+    claims = family_lanes(root, declared)
+    out = {}
+    for patch, _ in declared:
+        families = {family.name: family for family in patch.families}
+        out[patch.name] = {
+            name: sorted({table_[lane][patch.family_dist(families[name])] for lane in lanes}, key=version_key)
+            for name, lanes in claims[patch.name].items()}
+    return out
+
+
 def claimed_lanes(root, declared=None):
     """``{patch name: [lanes]}``: the lanes a family of the patch claims (:func:`family_lanes`).
     On each of them the lane gate requires the patch applied and a test marked for it passed,
@@ -388,7 +407,7 @@ def render_benchmarks_report(root):
 def render(root):
     declared = patches()
     parts = [HEADER + "# npu-shim reference", ""]
-    for section in (render_patches(declared), render_environment(), render_releases(declared, root),
+    for section in (render_patches(declared, root), render_environment(), render_releases(declared, root),
                     render_lanes(root), render_benchmarks(root)):
         if section:
             parts += section + [""]

@@ -5,10 +5,12 @@ metadata (``toy-target 1.2``, a real dist-info that importlib.metadata reads)
 live in a temporary directory; the patch is registered through the Python API.
 """
 import json
+import re
 import textwrap
 
 import pytest
 
+from npu_shim.patch import Family
 from npu_shim.patches import BUILTIN_PATCHES
 
 
@@ -300,3 +302,30 @@ def test_admitting_families_are_the_fences_that_hold_inside_the_window():
     assert guards.admitting_families(patch, {"demo": "2.0rc1"}) == ["1.5+"]
     assert guards.admitting_families(patch, {"demo": "3.0"}) == []        # outside the window
     assert guards.admitting_families(patch, {"demo": None}) == []         # not installed
+
+
+def test_every_builtin_family_has_a_stable_id_that_names_a_shape():
+    """A family's id names the shape of upstream code, not the releases read: reading one more
+    release (``releases``) leaves it as it is. Where the family's code is an object of a module
+    (``module:ATTRIBUTE``), the id is that object's name, so each family has one name."""
+    import dataclasses
+
+    from npu_shim import reference
+
+    for patch, _ in reference.patches():
+        for family in patch.families:
+            assert family.name != family.release_span, (patch.name, family.name)
+            assert re.match(r"^[a-z][a-z0-9]*(-[a-z0-9]+)*$", family.name), (patch.name, family.name)
+            if isinstance(family.implementation, str) and ":" in family.implementation:
+                attribute = family.implementation.rpartition(":")[2]
+                assert family.name == attribute.lower().replace("_", "-"), (patch.name, family.name, attribute)
+            grown = dataclasses.replace(family, releases=family.releases + ("99.0.0",))
+            assert grown.name == family.name
+
+
+def test_a_family_id_that_is_a_release_is_refused():
+    with pytest.raises(ValueError, match="lower-case words joined by '-'"):
+        Family(("0.1.0",), "x", keeps="", id="0.1.0+")
+    assert Family(("0.1.0", "0.2.0"), "x", keeps="").name == "0.1.0-0.2.0"      # no id: its releases
+    assert Family(("0.1.0",), "pkg.mod:HOST_GRID", keeps="").name == "host-grid"
+    assert Family(("0.1.0",), "pkg.mod:HOST_GRID", keeps="", id="other-shape").name == "other-shape"

@@ -130,7 +130,7 @@ def _run_gated(report, out, junit, expected=(), rows=None, stands_for=None):
     report.drop_bytecode = lambda prefix: 0
     report.venv_size_mib = lambda: (0, 0)
     try:
-        code = report.cmd_run(argparse.Namespace(out=str(out), lane="demo", tests_of=None, pytest_args=[],
+        code = report.cmd_run(argparse.Namespace(out=str(out), lane="demo", tests_of=None, variant=False, pytest_args=[],
                                                  install_seconds=1.0, stands_for=stands_for,
                                                  expected_skip=list(expected)))
     finally:
@@ -201,7 +201,7 @@ def test_a_lane_with_another_release_than_its_header_fails_before_testing(report
     try:
         import argparse
 
-        code = report.cmd_run(argparse.Namespace(out=str(tmp_path), lane="demo", tests_of=None, pytest_args=[],
+        code = report.cmd_run(argparse.Namespace(out=str(tmp_path), lane="demo", tests_of=None, variant=False, pytest_args=[],
                                                  install_seconds=1.0, stands_for="pytest 0.0.1", expected_skip=[]))
     finally:
         report.run_pytest = original

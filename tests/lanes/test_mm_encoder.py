@@ -508,7 +508,7 @@ def test_status_and_replaced_methods(stack):
     from npu_shim.patches.vllm_ascend.mm_encoder_attn import PATCH
 
     assert stack.status["reason"] == "vllm-ascend %s" % stack.vllm_ascend_version
-    assert stack.status["family"] == "0.13.0-0.17.0rc1"
+    assert stack.status["family"] == claimed_family(PATCH_NAME).name
     for path in PATCH.replaces:
         name = path.split(".")[1]
         ours = vars(stack.patched)[name]
@@ -612,7 +612,7 @@ def test_disabled_is_exactly_upstream(stack, run_python, make_env, tmp_path):
 
 def test_enabled_in_a_fresh_interpreter_and_uninstall_restores(stack, run_python, make_env, tmp_path):
     result, _ = _run_in_fresh_interpreter(run_python, make_env, tmp_path)
-    assert result["state"] == "applied" and result["family"] == "0.13.0-0.17.0rc1", result
+    assert result["state"] == "applied" and result["family"] == claimed_family(PATCH_NAME).name, result
     assert result["forward_file"] != result["module_file"]
     assert result["forward_file_after_uninstall"] == result["module_file"]
     assert result["syncs"] == 1

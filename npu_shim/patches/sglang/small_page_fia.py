@@ -42,18 +42,19 @@ Release families (each fenced by version and accepted by the structure of
 ``forward_extend``: the conditions of its ``if`` statements, compared as syntax
 trees, must include the gates the family mirrors):
 
-=============  ==========================================================
-family         what differs
-=============  ==========================================================
-0.5.12         speculative = target verify / draft extend (v1, v2); sinks
-               have their own branch (0.5.11 has the same gates, but its
-               FIA prefill branch ignores the KV cache: not patched)
-0.5.13         as above; hybrid-SWA layers go to the sinks branch
-0.5.14         speculative = target verify / draft extend v2; SWA layers
-               reach qlens while use_fia is off (so they route, to the SWA
-               FIA branch)
-0.5.15-0.5.23  as 0.5.14; ASCEND_USE_FA comes first
-=============  ==========================================================
+===========  =============  ==================================================
+family       releases       what differs
+===========  =============  ==================================================
+sinks-only   0.5.12         speculative = target verify / draft extend (v1,
+                            v2); sinks have their own branch (0.5.11 has the
+                            same gates, but its FIA prefill branch ignores the
+                            KV cache: not patched)
+hybrid-swa   0.5.13         as above; hybrid-SWA layers go to the sinks branch
+swa-fia      0.5.14         speculative = target verify / draft extend v2; SWA
+                            layers reach qlens while use_fia is off (so they
+                            route, to the SWA FIA branch)
+swa-fia-fa   0.5.15-0.5.23  as swa-fia; ASCEND_USE_FA comes first
+===========  =============  ==================================================
 
 (checked on every wheel from 0.5.11 to 0.5.23 by reading the syntax tree;
 run in the lanes on 0.5.12-0.5.17 and 0.5.19-0.5.23, 0.5.18 standing with 0.5.17.)
@@ -104,7 +105,6 @@ class GateFamily:
 
     ``check``/``build`` are the family's (see the ``Family`` declarations below)."""
 
-    name = ""                # the family's name: the releases it serves
     gates = frozenset()
     absent = frozenset()     # gates whose presence means another family
 
@@ -113,8 +113,7 @@ class GateFamily:
 
     def check(self, module):
         if not self.matches(gate_conditions(module)):
-            raise TargetMismatch("the gates of %s before the qlens call are not those of the %s "
-                                 "family" % (METHOD, self.name))
+            raise TargetMismatch("the gates of %s before the qlens call are not this family's" % METHOD)
 
     def build(self, module):
         original = module.AscendAttnBackend.__dict__[METHOD]
@@ -153,14 +152,12 @@ class GateFamily:
         )
 
 
-class Sinks012(GateFamily):
-    name = "0.5.12"
+class SinksOnly(GateFamily):
     gates = COMMON_GATES | {SPECULATIVE_V1_V2, "sinks is not None"}
     absent = frozenset({"sinks is not None or (self.is_hybrid_swa and layer.sliding_window_size != -1)"})
 
 
-class HybridSwa013(GateFamily):
-    name = "0.5.13"
+class HybridSwa(GateFamily):
     gates = COMMON_GATES | {SPECULATIVE_V1_V2,
                             "sinks is not None or (self.is_hybrid_swa and layer.sliding_window_size != -1)"}
 
@@ -168,8 +165,7 @@ class HybridSwa013(GateFamily):
         return sinks is not None or (backend.is_hybrid_swa and layer.sliding_window_size != -1)
 
 
-class SwaFia014(GateFamily):
-    name = "0.5.14"
+class SwaFia(GateFamily):
     gates = COMMON_GATES | {SPECULATIVE_V2,
                             "sinks is not None or (self._is_swa_layer(layer) and self.use_fia)"}
     absent = frozenset({"self.use_fa"})
@@ -178,16 +174,15 @@ class SwaFia014(GateFamily):
         return mode.is_target_verify() or mode.is_draft_extend_v2()
 
 
-class SwaFiaFa015(SwaFia014):
-    name = "0.5.15-0.5.23"
-    gates = SwaFia014.gates | {"self.use_fa"}
+class SwaFiaFa(SwaFia):
+    gates = SwaFia.gates | {"self.use_fa"}
     absent = frozenset()
 
     def takes_other_kernel(self, backend):
         return backend.use_fa
 
 
-SINKS_ONLY, HYBRID_SWA, SWA_FIA, SWA_FIA_FA = FAMILIES = (Sinks012(), HybridSwa013(), SwaFia014(), SwaFiaFa015())
+SINKS_ONLY, HYBRID_SWA, SWA_FIA, SWA_FIA_FA = FAMILIES = (SinksOnly(), HybridSwa(), SwaFia(), SwaFiaFa())
 
 
 def if_conditions(function) -> frozenset:
