@@ -156,7 +156,7 @@ def max_err(outs, ref):
 # ------------------------------------------------------------------ applying
 
 
-def test_applied_with_the_adapter_of_this_release(stack):
+def test_applied_with_the_family_of_this_release(stack):
     from npu_shim.engine import counters
 
     assert stack.status["family"] == expected_family()

@@ -178,7 +178,7 @@ def head_dims(stack):
 # ------------------------------------------------------- status and op call
 
 
-def test_status_names_the_adapter(stack):
+def test_status_names_the_family(stack):
     assert stack.status["family"] == expected_family()
     assert stack.status["reason"] == "vllm-ascend %s" % stack.version
     ours, original = vars(stack.patched)["forward_oot"], vars(stack.upstream)["forward_oot"]
@@ -585,7 +585,7 @@ from npu_shim.emulation.dtypes import float32_not_on_hardware
 _float32 = float32_not_on_hardware(); _float32.__enter__()   # this module's float32 math checks (float32_math)
 if MODE == "mismatch":
     import wrapt
-    def reshape_upstream(module):   # runs before the shim's hook: a shape no adapter knows
+    def reshape_upstream(module):   # runs before the shim's hook: a shape no family knows
         def forward_oot(self, query, key, value, cu_seqlens=None):
             raise AssertionError("never called")
         module.AscendMMEncoderAttention310.forward_oot = forward_oot
@@ -640,7 +640,7 @@ def test_disabled_is_exactly_upstream(stack, run_python, make_env, tmp_path):
 
 
 @pytest.mark.claimed(PATCH_NAME, per_family=True)
-def test_strict_mode_raises_on_a_shape_no_adapter_knows(run_python, make_env, tmp_path):
+def test_strict_mode_raises_on_a_shape_no_family_knows(run_python, make_env, tmp_path):
     """Inside the version window, the installed class reshaped (another post-import hook runs
     before the shim's): NPU_SHIM_STRICT=1 raises from the import of the target."""
     strict, _ = run_fresh(run_python, make_env, tmp_path, mode="mismatch", NPU_SHIM_STRICT="1")

@@ -1,9 +1,9 @@
 """Patch ``vllm.mm_encoder_attn`` on the newest vllm-ascend wheel (lane latest-vllm).
 
 vllm-ascend 0.26.0rc1 (with vllm 0.26.0) still copies ``cu_seqlens`` to the
-host in every encoder layer; the patch applies there with adapter ``v023``
+host in every encoder layer; the patch applies there with the family in ``mm_encoder/v023.py``
 (which serves 0.23.0rc1 and every later release of that shape). What the
-adapter does is tested in ``test_mm_encoder_fia.py``; this module checks what
+family does is tested in ``test_mm_encoder_fia.py``; this module checks what
 ``npu-shim status`` reports and that importing the target works with the shim
 installed.
 
@@ -54,7 +54,7 @@ def latest():
     return module, version, before, _row()
 
 
-def test_applied_with_adapter_v023(latest):
+def test_applied_with_the_v023_family(latest):
     _, version, before, after = latest
     assert before["state"] in ("pending", "applied")   # applied when another module imported it first
     assert after["state"] == "applied", after
@@ -64,8 +64,8 @@ def test_applied_with_adapter_v023(latest):
     assert after["versions"] == {"vllm-ascend": version}
 
 
-def test_cli_status_names_the_adapter(latest, capsys):
-    """``npu-shim status`` (the table) and ``--json`` name the adapter."""
+def test_cli_status_names_the_family(latest, capsys):
+    """``npu-shim status`` (the table) and ``--json`` name the family."""
     import json
 
     from npu_shim import cli

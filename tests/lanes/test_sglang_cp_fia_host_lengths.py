@@ -87,7 +87,7 @@ def methods(module):
     return upstream, slot["do_cp_attn_fia"]
 
 
-def test_applies_on_0_5_23_with_the_strategy_adapter(module):
+def test_applies_on_0_5_23_with_the_strategy_family(module):
     import npu_shim
     from npu_shim.engine import counters
 
