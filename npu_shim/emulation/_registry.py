@@ -144,6 +144,34 @@ def host_arguments(name, args, kwargs):
     return found
 
 
+# A testing hook around every emulated op body, both spellings: None, or a callable
+# ``hook(name, args, kwargs)`` returning a context manager entered around the body (only the
+# body: a TorchFunctionMode's handling of the call is outside it). npu_shim.testing.cuda_syncs
+# uses it to keep CUDA's sync-debug mode out of the emulation's internals, which stand in for a
+# device kernel. Set with :func:`set_body_hook`.
+_body_hook = None
+
+
+def set_body_hook(hook):
+    """Install ``hook`` (or None) around every emulated op body; returns the previous one."""
+    global _body_hook
+    previous, _body_hook = _body_hook, hook
+    return previous
+
+
+def _body(name, impl):
+    def body(*args, **kwargs):
+        hook = _body_hook
+        if hook is None:
+            return impl(*args, **kwargs)
+        with hook(name, args, kwargs):
+            return impl(*args, **kwargs)
+
+    body.__name__ = body.__qualname__ = name
+    body.__wrapped__ = impl
+    return body
+
+
 _library = None
 
 
@@ -155,17 +183,19 @@ def register_ops():
     lib = torch.library.Library("npu", "FRAGMENT")
     for name, (impl, schema) in SCHEMAS.items():
         lib.define(schema)
-        lib.impl(name, impl, "CompositeExplicitAutograd")
+        lib.impl(name, _body(name, impl), "CompositeExplicitAutograd")
     _library = lib
 
 
 def _torch_function_aware(name, impl):
+    body = _body(name, impl)
+
     def op(*args, **kwargs):
         flat, _ = tree_flatten((args, kwargs))
         tensors = tuple(x for x in flat if isinstance(x, torch.Tensor))
         if tensors and has_torch_function(tensors):
             return handle_torch_function(op, tensors, *args, **kwargs)
-        return impl(*args, **kwargs)
+        return body(*args, **kwargs)
 
     op.__name__ = op.__qualname__ = name
     op.__module__ = "torch_npu"
