@@ -45,8 +45,9 @@ CASES = ("calibration", "mm_encoder", "towers", "census", "ops")
 
 
 class Result:
-    def __init__(self, case, side, forward, cpu, cuda, ctr, error=None):
+    def __init__(self, case, side, forward, cpu, cuda, ctr, error=None, split=None):
         self.case, self.side, self.forward = case, side, forward
+        self.split = split                                  # (reads, blocking copies) of the CPU counter
         self.cpu, self.cuda, self.ctr = cpu, cuda, ctr      # Counter(site) or None
         self.error = error                                  # why the case did not run to the end
 
@@ -68,20 +69,45 @@ def _total(sites):
 
 
 def _pin_platform():
-    """vLLM's UnspecifiedPlatform, as on the CPU lanes (declared in the module docstring)."""
-    import vllm.platforms as platforms
-    from vllm.platforms.interface import UnspecifiedPlatform
+    """vLLM's UnspecifiedPlatform, as on the CPU lanes (declared in the module docstring).
 
-    if platforms._current_platform is None:
-        platforms._current_platform = UnspecifiedPlatform()
-    name = type(platforms._current_platform).__name__
+    ``import vllm`` resolves the platform itself (``vllm.utils.torch_utils`` asks for pinned
+    memory at import), through NVML: on a GPU machine its CUDA platform, which imports the
+    compiled ``vllm._C_stable_libtorch`` the thin wheel leaves out. So vLLM's NVML module
+    (``vllm.third_party.pynvml``) is a stand-in whose ``nvmlInit`` raises: vLLM then finds no
+    platform plugin and takes ``UnspecifiedPlatform``, as on a CPU machine."""
+    import types
+
+    if "vllm" not in sys.modules:
+        nvml = types.ModuleType("vllm.third_party.pynvml")
+
+        def no_nvml(*args, **kwargs):
+            raise RuntimeError("npu-shim bench_cuda_syncs: NVML hidden, vLLM stays on UnspecifiedPlatform")
+        def attribute(name):
+            if name.startswith("nvml"):
+                return no_nvml
+            raise AttributeError(name)
+        nvml.__getattr__ = attribute
+        sys.modules["vllm.third_party.pynvml"] = nvml
+    import vllm.platforms as platforms
+
+    name = type(platforms.current_platform).__name__
     if name != "UnspecifiedPlatform":
-        raise SystemExit("vLLM's platform is already %s; run this before anything resolves it" % name)
+        raise SystemExit("vLLM's platform is %s, not UnspecifiedPlatform" % name)
 
 
 @contextlib.contextmanager
 def _nothing():
     yield
+
+
+def _fresh_rope():
+    """vLLM caches rotary embeddings process-wide (``get_rope``'s ``_ROPE_DICT``): a tower moved
+    to CUDA would move the rope a later CPU tower shares. Each build gets its own, as in a fresh
+    process."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    getattr(rotary_embedding, "_ROPE_DICT", {}).clear()
 
 
 class Runner:
@@ -110,13 +136,14 @@ class Runner:
     def _measure(self, case, side, forward, make, rounds):
         from npu_shim.testing import count_host_syncs
 
-        cpu = []
+        cpu, split = [], []
         run, tensors, modules, context = make("cpu")
         with context():
             for _ in range(rounds):
                 with count_host_syncs(device_tensors=tensors, device_modules=modules) as syncs:
                     run()
                 cpu.append(_cpu_sites(syncs))
+                split.append((syncs.count, syncs.h2d_count))
         cudas, ctrs = [None] * rounds, [None] * rounds
         if self.cuda:
             from npu_shim.testing.cuda_syncs import count_cuda_syncs
@@ -138,7 +165,7 @@ class Runner:
                         run()
                     ctrs[i] = _cpu_sites(syncs)
         for i in range(rounds):
-            self.results.append(Result(case, side, forward + i, cpu[i], cudas[i], ctrs[i]))
+            self.results.append(Result(case, side, forward + i, cpu[i], cudas[i], ctrs[i], split=split[i]))
 
 
 # ------------------------------------------------------------------------------- calibration
@@ -168,7 +195,10 @@ def calibration(runner):
         "t.nonzero()": lambda t, d: t.nonzero(),
         "t[t > 5]": lambda t, d: t[t > 5],
         "t.repeat_interleave(t)": lambda t, d: t.repeat_interleave(t),
-        "torch.equal(t, t)": lambda t, d: torch.equal(t, t),
+        "torch.equal(t, t.clone())": lambda t, d: torch.equal(t, t.clone()),
+        "t.reshape(t[2], t[6])  (two device sizes, one call)": lambda t, d: t.reshape(t[2], t[6]),
+        "t[torch.arange(3)]  (host index into a device tensor)": lambda t, d: t[torch.arange(3)],
+        "torch.arange(t[3]).to(d)  (arange of a device scalar)": lambda t, d: torch.arange(t[3]).to(d),
         "torch.tensor([1, 2], device=d)": lambda t, d: torch.tensor([1, 2], device=d),
         "torch.tensor([1, 2]).to(d, non_blocking=True)": lambda t, d: torch.tensor([1, 2]).to(d, non_blocking=True),
         "t + 1": lambda t, d: t + 1,
@@ -239,6 +269,7 @@ def vllm_towers(runner, device_classes):
         for name in towers.TOWERS:
             for label, cls in (("upstream", stack.upstream[device_class]), ("shim", stack.attention[device_class])):
                 def make(device, name=name, cls=cls, label=label):
+                    _fresh_rope()
                     tower = towers.build_tower(stack, name, cls)
                     xs = [towers.pixel_values(tower, towers.grids(f), seed=f) for f in range(2)]
                     if device == "cuda":
@@ -260,6 +291,7 @@ def vllm_towers(runner, device_classes):
                 runner.measure("tower %s %s" % (name, device_class), label, 0, make, rounds=2)
         for label, cls in (("upstream", stack.upstream[device_class]), ("shim", stack.attention[device_class])):
             def make(device, cls=cls, label=label):
+                _fresh_rope()
                 tower = towers.build_moonvit(stack, cls)
                 xs = [towers.moonvit_pixel_values(tower, towers.moonvit_grid(f), seed=f) for f in range(2)]
                 place = DEVICE
@@ -322,6 +354,7 @@ def census_towers(runner, device_classes):
                 continue
             for label, cls in (("upstream", stack.upstream[device_class]), ("shim", stack.attention[device_class])):
                 def make(device, name=name, spec=spec, cls=cls):
+                    _fresh_rope()
                     tower = census.build(stack, name, cls, dtype=towers.hardware_dtype(device_class))
                     xs = [census.pixel_values(name, tower, census.grids(f, name), seed=f) for f in range(2)]
                     args, stand_ins = [], []
@@ -366,9 +399,14 @@ def emulated_ops(lines):
     q7 = torch.randn(7, n, d, dtype=dt, device=c)
     qb = torch.randn(2, 4, n, d, dtype=dt, device=c)
     mask = torch.ones(2048, 2048, dtype=torch.bool, device=c).triu_(1)
+    seq_len = torch.tensor([3, 4], dtype=torch.int32)
+    caches = [torch.zeros(4, 4, n, d, dtype=dt, device=c) for _ in range(2)]
+    slots = torch.tensor([0, 1, 2, 5, 6, -1, 9], dtype=torch.int32, device=c)
+    target, indices, updates = (torch.zeros(4, 3, dtype=dt, device=c), torch.tensor([[1], [3]], device=c),
+                                torch.ones(2, 3, dtype=dt, device=c))
     calls = {
         "_npu_flash_attention_unpad (seq_len host tensor)": lambda: torch_npu._npu_flash_attention_unpad(
-            q7, q7, q7, torch.tensor([3, 4], dtype=torch.int32), 0.25, n, n, torch.empty_like(q7)),
+            q7, q7, q7, seq_len, 0.25, n, n, torch.empty_like(q7)),
         "npu_fusion_attention TND": lambda: torch_npu.npu_fusion_attention(
             q7, q7, q7, n, "TND", scale=0.25, actual_seq_qlen=[3, 7], actual_seq_kvlen=[3, 7]),
         "npu_fusion_attention TND causal (sparse_mode=3, compressed mask)": lambda: torch_npu.npu_fusion_attention(
@@ -386,11 +424,8 @@ def emulated_ops(lines):
         "npu_incre_flash_attention BSND": lambda: torch_npu.npu_incre_flash_attention(
             qb[:, :1], qb, qb, num_heads=n, scale_value=0.25, input_layout="BSND", actual_seq_lengths=[3, 4]),
         "_npu_reshape_and_cache (device slots)": lambda: torch_npu._npu_reshape_and_cache(
-            q7, q7, torch.zeros(4, 4, n, d, dtype=dt, device=c), torch.zeros(4, 4, n, d, dtype=dt, device=c),
-            torch.tensor([0, 1, 2, 5, 6, -1, 9], dtype=torch.int32, device=c)),
-        "npu_scatter_nd_update_ (device indices)": lambda: torch_npu.npu_scatter_nd_update_(
-            torch.zeros(4, 3, dtype=dt, device=c), torch.tensor([[1], [3]], device=c),
-            torch.ones(2, 3, dtype=dt, device=c)),
+            q7, q7, caches[0], caches[1], slots),
+        "npu_scatter_nd_update_ (device indices)": lambda: torch_npu.npu_scatter_nd_update_(target, indices, updates),
     }
     lines.append("")
     lines.append("emulated torch_npu ops on CUDA, sync-debug mode on inside the body (syncs per call, where):")
@@ -409,17 +444,17 @@ def emulated_ops(lines):
 
 
 def report(runner, lines):
-    header = "%-52s %-8s %3s %5s %8s %5s  %s" % ("case", "side", "fwd", "cpu", "ctr@cuda", "cuda", "=")
+    header = "%-66s %-8s %3s %5s %7s %8s %5s  %s" % ("case", "side", "fwd", "cpu", "(r+c)", "ctr@cuda", "cuda", "=")
     lines.append(header)
     lines.append("-" * len(header))
     disagree = []
     for r in runner.results:
         if r.error:
-            lines.append("%-52s %-8s %3d  ERROR %s" % (r.case, r.side, r.forward, r.error))
+            lines.append("%-66s %-8s %3d  ERROR %s" % (r.case, r.side, r.forward, r.error))
             continue
         mark = "-" if r.cuda is None else ("yes" if r.agree() else "NO")
-        lines.append("%-52s %-8s %3d %5s %8s %5s  %s" % (r.case, r.side, r.forward, _total(r.cpu), _total(r.ctr),
-                                                       _total(r.cuda), mark))
+        lines.append("%-66s %-8s %3d %5s %7s %8s %5s  %s" % (
+            r.case, r.side, r.forward, _total(r.cpu), "(%d+%d)" % r.split, _total(r.ctr), _total(r.cuda), mark))
         if r.cuda is not None and not r.agree():
             disagree.append(r)
     if disagree:
@@ -438,6 +473,7 @@ def main(argv=None):
     parser.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: %s" % ", ".join(CASES))
     parser.add_argument("--device-classes", default="A2,310P")
     parser.add_argument("--out", help="also write the report to this file")
+    parser.add_argument("--note", default="", help="a line on where the packages came from, for the header")
     parser.add_argument("--with-triton", action="store_true",
                         help="let vLLM import triton where installed (default: hidden, as on the CPU lanes, "
                              "which do not install it, so both runs take vLLM's same code paths)")
@@ -454,7 +490,14 @@ def main(argv=None):
         _pin_platform()
     from importlib.metadata import version
 
-    lines = []
+    import datetime
+
+    lines = ["ran %s UTC on %s, %d cores: python benchmarks/bench_cuda_syncs.py%s" % (
+        datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"), platform.system(), os.cpu_count() or 0,
+        "".join(" " + a for a in (argv if argv is not None else sys.argv[1:]) if not a.startswith("--note")
+                and a != args.note))]
+    if args.note:
+        lines.append(args.note)
     stack = ["torch %s" % torch.__version__, "Python %s" % platform.python_version()]
     for dist in ("vllm", "vllm-ascend", "transformers"):
         try:
@@ -463,9 +506,10 @@ def main(argv=None):
             pass
     lines.append("bench_cuda_syncs: %s" % ", ".join(stack))
     lines.append("device: %s" % (torch.cuda.get_device_name(0) if cuda else "none (CPU counts only: a dry run)"))
-    lines.append("cpu = CPU counter (stand-in device tensors): device->host reads + blocking host->device copies; "
-                 "ctr@cuda = the same counter over the CUDA run; cuda = syncs CUDA reported "
-                 "(set_sync_debug_mode('warn')), emulated op bodies silenced; = : cpu and cuda agree site by site")
+    lines.append("cpu = CPU counter (stand-in device tensors): device->host reads + blocking host->device copies "
+                 "(r+c: each); ctr@cuda = the same counter over the CUDA run (real device tensors); cuda = syncs "
+                 "CUDA reported (set_sync_debug_mode('warn')), emulated op bodies silenced; = : cpu and cuda agree "
+                 "site by site; per forward (fwd: 0, 1 = first, second forward of one built tower)")
     lines.append("")
     runner = Runner(cuda)
     if "calibration" in cases:

@@ -89,10 +89,11 @@ def test_on_cuda_reads_are_counted_at_their_site_and_op_bodies_are_silent():
         cu.tolist()
         _fia(torch_npu.npu_fused_infer_attention_score, q)           # host lists: nothing
         op_line = sys._getframe().f_lineno + 1
-        torch_npu._npu_flash_attention_unpad(q, q, q, torch.diff(cu), 0.25, N, N, torch.empty_like(q))
+        torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=N, scale=0.25, input_layout="TND",
+                                                  actual_seq_lengths=cu[1:], actual_seq_lengths_kv=[3, 7])
     sites = [e.location.split(" in ")[0] for e in counter.events]
     assert sites == ["tests/test_testing_cuda_syncs.py:%d" % line for line in (first, first + 1, op_line)]
-    assert counter.events[2].host_arg == "seq_len of _npu_flash_attention_unpad"
+    assert counter.events[2].host_arg == "actual_seq_lengths of npu_fused_infer_attention_score"
     assert counter.op_events == []
     with count_cuda_syncs(silence_ops=False) as counter:      # the emulation's own syncs, kept apart
         torch_npu._npu_reshape_and_cache(q, q, torch.zeros(4, 4, N, D, dtype=DTYPE, device="cuda"),
