@@ -215,9 +215,7 @@ def test_calls_it_does_not_route_reach_upstream_unchanged(modules, methods):
     spec = dataclasses.replace(SMALL[0], qk_head_dim=192, v_head_dim=192)
     batch = cp_case.make_batch(spec)
     backend, layer, forward_batch, q, k, v = prefill_case.prefill_inputs(*modules, batch)
-    from npu_shim.patches.sglang import small_page_fia as patch
-
-    family = next(f for f in patch.FAMILIES if f.name == claimed_family(NAME).name)
+    family = claimed_family(NAME).load()     # the gate object of the family claimed here
     assert not family.reaches_qlens(backend, layer, forward_batch, None, None)
     assert family.reaches_qlens(backend, cp_case.make_layer(SMALL[0]), forward_batch, None, None)
     assert not family.reaches_qlens(backend, cp_case.make_layer(SMALL[0]), forward_batch, None,
