@@ -1,5 +1,7 @@
-"""Patches ``sglang.qwen2_5_vl_host_lengths`` and ``sglang.glm4v_host_lengths`` on the real sglang wheels
-of 0.5.11 - 0.5.23 (lanes from the declarations: ``pytest.mark.claimed``).
+"""Patches ``sglang.qwen2_5_vl_host_lengths`` and ``sglang.glm4v_host_lengths`` (0.5.11 - 0.5.23) and
+``sglang.qwen3_vl_host_lengths`` (0.5.11 - 0.5.15) on the real sglang wheels (lanes from the
+declarations: ``pytest.mark.claimed``; a tower is tested where its patch has a family claiming the
+installed release).
 
 The whole-tower gate (reads, blocking copies, ``torch.equal`` to upstream, float64) is
 ``test_sglang_towers.py``; here: the family that applies, the checks refusing a body the
@@ -17,12 +19,18 @@ import pytest
 import npu_shim
 from npu_shim.patches.sglang import glm4v_host_lengths as glm4v
 from npu_shim.patches.sglang import qwen2_5_vl_host_lengths as qwen2_5_vl
+from npu_shim.patches.sglang import qwen3_vl_host_lengths as qwen3_vl
 from npu_shim.testing import claims
 
-DECLARATIONS = {"Qwen2.5-VL": qwen2_5_vl, "GLM-4V": glm4v}
-CLASS = {"Qwen2.5-VL": qwen2_5_vl.TOWER, "GLM-4V": glm4v.EMBEDDINGS}
+DECLARATIONS = {"Qwen2.5-VL": qwen2_5_vl, "GLM-4V": glm4v, "Qwen3-VL": qwen3_vl}
+CLASS = {"Qwen2.5-VL": qwen2_5_vl.TOWER, "GLM-4V": glm4v.EMBEDDINGS, "Qwen3-VL": qwen3_vl.TOWER}
 NAMES = tuple(d.NAME for d in DECLARATIONS.values())
-TOWERS = tuple(DECLARATIONS)
+# the towers whose patch claims the installed release
+TOWERS = tuple(name for name, d in DECLARATIONS.items() if claims.claimed_family(d.NAME) is not None)
+# every body each check accepts (cleared in a fresh interpreter: "another body")
+DIGESTS = {"Qwen2.5-VL": "[declaration.FORWARD_BEFORE_METADATA, declaration.FORWARD_METADATA]",
+           "GLM-4V": "[declaration.EMBEDDINGS_FORWARD]",
+           "Qwen3-VL": "[declaration.FORWARD_0_5_11, declaration.FORWARD_0_5_13, declaration.FORWARD_0_5_15]"}
 
 pytestmark = [pytest.mark.claimed(*NAMES), pytest.mark.patch(*NAMES)]
 
@@ -63,7 +71,7 @@ def test_the_check_refuses_a_body_it_was_not_written_from(modules, name):
     module = modules[name]
     family = claims.claimed_family(declaration.NAME).load()
     upstream = _patched(modules, name).__wrapped_upstream__
-    known = family.digests if name == "Qwen2.5-VL" else declaration.EMBEDDINGS_FORWARD
+    known = declaration.EMBEDDINGS_FORWARD if name == "GLM-4V" else family.digests
     assert body_digest(upstream) in known
     cls = getattr(module, CLASS[name])
     other = type(cls.__name__, (), dict(vars(cls), forward=_another_forward))
@@ -163,9 +171,7 @@ print(json.dumps([row["state"], row["reason"], hasattr(f, "__npu_shim_patch__")]
 
 
 def _subprocess_code(name):
-    digests = ("[declaration.FORWARD_BEFORE_METADATA, declaration.FORWARD_METADATA]" if name == "Qwen2.5-VL"
-               else "[declaration.EMBEDDINGS_FORWARD]")
-    return SUBPROCESS % {"module": DECLARATIONS[name].__name__.rsplit(".", 1)[1], "digests": digests,
+    return SUBPROCESS % {"module": DECLARATIONS[name].__name__.rsplit(".", 1)[1], "digests": DIGESTS[name],
                          "cls": CLASS[name]}
 
 
