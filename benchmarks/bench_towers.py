@@ -169,7 +169,8 @@ def sglang_main():
             up_error = "%.1e" % max(r.up_error for r in ran) if ran else "-"
             rows.append((name, release, device_class, "%s -> %d" % (up[0], shim[0]),
                          "%s -> %d" % (up[1], shim[1]), "%s -> %.1e" % (up_error, max(r.error for r in runs)),
-                         ("yes" if equal else "NO") + ("; upstream refused with %s (FIA: actual_seq_lengths)"
+                         ("yes" if equal and ran else "NO" if ran else "-")
+                         + ("; upstream refused with %s (FIA: actual_seq_lengths)"
                                                        % ", ".join(failed) if failed else "")))
             if device_class == "A2":
                 for site, count in sorted(max((r.sites() for r in runs), key=len).items()):
