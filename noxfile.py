@@ -349,7 +349,7 @@ BENCHMARKS = {
     "mm_encoder": (("vllm-0.13", "vllm-0.14", "vllm-0.15", "vllm-0.18", "vllm-0.21", "vllm-0.22",
                     "latest-vllm"), {"NPU_SHIM_EMULATE": "1", "VLLM_PLUGINS": ""}),
     "cp_fia": (("sglang-0.5.13", "latest-sglang"), {"NPU_SHIM_EMULATE": "1", "PYTHONPATH": PLACEHOLDERS}),
-    "towers": (("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.30", "sglang-0.5.11", "sglang-0.5.15",
+    "towers": (("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.30", "sglang-0.5.11", "sglang-0.5.13", "sglang-0.5.15",
                 "sglang-0.5.16", "sglang-0.5.17", "sglang-0.5.20", "latest-sglang"),
                {"NPU_SHIM_EMULATE": "1", "VLLM_PLUGINS": "npu_shim"}),
 }

@@ -143,9 +143,11 @@ def sglang_main():
 
     sglang_towers.setup()
     release = "sglang %s" % version("sglang")
-    families = sorted({r["family"] for r in npu_shim.status()
-                       if r["name"] in ("sglang.vision_host_lengths", "sglang.vision_device_lengths")
-                       and r["state"] == "applied"})
+    families = ["%s %s" % (r["name"], r["family"]) for r in npu_shim.status()
+                if r["name"] in ("sglang.vision_host_lengths", "sglang.vision_device_lengths",
+                                 "sglang.qwen2_5_vl_host_lengths", "sglang.glm4v_host_lengths",
+                                 "sglang.qwen3_vl_host_lengths")
+                and r["state"] == "applied"]
     rows, remain = [], []
     for name in sglang_towers.TOWERS:
         for device_class, dtype in (("A2", torch.bfloat16), ("310P", torch.float16)):
@@ -167,7 +169,8 @@ def sglang_main():
             up_error = "%.1e" % max(r.up_error for r in ran) if ran else "-"
             rows.append((name, release, device_class, "%s -> %d" % (up[0], shim[0]),
                          "%s -> %d" % (up[1], shim[1]), "%s -> %.1e" % (up_error, max(r.error for r in runs)),
-                         ("yes" if equal else "NO") + ("; upstream refused with %s (FIA: actual_seq_lengths)"
+                         ("yes" if equal and ran else "NO" if ran else "-")
+                         + ("; upstream refused with %s (FIA: actual_seq_lengths)"
                                                        % ", ".join(failed) if failed else "")))
             if device_class == "A2":
                 for site, count in sorted(max((r.sites() for r in runs), key=len).items()):

@@ -115,6 +115,24 @@ def test_fia_tnd_contiguous_kv_is_cumulative_and_sparse0_is_full():
     close(out, attention_f64(q, k, v, cq, ckv, scale=0.3))
 
 
+@pytest.mark.parametrize("lengths", [[3, 5], [64, 164], [5, 8, 8]],
+                         ids=["per-segment", "short-of-the-tokens", "an-empty-last-segment-short"])
+def test_fia_tnd_lengths_must_end_at_the_query_tokens(lengths):
+    """The real op refuses TND ``actual_seq_lengths`` whose last element is not the query's token
+    count ("queryT(...) must be equal to the last element of actualSequenceLengthQ"): sglang 0.5.16
+    hands it per-image lengths (increasing for two images of 3 and 5 tokens), fixed in 0.5.17 (PR
+    #31867) by the cumulative ones."""
+    t = {3: 8, 64: 200, 5: 9}[lengths[0]]
+    q = torch.randn(t, 2, 16)
+    with pytest.raises(ValueError, match=r"queryT\(%d\) must be equal to the last element" % t):
+        torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=2, input_layout="TND", scale=0.3,
+                                                  actual_seq_lengths=lengths, actual_seq_lengths_kv=lengths)
+    ends = dense_segments([3, 5])[1:]            # the cumulative lengths of the same images run
+    q = torch.randn(8, 2, 16)
+    torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=2, input_layout="TND", scale=0.3,
+                                              actual_seq_lengths=ends, actual_seq_lengths_kv=ends)
+
+
 @pytest.mark.parametrize("layout", ["BSH", "BNSD", "BSND"])
 def test_fia_batched_layouts_causal(layout):
     g = torch.Generator().manual_seed(7)

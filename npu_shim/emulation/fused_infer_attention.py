@@ -11,7 +11,9 @@ FIA
   or (T, N, 1) for TND, when ``softmax_lse_flag=True``; otherwise a one-element
   zero tensor.
 * Layouts BSH, BSND, BNSD, BNSD_BSND and TND. TND: ``actual_seq_lengths`` is
-  required and *cumulative* (its length is the batch); without paging
+  required and *cumulative* (its length is the batch), and its last element must be
+  the query's token count T (the real op: "queryT(...) must be equal to the last
+  element of actualSequenceLengthQ"); without paging
   ``actual_seq_lengths_kv`` is cumulative too. With paged KV
   (``block_table``), ``actual_seq_lengths_kv`` holds each sequence's own KV
   length (this is how sglang's context-parallel path calls it: cumulative query
@@ -235,6 +237,11 @@ def _fia_tnd(query, key, value, n, nkv, atten_mask, q_cum, kv_arg, block_table, 
     if q_cum is None:
         raise ValueError("%s: input_layout='TND' requires actual_seq_lengths" % FIA)
     seg_q = _tnd_segments(q_cum, t, "actual_seq_lengths")
+    if seg_q and seg_q[-1][1] != t:
+        # the real op: "queryT(...) must be equal to the last element of actualSequenceLengthQ"
+        # (sglang PR #31867: 0.5.16's per-image lengths for two images or more fail there)
+        raise ValueError("%s: TND actual_seq_lengths must end at the query's token count: queryT(%d) must be "
+                         "equal to the last element of actualSequenceLengthQ(%d)" % (FIA, t, seg_q[-1][1]))
     b = len(seg_q)
     if block_table is not None:
         ks, vs, kv_lens, dv = _kv_sources(FIA, key, value, n, nkv, b, "TND", block_table,

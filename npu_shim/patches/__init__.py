@@ -27,6 +27,9 @@ BUILTIN_PATCHES = (
     ("sglang.small_page_fia", "npu_shim.patches.sglang.small_page_fia"),
     ("sglang.vision_host_lengths", "npu_shim.patches.sglang.vision_host_lengths"),
     ("sglang.vision_device_lengths", "npu_shim.patches.sglang.vision_device_lengths"),
+    ("sglang.qwen2_5_vl_host_lengths", "npu_shim.patches.sglang.qwen2_5_vl_host_lengths"),
+    ("sglang.glm4v_host_lengths", "npu_shim.patches.sglang.glm4v_host_lengths"),
+    ("sglang.qwen3_vl_host_lengths", "npu_shim.patches.sglang.qwen3_vl_host_lengths"),
 )
 
 # Top-level packages whose import loads the patch machinery.

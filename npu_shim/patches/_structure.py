@@ -24,3 +24,34 @@ def present_as(replacement, original, patch_name, what, module):
     replacement.__signature__ = inspect.signature(original)
     replacement.__wrapped_upstream__ = original
     return replacement
+
+
+def body_digest(function):
+    """A hash of ``function``'s code: its source parsed, docstring and decorators dropped,
+    unparsed (comments and layout do not count); TargetMismatch where there is no source.
+
+    The families that write an upstream body out in full accept only the bodies they were
+    written from, by this digest."""
+    import ast
+    import hashlib
+    import textwrap
+
+    try:
+        source = textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError):
+        raise TargetMismatch("%s: no source to read" % getattr(function, "__qualname__", function))
+    node = ast.parse(source).body[0]
+    body = node.body
+    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        node.body = body[1:] or [ast.Pass()]
+    node.decorator_list = []
+    return hashlib.sha256(ast.unparse(node).encode()).hexdigest()[:12]
+
+
+def expect_body(function, digests, what):
+    """TargetMismatch unless ``function``'s :func:`body_digest` is one of ``digests``."""
+    found = body_digest(function)
+    if found not in digests:
+        raise TargetMismatch("%s is not the body %s was written from (digest %s, known %s)"
+                             % (function.__qualname__, what, found, ", ".join(sorted(digests))))

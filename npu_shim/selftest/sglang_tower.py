@@ -1,0 +1,45 @@
+"""What the sglang tower selftests share: one whole forward of sglang's own vision tower.
+
+Builds the tower of the installed sglang release from a tiny random config
+(:mod:`npu_shim.testing.sglang_towers`: the real class, ``mm_attention_backend="ascend_attn"``),
+runs one forward over three images in bfloat16 and reports the deviation from the same tower
+in float64 (relative to max |reference|), the device->host reads of the whole forward and the
+family that applied. Off an NPU, sglang's platform checks are answered as on an NPU and
+torch_npu is the emulation.
+"""
+
+
+def run_tower(name, patch_name, device=None):
+    import time
+
+    import torch
+
+    from npu_shim import status
+    from npu_shim.selftest import applied_target
+    from npu_shim.testing import sglang_towers
+
+    sglang_towers.setup()
+    applied_target(patch_name)
+    device = device or "cpu"
+    family = next(r for r in status() if r["name"] == patch_name)["family"]
+    dtype = torch.bfloat16
+    tower = sglang_towers.build(name, dtype)
+    grid = sglang_towers.TOWERS[name].grids[0]
+    x = sglang_towers.pixel_values(tower, grid)
+    ref = sglang_towers.reference_forward(name, x, grid)
+    if device != "cpu":
+        tower.to(device)
+        x = x.to(device)
+    started = time.perf_counter()
+    out, syncs, _ = sglang_towers.forward(name, tower, x, grid)
+    if device != "cpu":
+        torch.npu.synchronize()
+    seconds = time.perf_counter() - started
+    return {
+        "max_rel_err": sglang_towers.relative_error(sglang_towers.tower_output(out).cpu(), ref),
+        "tolerance": sglang_towers.TOLERANCES["bfloat16"],
+        "host_syncs": syncs.count,
+        "seconds": seconds,
+        "detail": "sglang %s vision tower (%d blocks), grid %s, bfloat16 on %s, family %s; error relative "
+                  "to max |reference|" % (name, len(tower.blocks), grid, device, family),
+    }
