@@ -161,8 +161,9 @@ def write_result(lane, release, rows):
 
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, "census-%s.json" % lane)
+    commit = _commit()       # before the file is opened: truncating it makes the tree "uncommitted"
     with open(path, "w") as handle:
-        json.dump({"lane": lane, "release": release, "rows": rows, "commit": _commit(),
+        json.dump({"lane": lane, "release": release, "rows": rows, "commit": commit,
                    "ran": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                    "machine": "%s, %d cores, Python %s" % (platform.system(), os.cpu_count() or 0,
                                                            platform.python_version())},
