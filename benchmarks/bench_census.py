@@ -50,11 +50,10 @@ WHY = {
     "Ernie4.5-VL": "the field config sends the grid to the device; `rot_pos_emb` iterates it (scalar reads "
                    "per frame row), the rotary table reads max(grid), cu_seqlens is built on the device and "
                    "the attention reads it once.",
-    "GLM-OCR": "the attention's one read of cu_seqlens (`mm_encoder/common.py` `host_values`), which GLM-OCR's "
-               "own `forward` builds on the host from the host grid (`repeat_interleave`) and copies itself "
-               "(`.to(self.device, non_blocking=True)`); `vllm.glm4_1v_host_lengths` patches GLM-4.1V's "
-               "`forward`, which GLM-OCR overrides. The host has the numbers: a host-lengths patch like "
-               "Qwen3-Omni's would bring it to 0 (not built: listed).",
+    "GLM-OCR": "cu_seqlens comes from the host grid (`repeat_interleave`) and is copied by GLM-OCR's own "
+               "`forward` (`.to(self.device, non_blocking=True)`); `vllm.glm_ocr_host_lengths` keeps the host "
+               "lengths on that copy (without it the attention reads cu_seqlens once: "
+               "`vllm.glm4_1v_host_lengths` patches GLM-4.1V's `forward`, which GLM-OCR overrides).",
     "Keye-VL": "its field config sends the grid to the device, and the model's `_process_image_input` reads "
                "it back to build cu_seqlens, position ids and sample indices as host lists (0.26.0: `.cpu()` "
                "per row and 3 blocking `.to(device)` copies; 0.30.0: one `.tolist()` and no blocking copy); "
@@ -162,8 +161,9 @@ def write_result(lane, release, rows):
 
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, "census-%s.json" % lane)
+    commit = _commit()       # before the file is opened: truncating it makes the tree "uncommitted"
     with open(path, "w") as handle:
-        json.dump({"lane": lane, "release": release, "rows": rows, "commit": _commit(),
+        json.dump({"lane": lane, "release": release, "rows": rows, "commit": commit,
                    "ran": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
                    "machine": "%s, %d cores, Python %s" % (platform.system(), os.cpu_count() or 0,
                                                            platform.python_version())},

@@ -12,6 +12,8 @@ TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 MOONVIT_ATTN_CHOICES = ("auto", "ascend_fa", "sdpa")
+# vllm.mm_encoder_attn, families 0.22.1rc1+: family 0.18.0's op call instead of FIA (named in errors)
+MM_ENCODER_FUSION_SWITCH = "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION"
 
 # Patches that are on by default and have a switch of their own (boolean, default 1)
 # besides NPU_SHIM_DISABLE: patch name -> variable.
@@ -46,6 +48,12 @@ VARIABLES = (
      "family 0.13.0-0.17.0rc1: npu-shim's TND npu_fusion_attention (K/V not repeated) instead of "
      "upstream's _npu_flash_attention_unpad; off by default because upstream's call is the "
      "hardware-proven one", "vllm.mm_encoder_attn"),
+    ("NPU_SHIM_MM_ENCODER_FUSION_ATTENTION", "boolean, default 0",
+     "families 0.22.1rc1 and 0.23.0rc1+ (eager path): the op call of family 0.18.0 "
+     "(torch_npu.npu_fusion_attention, TND, cumulative lengths for queries and keys) instead of "
+     "upstream's npu_fused_infer_attention_score, for stacks where that call returns a uniform "
+     "average (vllm-ascend #13699, open; not reproduced here); off by default because upstream's "
+     "call is the one its release ships", "vllm.mm_encoder_attn"),
     ("NPU_SHIM_MOONVIT_ATTN", ", ".join(MOONVIT_ATTN_CHOICES),
      "MoonViT attention choice (auto: ascend_fa where NPU ops exist and the layer would use sdpa)",
      "vllm.moonvit_attn"),
@@ -146,7 +154,8 @@ class Settings:
     """A snapshot of the ``NPU_SHIM*`` variables, validated."""
 
     __slots__ = ("enabled", "strict", "emulate", "enable", "disable", "log_level", "mm_encoder_tnd",
-                 "switched_off", "moonvit_attn", "exit_summary", "family_by_structure")
+                 "mm_encoder_fusion_attention", "switched_off", "moonvit_attn", "exit_summary",
+                 "family_by_structure")
 
     def __init__(self, environ=None):
         environ = os.environ if environ is None else environ
@@ -159,6 +168,9 @@ class Settings:
         # vllm.mm_encoder_attn on vllm-ascend 0.13-0.17: npu-shim's TND kernel instead of
         # upstream's _npu_flash_attention_unpad (default off: upstream's call is hardware-proven).
         self.mm_encoder_tnd = env_flag("NPU_SHIM_MM_ENCODER_TND", False, environ)
+        # vllm.mm_encoder_attn on vllm-ascend 0.22.1rc1+: 0.18.0's npu_fusion_attention call
+        # instead of npu_fused_infer_attention_score (default off: vllm-ascend #13699 is open).
+        self.mm_encoder_fusion_attention = env_flag("NPU_SHIM_MM_ENCODER_FUSION_ATTENTION", False, environ)
         self.switched_off = frozenset(
             name for name, var in PATCH_SWITCHES.items() if not env_flag(var, True, environ))
         self.moonvit_attn = env_choice("NPU_SHIM_MOONVIT_ATTN", MOONVIT_ATTN_CHOICES, "auto", environ)
@@ -180,6 +192,14 @@ class Settings:
         if patch_name in self.switched_off:
             return "%s=0" % PATCH_SWITCHES[patch_name]
         return None
+
+    def switches(self, patch_name):
+        """{variable: value in effect} for the variables of :data:`VARIABLES` that belong to
+        ``patch_name`` and choose how it works (shown by ``npu-shim status``)."""
+        values = {"NPU_SHIM_MM_ENCODER_TND": self.mm_encoder_tnd,
+                  "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION": self.mm_encoder_fusion_attention,
+                  "NPU_SHIM_MOONVIT_ATTN": self.moonvit_attn}
+        return {name: values[name] for name, _, _, owner in VARIABLES if owner == patch_name and name in values}
 
     def unknown_names(self, known):
         """(variable, name) pairs naming patches that do not exist."""

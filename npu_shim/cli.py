@@ -27,7 +27,8 @@ def _status_table(rows):
                 row["name"],
                 row["state"],
                 row.get("family") or "-",
-                row["reason"],
+                row["reason"] + "".join("; %s=%s" % (name, int(value) if isinstance(value, bool) else value)
+                                        for name, value in (row.get("switches") or {}).items()),
                 ", ".join("%s %s" % (d, v or "-") for d, v in row["versions"].items()) or "-",
             )
             for row in rows

@@ -50,6 +50,19 @@ def test_enable_disable_lists():
     assert s.unknown_names({"a"}) == [("NPU_SHIM_ENABLE", "b"), ("NPU_SHIM_DISABLE", "b")]
 
 
+def test_mm_encoder_fusion_attention_switch_validated_and_shown():
+    assert Settings({}).mm_encoder_fusion_attention is False
+    assert Settings({"NPU_SHIM_MM_ENCODER_FUSION_ATTENTION": "1"}).mm_encoder_fusion_attention is True
+    with pytest.raises(ConfigError, match="NPU_SHIM_MM_ENCODER_FUSION_ATTENTION='fia' is not a boolean"):
+        Settings({"NPU_SHIM_MM_ENCODER_FUSION_ATTENTION": "fia"})
+    assert Settings({}).switches("vllm.mm_encoder_attn") == {
+        "NPU_SHIM_MM_ENCODER_TND": False, "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION": False}
+    assert Settings({"NPU_SHIM_MM_ENCODER_FUSION_ATTENTION": "yes"}).switches("vllm.mm_encoder_attn")[
+        "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION"] is True
+    assert Settings({}).switches("vllm.moonvit_attn") == {"NPU_SHIM_MOONVIT_ATTN": "auto"}
+    assert Settings({}).switches("vllm.glm_ocr_host_lengths") == {}
+
+
 def test_mm_encoder_tnd_switch_validated():
     assert Settings({}).mm_encoder_tnd is False
     assert Settings({"NPU_SHIM_MM_ENCODER_TND": "1"}).mm_encoder_tnd is True

@@ -303,6 +303,7 @@ def status(import_targets: bool = False) -> list:
                 "versions": guards.versions_of(patch),
                 "needs_npu": patch.needs_npu,
                 "summary": patch.summary,
+                "switches": settings.switches(patch.name),
                 "seconds": round(record.seconds, 6),
             }
         )

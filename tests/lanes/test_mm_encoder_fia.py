@@ -586,3 +586,142 @@ def test_uninstall_restores_and_install_reapplies(stack):
     row = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
     assert row["state"] == "applied" and row["family"] == stack.adapter
     assert vars(stack.patched)["forward_oot"] is not original
+
+
+# ------------------------------- NPU_SHIM_MM_ENCODER_FUSION_ATTENTION (vllm-ascend #13699)
+
+FUSION_SWITCH = "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION"
+# The keyword arguments of family 0.18.0's call (v018.attend), and of the FIA call it replaces.
+FUSION_CALL = {"query", "key", "value", "actual_seq_qlen", "actual_seq_kvlen", "head_num", "scale", "input_layout"}
+
+
+def op_spies(monkeypatch, torch_npu):
+    """Count the calls of the fused-infer and fusion ops of ``torch_npu`` (keyword arguments kept)."""
+    calls = {"npu_fused_infer_attention_score": [], "npu_fusion_attention": []}
+    for name, seen in calls.items():
+        real = getattr(torch_npu, name)
+
+        def spy(*args, _real=real, _seen=seen, **kwargs):
+            _seen.append((args, kwargs))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(torch_npu, name, spy)
+    return calls
+
+
+def family_forward(stack, switch_on):
+    """The installed family's ``forward_oot`` built on vllm-ascend's untouched class with the
+    switch on or off (read when the family is built, as at install)."""
+    from npu_shim import _config
+    from npu_shim.patches.vllm_ascend.mm_encoder import fia
+    from npu_shim.testing import claims
+
+    family = claims.claimed_family(PATCH_NAME).load()
+    previous = _config.use_settings(_config.Settings({FUSION_SWITCH: "1"} if switch_on else {}))
+    try:
+        return fia.build_forward(stack.upstream, family.host_lengths, family.__name__)["forward_oot"]
+    finally:
+        _config.use_settings(previous)
+
+
+def test_fusion_switch_is_off_by_default_and_status_shows_it(stack, monkeypatch):
+    import npu_shim
+    from npu_shim import _config
+
+    assert _config.Settings({}).mm_encoder_fusion_attention is False
+    assert _config.Settings({FUSION_SWITCH: "1"}).mm_encoder_fusion_attention is True
+    row = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
+    assert row["switches"] == {"NPU_SHIM_MM_ENCODER_TND": False, FUSION_SWITCH: False}, row["switches"]
+    # the installed layer (switch off) makes upstream's FIA call
+    calls = op_spies(monkeypatch, stack.module.torch_npu)
+    q, k, v = moonvit_qkv(sum(IMAGES))
+    layers = vllm_layers(stack, 3)
+    tower(layers, q, k, v, cu_tensor(IMAGES))
+    assert (len(calls["npu_fused_infer_attention_score"]), len(calls["npu_fusion_attention"])) == (3, 0)
+
+
+def test_fusion_switch_makes_the_018_call_not_fia(stack, monkeypatch):
+    """Switch on: not one FIA call; every layer makes family 0.18.0's npu_fusion_attention call
+    (TND, one list of cumulative 0-d host tensors for queries and keys, the model's scale), one
+    device->host read per forward, output within tolerance of the float64 reference and of the
+    FIA path's output."""
+    import torch
+
+    from npu_shim.testing import count_host_syncs
+
+    scale = 0.07
+    q, k, v = moonvit_qkv(sum(IMAGES), seed=3)
+    cu = cu_tensor(IMAGES)
+    layers = upstream_layers(stack, 3, scale=scale)
+    fia_forward, fusion_forward = family_forward(stack, False), family_forward(stack, True)
+    calls = op_spies(monkeypatch, stack.upstream_module.torch_npu)
+    with count_host_syncs(device_tensors=[cu]) as syncs:
+        outs = [fusion_forward(layer, q, k, v, cu_seqlens=cu) for layer in layers]
+    assert syncs.count == 1, syncs.summary()
+    assert calls["npu_fused_infer_attention_score"] == []
+    assert len(calls["npu_fusion_attention"]) == len(layers)
+    for args, kwargs in calls["npu_fusion_attention"]:
+        assert args == () and set(kwargs) == FUSION_CALL, sorted(kwargs)
+        assert kwargs["input_layout"] == "TND" and kwargs["head_num"] == HEADS and kwargs["scale"] == scale
+        assert kwargs["query"].shape == (sum(IMAGES), HEADS, 128)                 # 72 padded, as upstream
+        cumulative = kwargs["actual_seq_qlen"]
+        assert kwargs["actual_seq_kvlen"] is cumulative
+        assert all(isinstance(n, torch.Tensor) and n.dim() == 0 and n.device.type == "cpu" for n in cumulative)
+        assert [int(n) for n in cumulative] == torch.tensor(IMAGES).cumsum(0).tolist()
+    ref = reference(q, k, v, cu, scale=scale)
+    for out in outs:
+        assert out.shape == q.shape
+        assert max_err(out, ref) < TOL
+    fia_outs = [fia_forward(layer, q, k, v, cu_seqlens=cu) for layer in layers]
+    assert len(calls["npu_fused_infer_attention_score"]) == len(layers)
+    assert max_err(outs[0], fia_outs[0].double()) < TOL
+
+
+def test_fusion_switch_refuses_different_query_and_key_lengths(stack):
+    import torch
+
+    from npu_shim.patches.vllm_ascend.mm_encoder import fia
+
+    q = torch.zeros(6, 2, 64)
+    with pytest.raises(ValueError, match="NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1 .* query lengths \\[2, 6\\] "
+                                         "and key lengths \\[4, 12\\]"):
+        fia.fusion_attention(vars(stack.upstream_module), q, q, q, [2, 6], [4, 12], 2, 0.1)
+
+
+FUSION_BODY = r'''
+calls = []
+real = module.torch_npu.npu_fusion_attention
+def spy(*a, **kw):
+    calls.append(sorted(kw))
+    return real(*a, **kw)
+module.torch_npu.npu_fusion_attention = spy
+with torch.inference_mode():
+    again = layer.forward_oot(q, k, v, torch.tensor([0, 5, 6, 15, 18], dtype=torch.int32))
+print(json.dumps({"switches": row["switches"], "family": row["family"], "fusion_calls": calls,
+                  "table": [l for l in __import__("npu_shim.cli", fromlist=["x"])._status_table([row]).splitlines()
+                            if "vllm.mm_encoder_attn" in l]}))
+'''
+
+
+@pytest.mark.lanes("vllm-0.22", "latest-vllm")            # one lane per fused-infer family
+def test_fusion_switch_in_a_fresh_interpreter(stack, run_python, make_env, tmp_path):
+    """NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1 in the environment: the installed patch makes the
+    0.18.0 call, status (JSON and table) shows the switch on, output near the FIA path's."""
+    import json
+
+    import torch
+
+    out = tmp_path / "out.pt"
+    code = "\n".join(["import os", "OUT = %r" % str(out),
+                      textwrap.dedent(inspect.getsource(import_target_without_ops_init)),
+                      SUBPROCESS_BODY, FUSION_BODY])
+    proc = run_python(code, env=make_env(VLLM_PLUGINS="", **{FUSION_SWITCH: "1"}), timeout=300)
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["family"] == stack.adapter, result
+    assert result["switches"][FUSION_SWITCH] is True, result
+    assert result["fusion_calls"] == [sorted(FUSION_CALL)], result
+    assert "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1" in result["table"][0], result["table"]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 18, 4, 72, generator=gen) for _ in range(3))
+    ref = reference(q, k, v, [0, 5, 6, 15, 18], scale=0.05)
+    assert max_err(torch.load(out), ref) < TOL

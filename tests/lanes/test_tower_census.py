@@ -7,8 +7,8 @@ Towers, stand-ins and how each is called: :mod:`npu_shim.testing.census`. A2, in
 ``torch.inference_mode()``, two forwards with different grids, each with a
 multi-frame item. The attention change reaches the ``cu_seqlens`` vLLM copies
 through ``MMEncoderAttention.maybe_recompute_cu_seqlens``, and the copies Qwen2-VL
-and Qwen3-Omni's vision tower make themselves (``vllm.qwen2_vl_host_lengths``,
-``vllm.qwen3_omni_vision_host_lengths``); where a tower builds ``cu_seqlens`` on
+Qwen3-Omni's and GLM-OCR's vision towers make themselves (``vllm.qwen2_vl_host_lengths``,
+``vllm.qwen3_omni_vision_host_lengths``, ``vllm.glm_ocr_host_lengths``); where a tower builds ``cu_seqlens`` on
 the device, vllm.mm_encoder_attn's one read per tensor per forward stays, and
 the counts below say so.
 
@@ -22,7 +22,8 @@ import pytest
 
 pytestmark = [pytest.mark.lanes("latest-vllm", "vllm-0.30"),
               pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn",
-                                "vllm.qwen2_vl_host_lengths", "vllm.qwen3_omni_vision_host_lengths")]
+                                "vllm.qwen2_vl_host_lengths", "vllm.qwen3_omni_vision_host_lengths",
+                                "vllm.glm_ocr_host_lengths")]
 
 # |tower - float64 tower| and |tower - TORCH_SDPA tower|, relative to max |float64 tower| (no
 # floor); measured worst over the census towers (latest-vllm and vllm-0.30, benchmarks/results/
@@ -59,10 +60,10 @@ EXPECTED = {
 # The towers beyond the first four (GLM-OCR, Keye-VL, PaddleOCR-VL, HunYuan-Vision): (upstream, shim) per forward, by vLLM release where they differ.
 # None: the release has no module for the tower (checked, not skipped).
 EXPECTED_BY_RELEASE = {
-    # 1 left: the attention's read of cu_seqlens, which GLM-OCR's own forward builds on the host
-    # and copies itself (.to(self.device, non_blocking=True)); GLM-4.1V's host-lengths patch
-    # targets GLM-4.1V's forward, which GLM-OCR overrides.
-    "GLM-OCR": {"0.26.0": ((3, 1), (3, 1)), "0.30.0": ((3, 1), (3, 1))},
+    # 0 left: cu_seqlens is built on the host from the host grid (repeat_interleave) and copied
+    # by GLM-OCR's own forward (.to(self.device, non_blocking=True)); vllm.glm_ocr_host_lengths
+    # keeps the grid's host lengths on the copy (without it: 1, the attention's).
+    "GLM-OCR": {"0.26.0": ((3, 0), (3, 0)), "0.30.0": ((3, 0), (3, 0))},
     # The grid is on the device (field config): _process_image_input reads it back (0.26: .cpu()
     # per row; 0.30: one .tolist()), the projector's rearrange reads t, h, w (2 per image), the
     # attention reads cu_seqlens once; 0.26 also reads max(position ids) for the rotary table and
@@ -77,7 +78,7 @@ EXPECTED_BY_RELEASE = {
 }
 # vllm.mm_encoder_attn's reads of cu_seqlens per forward, where not 0: one per tensor (PaddleOCR-VL
 # encodes each image alone: one tensor per image, 2 images then 3).
-ATTENTION_READS = {"dots.ocr": (1, 1), "Ernie4.5-VL": (1, 1), "GLM-OCR": (1, 1), "Keye-VL": (1, 1),
+ATTENTION_READS = {"dots.ocr": (1, 1), "Ernie4.5-VL": (1, 1), "Keye-VL": (1, 1),
                    "PaddleOCR-VL": (2, 3)}
 
 

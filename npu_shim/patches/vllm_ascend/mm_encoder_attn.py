@@ -23,6 +23,23 @@ How: one family per vllm-ascend release family (modules in
   Graph path (0.22.1rc1 and later): while vllm-ascend's encoder ACL-graph capture is
   active (``get_encoder_forward_context().capturing``), upstream's
   ``forward_oot`` runs untouched (counted as ``upstream_calls``).
+  Optional, off by default: ``NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1`` makes the
+  0.22.1rc1 and 0.23.0rc1+ families' eager path call what family 0.18.0 calls
+  for the same layer, ``torch_npu.npu_fusion_attention`` with ``input_layout="TND"``
+  and 0.18.0's arguments (the cumulative lengths as 0-d host tensors for queries
+  and keys, ``head_num``, ``scale``), instead of ``npu_fused_infer_attention_score``.
+  vllm-ascend #13699 (open) reports that FIA call (TND, ``sparse_mode=0``, no mask)
+  returning a uniform average (error ~3.1 against an fp32 reference, single and
+  multi-image inputs) on one stack (torch_npu 2.10); it may be stack-specific.
+  Verified here, on the emulated ops: with the switch on no FIA call is made,
+  every layer makes 0.18.0's call with 0.18.0's argument layout, the output
+  matches the float64 reference, and status shows the switch. Not verified: the
+  defect itself (not reproduced: the emulation computes what the documentation
+  says), that the fusion op avoids it on an affected stack (its evidence is that
+  vllm-ascend 0.18.0 shipped that call for this layer), and the ACL-graph capture
+  path, where upstream's FIA call runs untouched, switch or not. Under the switch
+  a call with different query and key lengths raises ``ValueError`` (0.18.0's
+  call takes one list for both).
 Upstream fix: none yet for the copy of towers that pass no ``sequence_lengths``
   (0.18.0+); the scale is honoured from 0.23.0rc1.
 Remove when: vllm-ascend computes host lengths once per encoder forward for
@@ -53,11 +70,13 @@ PATCH = Patch(
         Family(("0.19.1rc1", "0.20.2rc1", "0.21.0rc1"), FAMILIES + "v019", id="device-operator-fa", fence=">=0.19.0rc1,<0.22.0rc1",
                keeps="DeviceOperator.npu_flash_attention"),
         Family(("0.22.1rc1",), FAMILIES + "v022", id="fia-tnd-sequence-lengths", fence=">=0.22.0rc1,<0.23.0rc1",
-               keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND"),
+               keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND "
+                     "(NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1: 0.18.0's npu_fusion_attention TND)"),
         Family(("0.23.0rc1", "0.23.0", "0.23.0.post1", "0.24.0rc1", "0.25.1rc1", "0.26.0rc1",
                 "0.27.1rc1", "0.28.0rc1", "0.29.0rc1", "0.30.0rc1", "0.30.0rc2"), FAMILIES + "v023", id="fia-tnd-cu-seqlens",
                fence=">=0.23.0rc1",
-               keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND"),
+               keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND "
+                     "(NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1: 0.18.0's npu_fusion_attention TND)"),
     ),
     summary="host seq lens once per encoder forward (no prefix cache, no global), honour scale; "
             "during vllm-ascend's encoder ACL-graph capture (0.22.1rc1+) upstream's forward_oot "

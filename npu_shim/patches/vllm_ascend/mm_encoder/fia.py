@@ -24,9 +24,33 @@ eager op call with upstream's arguments and module constants, changing:
   Upstream repeats K/V to ``num_heads`` yet passes ``num_kv_heads``, which
   under GQA does not match them (the documented op takes K/V of shape
   (T, num_key_value_heads, D); the emulation rejects upstream's call).
+
+Switch ``NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1`` (default 0, read when the
+family is built): the eager path makes family 0.18.0's op call instead
+(:func:`.v018.attend`: ``torch_npu.npu_fusion_attention``, ``input_layout="TND"``,
+the cumulative lengths as 0-d host tensors for queries and keys, ``head_num``,
+``scale``), on the same repeated and padded Q/K/V, with the same host lengths
+and scale as the FIA call would get. Why: vllm-ascend #13699 (open) reports the
+encoder's FIA call (TND, ``sparse_mode=0``, no mask) returning a uniform
+average on some stacks from 0.22.1rc1 on; that 0.18.0 call is the one vllm-ascend
+0.18.0 shipped for this layer (and 0.19.1rc1 .. 0.21.0rc1 on A5 through
+``DeviceOperator``). What is verified here: with the switch on, the FIA op is
+not called, the fusion op is, with 0.18.0's argument layout, and the output
+matches the float64 reference, on the emulated ops. What is not: the defect
+itself (not reproduced: the emulation computes what the documentation says),
+that the fusion op avoids it on an affected stack, and the capture path (while
+the encoder ACL graph is captured, upstream's FIA call runs untouched, switch
+or not). A call whose query and key lengths differ is refused with a
+ValueError under the switch (0.18.0's call takes one list for both).
 """
+import torch
+
+from npu_shim import _config
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
+from npu_shim.patches.vllm_ascend.mm_encoder import v018
+
+FUSION_SWITCH = _config.MM_ENCODER_FUSION_SWITCH
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 BASE_NAME = "MMEncoderAttention"
@@ -80,6 +104,7 @@ def build_forward(cls, host_lengths, adapter_module):
     block_size, no_band = (upstream_globals[name] for name in CONSTANTS)
     # 0.26.0rc1 hands K/V over with .contiguous(), 0.23.0rc1 .. 0.25.1rc1 as they are.
     contiguous_kv = C.calls_name(vars(cls)["_run_vit_fia"], "contiguous")
+    fusion = _config.settings().mm_encoder_fusion_attention
 
     def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None, sequence_lengths=None):
         # Looked up per call, as upstream's forward_oot does (tests may replace it).
@@ -94,6 +119,9 @@ def build_forward(cls, host_lengths, adapter_module):
         lengths_q, lengths_kv = host_lengths(self, upstream_globals, query, q.shape[0], k.shape[0],
                                              cu_seqlens, sequence_lengths)
         q, k, v = (C.pad_head_dim(x, state.pad_to) for x in (q, k, v))
+        if fusion:
+            out = fusion_attention(upstream_globals, q, k, v, lengths_q, lengths_kv, heads, state.scale)
+            return C.to_upstream_shape(out, query, self.head_size, heads)
         if contiguous_kv:
             k, v = k.contiguous(), v.contiguous()
         out, _ = upstream_globals["torch_npu"].npu_fused_infer_attention_score(
@@ -104,6 +132,18 @@ def build_forward(cls, host_lengths, adapter_module):
         return C.to_upstream_shape(out, query, self.head_size, heads)
 
     return {"forward_oot": C.wrap(forward_oot, original_forward, PATCH_NAME, adapter_module)}
+
+
+def fusion_attention(upstream_globals, q, k, v, lengths_q, lengths_kv, heads, scale):
+    """Family 0.18.0's op call (:func:`.v018.attend`) for cumulative host lengths ``lengths_q``
+    (``NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1``)."""
+    lengths_q, lengths_kv = [int(n) for n in lengths_q], [int(n) for n in lengths_kv]
+    if lengths_q != lengths_kv:
+        raise ValueError("%s=1 makes vllm-ascend 0.18.0's npu_fusion_attention call, which takes one list of "
+                         "lengths for queries and keys; this call has query lengths %s and key lengths %s "
+                         "(unset the switch for it)" % (FUSION_SWITCH, lengths_q, lengths_kv))
+    seq_lens = torch.diff(torch.tensor([0] + lengths_q, dtype=torch.int32))    # per segment, as 0.18.0's
+    return v018.attend(upstream_globals, q, k, v, seq_lens, heads, scale)
 
 
 def host_tensor(layer, values):
