@@ -194,6 +194,14 @@ max |reference|) of a float64 copy of the tower (attention from its definition,
 
 The four towers with their own patches and benchmarks (Qwen2.5-VL, Qwen3-VL, Kimi-VL,
 GLM-4.1V: 0 reads per forward) are in `benchmarks/results/towers-*.txt`.
+
+Checked on a real GPU: the same forwards on CUDA, counted by CUDA itself
+(`benchmarks/bench_cuda_syncs.py`, its run in `benchmarks/results/cuda-syncs.txt`), give the
+counts below for every tower except dots.ocr, Ernie4.5-VL and Keye-VL, where CUDA reports more
+syncs (upstream and shim alike) than the counter: two scalar reads inside one torch call
+counted as one, `repeat_interleave` with device repeats and a host index into a device tensor
+(README, "Checked on a real GPU"). For those three towers the figures here are lower bounds;
+what the shim removes is the same on both counts.
 """
 
 READ_NOT_MEASURED = """\
