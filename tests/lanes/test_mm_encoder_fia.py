@@ -76,7 +76,7 @@ def stack():
         module=module, patched=module.AscendMMEncoderAttention,
         upstream=upstream_module.AscendMMEncoderAttention, upstream_module=upstream_module,
         config=VllmConfig(device_config=DeviceConfig(device="cpu")), status=row,
-        version=version, adapter=claimed_family(PATCH_NAME).name,
+        version=version, family=claimed_family(PATCH_NAME).name,
         family_module=claimed_family(PATCH_NAME).implementation,
         ignores_scale=version.startswith("0.22"))
 
@@ -145,12 +145,12 @@ def tower(layers, q, k, v, cu, **kw):
 # ---------------------------------------------------------------- status, shape
 
 
-def test_status_names_the_adapter_and_only_forward_oot_is_replaced(stack):
+def test_status_names_the_family_and_only_forward_oot_is_replaced(stack):
     from npu_shim.engine import counters
 
-    assert stack.status["family"] == stack.adapter
+    assert stack.status["family"] == stack.family
     assert stack.status["reason"] == "vllm-ascend %s" % stack.version
-    assert npu_shim_stats()[PATCH_NAME]["family"] == stack.adapter
+    assert npu_shim_stats()[PATCH_NAME]["family"] == stack.family
     ours = vars(stack.patched)["forward_oot"]
     assert ours.__code__.co_filename.endswith(os.path.join("patches", "vllm_ascend", "mm_encoder", "fia.py"))
     assert ours.__wrapped_upstream__.__code__.co_filename == stack.module.__file__
@@ -158,7 +158,7 @@ def test_status_names_the_adapter_and_only_forward_oot_is_replaced(stack):
     assert vars(stack.patched)["__init__"].__code__.co_filename == stack.module.__file__
 
 
-def test_each_adapter_refuses_the_other_family(stack):
+def test_each_family_refuses_the_other_ones_code(stack):
     """Decided by structure: v022 refuses 0.23+'s class and v023 refuses 0.22.1rc1's."""
     from npu_shim.patch import TargetMismatch
     from npu_shim.patches.vllm_ascend.mm_encoder import v022, v023
@@ -183,7 +183,7 @@ def test_structural_check_refuses_a_changed_op_call(stack):
         "_forward_eager_fia": vars(stack.upstream)["_forward_eager_fia"],
         "_run_vit_fia": _run_vit_fia})
     with pytest.raises(TargetMismatch, match="%s .*_run_vit_fia no longer refers to "
-                       "npu_fused_infer_attention_score" % re.escape(stack.adapter)):
+                       "npu_fused_infer_attention_score" % re.escape(stack.family)):
         guards.select_family(PATCH, types.SimpleNamespace(__name__="changed", AscendMMEncoderAttention=changed))
 
 
@@ -295,7 +295,7 @@ def test_bfloat16_keeps_dtype(stack):
 def test_gqa_kv_heads_match_the_tensors(stack):
     """Upstream repeats K/V to num_heads but passes num_key_value_heads=num_kv_heads: the
     documented op takes K/V of (T, num_key_value_heads, D), and the emulation rejects that
-    call. The adapter passes the head count of the K/V it hands over."""
+    call. The family passes the head count of the K/V it hands over."""
     import torch
     from npu_shim.testing import record_npu_calls
 
@@ -517,13 +517,13 @@ def test_capture_hands_the_call_to_upstream_untouched(stack, monkeypatch):
     assert counters.snapshot()[PATCH_NAME]["calls"] == after["calls"] + 1
 
 
-def test_selftest_runs_this_adapter(stack):
+def test_selftest_runs_this_family(stack):
     from npu_shim.selftest import run_one
 
     result = run_one(PATCH_NAME, device="cpu")
     assert result["ok"], result["verdict"]
     assert (result["host_syncs"], result["expected_host_syncs"]) == (1, 1)
-    assert "family %s" % stack.adapter in result["detail"]
+    assert "family %s" % stack.family in result["detail"]
     assert "npu_fused_infer_attention_score" in result["detail"]
 
 
@@ -584,7 +584,7 @@ def test_uninstall_restores_and_install_reapplies(stack):
     finally:
         npu_shim.install()
     row = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
-    assert row["state"] == "applied" and row["family"] == stack.adapter
+    assert row["state"] == "applied" and row["family"] == stack.family
     assert vars(stack.patched)["forward_oot"] is not original
 
 
@@ -717,7 +717,7 @@ def test_fusion_switch_in_a_fresh_interpreter(stack, run_python, make_env, tmp_p
                       SUBPROCESS_BODY, FUSION_BODY])
     proc = run_python(code, env=make_env(VLLM_PLUGINS="", **{FUSION_SWITCH: "1"}), timeout=300)
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["family"] == stack.adapter, result
+    assert result["family"] == stack.family, result
     assert result["switches"][FUSION_SWITCH] is True, result
     assert result["fusion_calls"] == [sorted(FUSION_CALL)], result
     assert "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1" in result["table"][0], result["table"]

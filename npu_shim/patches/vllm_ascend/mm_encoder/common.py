@@ -1,4 +1,4 @@
-"""What every MMEncoderAttention adapter (and the 310P patch) shares.
+"""What every MMEncoderAttention family (and the 310P patch) shares.
 
 Per-forward host lengths
   The NPU ops take sequence lengths on the host; upstream copies
@@ -186,7 +186,7 @@ def to_upstream_shape(out, query, head_size, num_heads):
 def check_params(function, required, optional_tails, what):
     params = tuple(inspect.signature(function).parameters)
     if params[: len(required)] != required or params[len(required):] not in optional_tails:
-        raise TargetMismatch("%s takes %s; the adapter knows %s" % (
+        raise TargetMismatch("%s takes %s; the family knows %s" % (
             what, params, " or ".join(str(required + tail) for tail in optional_tails)))
 
 
@@ -195,12 +195,12 @@ def calls_name(function, name):
     return name in function.__code__.co_names
 
 
-def wrap(replacement, original, patch_name, adapter_module):
+def wrap(replacement, original, patch_name, family_module):
     """Give ``replacement`` upstream's name, qualname and signature."""
     replacement.__name__ = original.__name__
     replacement.__qualname__ = original.__qualname__
     replacement.__doc__ = ("npu-shim (%s) replacement of %s.%s; see %s."
-                           % (patch_name, original.__module__, original.__qualname__, adapter_module))
+                           % (patch_name, original.__module__, original.__qualname__, family_module))
     replacement.__signature__ = inspect.signature(original)
     replacement.__wrapped_upstream__ = original
     return replacement

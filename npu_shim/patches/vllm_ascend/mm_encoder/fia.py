@@ -11,7 +11,7 @@ From 0.22.1rc1 on, vllm-ascend's ``forward_oot`` reshapes Q/K/V to TND
   the encoder graph is captured): records the op inside
   ``graph_task_group_begin/end`` for replay-time length updates.
 
-The adapters replace ``forward_oot`` only. While capture is active they hand
+The families replace ``forward_oot`` only. While capture is active they hand
 the call to upstream's ``forward_oot`` untouched (counted as
 ``upstream_calls``; the emulation has no graph ops, and replay rebinds the
 lengths from vLLM's host buffers anyway). Otherwise they make upstream's
@@ -96,7 +96,7 @@ def make_state(layer):
     return C.LayerState(C.default_scale(layer), C.PAD_TO if pad else layer.head_size)
 
 
-def build_forward(cls, host_lengths, adapter_module):
+def build_forward(cls, host_lengths, family_module):
     """``{"forward_oot": f}`` around ``host_lengths(layer, upstream_globals, query,
     tokens_q, tokens_kv, cu_seqlens, sequence_lengths) -> (lengths_q, lengths_kv)``."""
     original_forward = vars(cls)["forward_oot"]
@@ -131,7 +131,7 @@ def build_forward(cls, host_lengths, adapter_module):
             pre_tokens=no_band, next_tokens=no_band)
         return C.to_upstream_shape(out, query, self.head_size, heads)
 
-    return {"forward_oot": C.wrap(forward_oot, original_forward, PATCH_NAME, adapter_module)}
+    return {"forward_oot": C.wrap(forward_oot, original_forward, PATCH_NAME, family_module)}
 
 
 def fusion_attention(upstream_globals, q, k, v, lengths_q, lengths_kv, heads, scale):

@@ -25,7 +25,7 @@ ignored, as upstream: vLLM asks the registered class's
 ``maybe_compute_seq_lens``, which the 310P class does not define, and vLLM's
 own returns ``None`` on every backend but FlashInfer.
 
-The pieces every 310P adapter shares (``state_maker``, ``host_seq_len``,
+The pieces every 310P family shares (``state_maker``, ``host_seq_len``,
 ``attend``, ``build_family``) live here; :mod:`.v014_310p` and
 :mod:`.v023_310p` use them.
 """
@@ -129,7 +129,7 @@ def check_family(cls, op_names, absent_names=()):
                              % (cls.__name__, ", ".join(present)))
 
 
-def build_family(cls, make_state, adapter_module):
+def build_family(cls, make_state, family_module):
     """``forward_oot`` of the 0.18.0rc1+ 310P shape: upstream's op call (the layer's
     :class:`OpCall`) with host lengths read once per forward and the model's scale."""
     original_forward = vars(cls)["forward_oot"]
@@ -141,7 +141,7 @@ def build_family(cls, make_state, adapter_module):
         seq_len = host_seq_len(self, query, cu_seqlens)
         return attend(self, state, upstream_globals["torch_npu"], query, key, value, seq_len)
 
-    return {"forward_oot": C.wrap(forward_oot, original_forward, PATCH_NAME, adapter_module)}
+    return {"forward_oot": C.wrap(forward_oot, original_forward, PATCH_NAME, family_module)}
 
 
 def check(cls):
