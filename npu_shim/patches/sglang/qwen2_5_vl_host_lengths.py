@@ -94,11 +94,9 @@ class _Tower:
                 counters.count(NAME, "upstream_calls")
                 return original(self, x, grid_thw)
             counters.count(NAME, "upstream_host_copies")    # upstream: 3 reads here
-            # patchify
             x = x.to(device=self.device, dtype=self.dtype)
             x = self.patch_embed(x)
 
-            # compute position embedding
             rotary_pos_emb = self.rot_pos_emb(grid_thw)
 
             window_index, cu_window_seqlens = self.get_window_index(grid_thw)
@@ -151,7 +149,6 @@ class _Tower:
                     extra = {"forward_metadata": window_metadata} if metadata else {}
                 x = blk(x, cu_seqlens=cu_seqlens_now, position_embeddings=position_embeddings, **extra)
 
-            # adapter
             x = self.merger(x)
             x = x[reverse_indices, :]
             return x
