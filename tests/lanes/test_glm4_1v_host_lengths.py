@@ -179,6 +179,7 @@ def test_checks_refuse_another_body(stack):
     import types
 
     from npu_shim.patch import TargetMismatch
+    from npu_shim.patches._structure import body_digest
     from npu_shim.patches.vllm.glm4_1v_host_lengths import families
 
     module = stack.modules[TOWER]
@@ -191,7 +192,7 @@ def test_checks_refuse_another_body(stack):
         families._check_embeddings(other)
     with pytest.raises(TargetMismatch):
         family.check(fake)
-    assert families._digest(original) in families.EMBEDDINGS_FORWARD
+    assert body_digest(original) in families.EMBEDDINGS_FORWARD
 
 
 STRICT_CODE = """

@@ -10,10 +10,7 @@ left out, must hash to a body read in the releases the family names. Any other
 body is another shape (TargetMismatch), and the embeddings of vLLM 0.28.0 and
 later, which already build the sizes on the host, are "not needed".
 """
-import ast
-import hashlib
 import inspect
-import textwrap
 import types
 
 import torch
@@ -22,31 +19,15 @@ from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.vllm.glm4_1v_host_lengths import EMBEDDINGS, PATCH_NAME, TOWER
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
 from npu_shim.patches.vllm.qwen2_5_vl_host_lengths.families import keep_at_next_copy
-from npu_shim.patches._structure import own_function, present_as
+from npu_shim.patches._structure import expect_body, own_function, present_as
 
 HOST = torch.device("cpu")
 
-# Digests (see _digest) of the upstream bodies the replacements were written from.
+# Digests (npu_shim.patches._structure.body_digest) of the upstream bodies the replacements were written from.
 EMBEDDINGS_FORWARD = {"090f8cdf22f6"}            # 0.18.0, 0.19.1, 0.20.2, 0.21.0, 0.22.1, 0.23.0, 0.26.0, 0.27.1
 TOWER_FORWARD_0_18 = {"531813d30257"}            # 0.18.0
 POS_EMBEDS_INTERPOLATE = {"fa612a8b4f47"}        # 0.26.0, 0.27.1
 FIXED_UPSTREAM = ("async_tensor_h2d", "np.repeat")   # 0.28.0's host-side sizes
-
-
-def _digest(function):
-    """A hash of ``function``'s code: its source parsed, docstring dropped, unparsed (comments
-    and layout do not count)."""
-    try:
-        source = textwrap.dedent(inspect.getsource(function))
-    except (OSError, TypeError):
-        raise TargetMismatch("%s: no source to read" % function.__qualname__)
-    node = ast.parse(source).body[0]
-    body = node.body
-    if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        node.body = body[1:] or [ast.Pass()]
-    node.decorator_list = []
-    return hashlib.sha256(ast.unparse(node).encode()).hexdigest()[:12]
 
 
 def _classes(module):
@@ -54,14 +35,6 @@ def _classes(module):
     if not isinstance(embeddings, type) or not isinstance(tower, type):
         raise TargetMismatch("%s has no %s / %s classes" % (module.__name__, EMBEDDINGS, TOWER))
     return embeddings, tower
-
-
-def _expect(function, digests, what):
-    found = _digest(function)
-    if found not in digests:
-        raise TargetMismatch("%s.%s is not the body %s was written from (digest %s, known %s)"
-                             % (function.__qualname__.split(".")[0], function.__name__, what, found,
-                                ", ".join(sorted(digests))))
 
 
 def _host_list(lengths):
@@ -244,7 +217,7 @@ def _check_embeddings(embeddings):
     if all(name in source for name in FIXED_UPSTREAM):
         raise NotNeeded("%s.forward builds the target sizes on the host (np.repeat) and copies them with "
                         "async_tensor_h2d" % EMBEDDINGS)
-    _expect(forward, EMBEDDINGS_FORWARD, "the embeddings replacement")
+    expect_body(forward, EMBEDDINGS_FORWARD, "the embeddings replacement")
     return forward
 
 
@@ -254,7 +227,7 @@ class _CopyThenTolist:
     def check(self, module):
         embeddings, tower = _classes(module)
         _check_embeddings(embeddings)
-        _expect(own_function(tower, "forward"), TOWER_FORWARD_0_18, "0.18.0's tower forward")
+        expect_body(own_function(tower, "forward"), TOWER_FORWARD_0_18, "0.18.0's tower forward")
 
     def build(self, module):
         embeddings, tower = _classes(module)
@@ -309,7 +282,7 @@ class _EncoderMetadata:
         if "pos_embeds_interpolate" not in names or "maybe_recompute_cu_seqlens" not in names:
             raise TargetMismatch("%s.prepare_encoder_metadata does not call pos_embeds_interpolate and "
                                  "maybe_recompute_cu_seqlens" % TOWER)
-        _expect(own_function(tower, "pos_embeds_interpolate"), POS_EMBEDS_INTERPOLATE,
+        expect_body(own_function(tower, "pos_embeds_interpolate"), POS_EMBEDS_INTERPOLATE,
                 "the pos_embeds_interpolate replacement")
 
     def build(self, module):
