@@ -140,10 +140,14 @@ class Selftest:
                     in its result). "ok" needs the count equal to this *and* the error
                     within tolerance: a fix that still reads back must not pass on its
                     numbers alone.
+    ``arguments``   keyword arguments for ``run``, for a callable that serves several patches
+                    (one census tower each, say); with arguments, ``run`` also gets
+                    ``patch``, the name of the patch whose selftest it runs.
     """
 
     run: str
     host_syncs: Union[int, Mapping[str, int]]
+    arguments: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         counts = self.host_syncs.values() if isinstance(self.host_syncs, Mapping) else [self.host_syncs]
@@ -169,7 +173,9 @@ class Selftest:
             reads = ", ".join("%d (%s)" % (n, case) for case, n in self.host_syncs.items())
         else:
             reads = "%d" % self.host_syncs
-        return "`%s`; device→host reads expected: %s" % (self.run, reads)
+        call = self.run + ("(%s)" % ", ".join("%s=%r" % kv for kv in sorted(self.arguments.items()))
+                           if self.arguments else "")
+        return "`%s`; device→host reads expected: %s" % (call, reads)
 
 
 class _Inline:

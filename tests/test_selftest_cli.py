@@ -118,3 +118,28 @@ def test_a_selftest_declaration_needs_counts():
             Selftest("m", host_syncs=bad)
     with pytest.raises(TypeError, match="must be a Selftest"):
         Patch(name="p", target="t", replaces=("a",), check=None, build=lambda m: {}, selftest="npu_shim.x")
+
+
+def test_a_selftest_with_arguments_gets_them_and_its_patchs_name(monkeypatch):
+    """One callable serves several patches (a tower each): its declaration gives the arguments,
+    and the runner adds the patch's name."""
+    import sys
+    import types
+
+    seen = {}
+
+    def run(device=None, **arguments):
+        seen.update(arguments, device=device)
+        return _measured(host_syncs=0)
+
+    monkeypatch.setitem(sys.modules, "npu_shim_test_selftest_args", types.SimpleNamespace(run=run))
+    declared = Selftest("npu_shim_test_selftest_args:run", host_syncs=0, arguments={"tower": "T"})
+    monkeypatch.setattr(selftest, "_declared", lambda name: declared)
+    assert selftest.run_one("some.patch")["ok"]
+    assert seen == {"tower": "T", "patch": "some.patch", "device": "cpu"}
+    assert "run(tower='T')" in declared.describe()
+    plain = Selftest("npu_shim_test_selftest_args:run", host_syncs=0)
+    monkeypatch.setattr(selftest, "_declared", lambda name: plain)
+    seen.clear()
+    selftest.run_one("some.patch")
+    assert seen == {"device": "cpu"}

@@ -107,7 +107,8 @@ def run_one(patch_name, device="cpu"):
     declared = _declared(patch_name)
     if declared is None:
         raise LookupError("%s declares no selftest" % patch_name)
-    measured = declared.load()(device=device)
+    arguments = dict(declared.arguments, patch=patch_name) if declared.arguments else {}
+    measured = declared.load()(device=device, **arguments)
     result = judge(declared, measured)
     result.update(seconds=float(measured["seconds"]), detail=measured.get("detail", ""))
     return result

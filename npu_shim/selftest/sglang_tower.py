@@ -43,3 +43,11 @@ def run_tower(name, patch_name, device=None):
         "detail": "sglang %s vision tower (%d blocks), grid %s, bfloat16 on %s, family %s; error relative "
                   "to max |reference|" % (name, len(tower.blocks), grid, device, family),
     }
+
+
+def run(device=None, tower=None, patch=None):
+    """The selftest of a patch serving sglang tower ``tower`` (``Selftest(..., arguments=
+    {"tower": ...})``): one forward over three images in bfloat16, its deviation from the same
+    tower in float64 and the device->host reads of the whole forward (expected: 0; the
+    attention's are served by ``sglang.vision_host_lengths`` / ``sglang.vision_device_lengths``)."""
+    return run_tower(tower, patch, device)

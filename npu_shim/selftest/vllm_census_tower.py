@@ -47,3 +47,17 @@ def run_tower(name, patch_name, device=None):
         "detail": "vLLM %s vision tower (%d blocks), grid %s, bfloat16 on %s, family %s; error relative "
                   "to max |reference|" % (name, len(tower.blocks), grid, device, family),
     }
+
+
+def run(device=None, tower=None, patch=None):
+    """The selftest of a patch serving census tower ``tower`` (``Selftest(..., arguments=
+    {"tower": ...})``): vLLM's own tower from a tiny random config with vllm-ascend's
+    ``AscendMMEncoderAttention`` (patched by ``vllm.mm_encoder_attn``), one forward over an image
+    and a two-frame video in ``torch.inference_mode()``: the largest deviation from the same
+    tower in float64 with the reference attention, the device->host reads of the forward (0 where
+    the attention takes the host lengths kept on the tower's own copy of ``cu_seqlens``), the
+    time, and the family that applied."""
+    from npu_shim.selftest import applied_target
+
+    applied_target(patch)
+    return run_tower(tower, patch, device)

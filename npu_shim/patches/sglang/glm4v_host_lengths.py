@@ -145,5 +145,5 @@ PATCH = Patch(
             "non-blocking: 0 reads and 0 blocking host->device copies per forward (upstream: 2 reads per "
             "image and 1 copy)",
     # 0: what this patch is for; a read is the defect back.
-    selftest=Selftest("npu_shim.selftest.sglang_glm4v_host_lengths", host_syncs=0),
+    selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "GLM-4V"}),
 )

@@ -180,5 +180,5 @@ PATCH = Patch(
     summary="Qwen2.5-VL's tower builds its window and image bounds on the host and copies its window index "
             "non-blocking: 0 reads and 0 blocking host->device copies per forward (upstream: 3 and 4)",
     # 0: what this patch is for; a read is the defect back.
-    selftest=Selftest("npu_shim.selftest.sglang_qwen2_5_vl_host_lengths", host_syncs=0),
+    selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "Qwen2.5-VL"}),
 )

@@ -158,5 +158,5 @@ PATCH = Patch(
             "copy its attention reads back: 0 reads per forward (upstream: 1 per layer; "
             "sglang.vision_device_lengths alone: 1)",
     # 0: what this patch is for; a read is the defect back.
-    selftest=Selftest("npu_shim.selftest.sglang_qwen3_vl_host_lengths", host_syncs=0),
+    selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "Qwen3-VL"}),
 )

@@ -53,5 +53,5 @@ PATCH = Patch(
     summary="Qwen2-VL's own cu_seqlens copy keeps the host array on the device tensor; "
             "vllm.mm_encoder_attn takes it instead of reading back (0 reads)",
     # None: what this patch is for; a read per layer or per forward is the defect back.
-    selftest=Selftest("npu_shim.selftest.vllm_qwen2_vl_host_lengths", host_syncs=0),
+    selftest=Selftest("npu_shim.selftest.vllm_census_tower:run", host_syncs=0, arguments={"tower": "Qwen2-VL"}),
 )
