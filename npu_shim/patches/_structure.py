@@ -4,6 +4,14 @@ import inspect
 from npu_shim.patch import TargetMismatch
 
 
+def module_class(module, name):
+    """The class ``module.name``; TargetMismatch naming the module and the class otherwise."""
+    found = getattr(module, name, None)
+    if not isinstance(found, type):
+        raise TargetMismatch("%s has no class %s" % (getattr(module, "__name__", module), name))
+    return found
+
+
 def own_function(cls, name):
     """``cls.name`` as a plain function the class itself defines (not inherited, not a wrapper
     object); TargetMismatch naming it otherwise."""

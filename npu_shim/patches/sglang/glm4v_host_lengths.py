@@ -26,7 +26,7 @@ import torch
 
 from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import expect_body, own_function, present_as
+from npu_shim.patches._structure import expect_body, module_class, own_function, present_as
 
 NAME = "sglang.glm4v_host_lengths"
 TARGET = "sglang.srt.models.glm4v"
@@ -50,20 +50,14 @@ def host_lengths(lengths):
 
 
 class _Embeddings:
-    def _embeddings(self, module):
-        cls = getattr(module, EMBEDDINGS, None)
-        if not isinstance(cls, type):
-            raise TargetMismatch("%s has no class %s" % (TARGET, EMBEDDINGS))
-        return cls
-
     def check(self, module):
-        expect_body(own_function(self._embeddings(module), "forward"), EMBEDDINGS_FORWARD,
+        expect_body(own_function(module_class(module, EMBEDDINGS), "forward"), EMBEDDINGS_FORWARD,
                     "the %s replacement" % NAME)
         if not hasattr(getattr(module, "F", None), "grid_sample"):
             raise TargetMismatch("%s has no F.grid_sample" % TARGET)
 
     def build(self, module):
-        original = own_function(self._embeddings(module), "forward")
+        original = own_function(module_class(module, EMBEDDINGS), "forward")
         forward = self.make_forward(module, original)
         present_as(forward, original, NAME, "host lengths repeated on the host, copies non-blocking "
                                             "(no read, no blocking copy)", __name__)

@@ -35,7 +35,7 @@ import torch
 
 from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import expect_body, own_function, present_as
+from npu_shim.patches._structure import expect_body, module_class, own_function, present_as
 
 NAME = "sglang.qwen2_5_vl_host_lengths"
 TARGET = "sglang.srt.models.qwen2_5_vl"
@@ -63,14 +63,8 @@ class _Tower:
     def __init__(self, digests, metadata):
         self.digests, self.metadata = digests, metadata
 
-    def _tower(self, module):
-        tower = getattr(module, TOWER, None)
-        if not isinstance(tower, type):
-            raise TargetMismatch("%s has no class %s" % (TARGET, TOWER))
-        return tower
-
     def check(self, module):
-        tower = self._tower(module)
+        tower = module_class(module, TOWER)
         expect_body(own_function(tower, "forward"), self.digests, "the %s replacement" % NAME)
         expect_body(own_function(tower, "get_window_index"), GET_WINDOW_INDEX, "the %s replacement" % NAME)
         names = MODULE_NAMES + (("prepare_vision_attention_metadata",) if self.metadata else ())
@@ -79,7 +73,7 @@ class _Tower:
             raise TargetMismatch("%s lacks %s" % (TARGET, ", ".join(missing)))
 
     def build(self, module):
-        original = own_function(self._tower(module), "forward")
+        original = own_function(module_class(module, TOWER), "forward")
         forward = self.make_forward(module, original)
         present_as(forward, original, NAME, "window and image bounds built on the host, the window index "
                                             "copied non-blocking (no read, no blocking copy)", __name__)

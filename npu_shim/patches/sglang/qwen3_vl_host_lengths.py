@@ -30,7 +30,7 @@ import torch
 
 from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import expect_body, own_function, present_as
+from npu_shim.patches._structure import expect_body, module_class, own_function, present_as
 
 NAME = "sglang.qwen3_vl_host_lengths"
 TARGET = "sglang.srt.models.qwen3_vl"
@@ -54,21 +54,15 @@ class _Tower:
     def __init__(self, digests, x_non_blocking, vectorized):
         self.digests, self.x_non_blocking, self.vectorized = digests, x_non_blocking, vectorized
 
-    def _tower(self, module):
-        tower = getattr(module, TOWER, None)
-        if not isinstance(tower, type):
-            raise TargetMismatch("%s has no class %s" % (TARGET, TOWER))
-        return tower
-
     def check(self, module):
-        tower = self._tower(module)
+        tower = module_class(module, TOWER)
         expect_body(own_function(tower, "forward"), self.digests, "the %s replacement" % NAME)
         missing = [name for name in MODULE_NAMES if not hasattr(module, name)]
         if missing or "_is_npu" not in vars(module):
             raise TargetMismatch("%s lacks %s" % (TARGET, ", ".join(missing + ["_is_npu"])))
 
     def build(self, module):
-        original = own_function(self._tower(module), "forward")
+        original = own_function(module_class(module, TOWER), "forward")
         forward = self.make_forward(module, original)
         present_as(forward, original, NAME, "the blocks take the host cu_seqlens the tower built (no read "
                                             "back in the attention)", __name__)
