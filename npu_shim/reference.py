@@ -293,8 +293,6 @@ def lane_per_family(root, declared=None):
     ``# Tests of:``, never stands for a family). ``pytest.mark.claimed(..., per_family=True)``
     runs a test there only: a test that starts fresh interpreters to show a switch or strict
     mode, whose subject is the engine's handling of one family, not each release's code."""
-    from packaging.version import Version
-
     table = lane_table(root)
     variants = {os.path.basename(path)[:-4] for path in lane_files(root) if lane_header(path, "Tests of")}
     declared = declared or patches()
@@ -307,7 +305,7 @@ def lane_per_family(root, declared=None):
             dist = patch.family_dist(families[family])
             lanes = [lane for lane in lanes if lane not in variants]
             if lanes:
-                chosen.add(max(lanes, key=lambda lane: (Version(table[lane][dist]), lane)))
+                chosen.add(max(lanes, key=lambda lane: (version_key(table[lane][dist]), lane)))
         out[patch.name] = sorted(chosen)
     return out
 
