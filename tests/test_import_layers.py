@@ -98,3 +98,14 @@ def test_layers_engine_never_imports_the_start_up_side_or_the_api():
                                           "npu_shim.emulation", "npu_shim.engine.registry"}
     # The fork registry sits under the start-up side and the engine alike: it imports none of the shim.
     assert not edges.get("npu_shim._fork")
+
+
+def test_status_imports_no_framework_and_no_torch(run_python, make_env):
+    """``npu-shim status`` imports every patch's declaration; none may import torch (or a patched
+    framework): in an environment without torch, the README's first command must still run."""
+    out = run_python("import json, sys\n"
+                     "from npu_shim import cli\n"
+                     "cli.main(['status', '--json'])\n"
+                     "print(json.dumps(sorted(m for m in ('torch', 'vllm', 'vllm_ascend', 'sglang', "
+                     "'transformers') if m in sys.modules)))", env=make_env())
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout[-2000:]

@@ -22,7 +22,6 @@ Upstream fix: none (0.5.23). (vLLM fixed its own copy of this code in 0.28.0, ho
   ``np.repeat`` and ``async_tensor_h2d``; ``vllm.glm4_1v_host_lengths`` serves vLLM before it.)
 Remove when: sglang's GLM-4V embeddings take host lengths as host data.
 """
-import torch
 
 from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
@@ -39,6 +38,8 @@ EMBEDDINGS_FORWARD = {"b370302e4638"}     # every release 0.5.11 - 0.5.23
 
 def host_lengths(lengths):
     """``lengths`` as a list of host ints, or None where they are not host data."""
+    import torch
+
     if isinstance(lengths, torch.Tensor):
         device = lengths.device
         if device.type == "cpu" and device.index is None and lengths.dim() == 1:
@@ -64,6 +65,8 @@ class _Embeddings:
         return {FORWARD: forward}
 
     def make_forward(self, module, original):
+        import torch
+
         def forward(self, embeddings, lengths, image_shapes, h_coords, w_coords):
             counters.count(NAME, "calls")
             counts = host_lengths(lengths)

@@ -31,7 +31,6 @@ How: ``Qwen2_5_VisionTransformer.forward`` is replaced, on NPU, by upstream's bo
 Upstream fix: none (0.5.23).
 Remove when: sglang's Qwen2.5-VL tower keeps its bounds on the host on NPU.
 """
-import torch
 
 from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
@@ -51,6 +50,8 @@ MODULE_NAMES = ("is_npu", "permute_inv")
 
 def host_grid(grid_thw):
     """True for a 2-D integer grid on the host (a device stand-in answers cpu:0)."""
+    import torch
+
     return (isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 and grid_thw.shape[1] == 3
             and grid_thw.device.type == "cpu" and grid_thw.device.index is None
             and not grid_thw.is_floating_point())
@@ -80,6 +81,8 @@ class _Tower:
         return {FORWARD: forward}
 
     def make_forward(self, module, original):
+        import torch
+
         metadata = self.metadata
 
         def forward(self, x, grid_thw):

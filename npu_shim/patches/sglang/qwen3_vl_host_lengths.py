@@ -26,7 +26,6 @@ Upstream fix: 0.5.16 (the metadata takes the host ``cu_seqlens``; its own reads 
   ``sglang.vision_host_lengths``'s).
 Remove when: the pinned sglang is 0.5.16 or later.
 """
-import torch
 
 from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
@@ -40,6 +39,8 @@ MODULE_NAMES = ("np", "envs", "get_global_server_args")
 
 
 def host_grid(grid_thw):
+    import torch
+
     if isinstance(grid_thw, list):
         return True
     return (isinstance(grid_thw, torch.Tensor) and grid_thw.device.type == "cpu"
@@ -69,6 +70,8 @@ class _Tower:
         return {FORWARD: forward}
 
     def make_forward(self, module, original):
+        import torch
+
         x_copy = {"non_blocking": True} if self.x_non_blocking else {}
         vectorized = self.vectorized
 
