@@ -162,7 +162,7 @@ def layer_inputs(module, grids, dtype, seed=1):
 
 
 def mv_geometry():
-    from npu_shim.selftest.vllm_moonvit_attn import KIMI_VL
+    from npu_shim.testing.moonvit import KIMI_VL
 
     return KIMI_VL["num_attention_heads"], KIMI_VL["hidden_size"]
 
@@ -210,7 +210,7 @@ def main():
     npu_shim.install()
     import torch
 
-    from npu_shim.selftest import vllm_moonvit_attn as mv
+    from npu_shim.testing import moonvit as mv
     from npu_shim.testing import count_host_syncs, record_npu_calls
 
     module = mv.applied_module()

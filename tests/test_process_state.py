@@ -39,7 +39,7 @@ def test_settings_are_made_only_by_the_accessor():
     assert set(_calls("Settings")) == {
         "_config.py",                       # settings() / read_settings(): the accessor
         "cli.py",                           # npu-shim run: validate the environment the child inherits
-        os.path.join("selftest", "vllm_moonvit_attn.py"),   # env_choice: one choice validated
+        os.path.join("testing", "moonvit.py"),   # env_choice: one choice validated
     }
 
 

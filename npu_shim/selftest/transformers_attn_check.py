@@ -54,7 +54,7 @@ def run(device=None):
 
     from npu_shim import status
     from npu_shim.selftest import applied_target
-    from npu_shim.selftest import vllm_moonvit_attn as mv
+    from npu_shim.testing import moonvit as mv
 
     device = device or "cpu"
     modeling_utils = applied_target(PATCH_NAME)

@@ -25,7 +25,7 @@ import textwrap
 
 import pytest
 
-from npu_shim.selftest import vllm_moonvit_attn as mv
+from npu_shim.testing import moonvit as mv
 
 pytestmark = [pytest.mark.lanes("kimi-vl-2025", "vllm-0.13"),
               pytest.mark.patch("vllm.moonvit_attn", "transformers.attn_check"),
@@ -125,7 +125,7 @@ def test_ascend_fa_config_constructs_with_the_shim(moonvit):
 SUBPROCESS_BUILD = textwrap.dedent("""
     import json, sys, traceback
     import npu_shim
-    from npu_shim.selftest import vllm_moonvit_attn as mv
+    from npu_shim.testing import moonvit as mv
     module = mv.moonvit_module()
     rows = {r["name"]: r["state"] for r in npu_shim.status()}
     try:
@@ -346,7 +346,7 @@ def test_invalid_choice_is_a_clear_error(moonvit):
 SUBPROCESS_UPSTREAM = textwrap.dedent("""
     import json, sys, torch
     import npu_shim
-    from npu_shim.selftest import vllm_moonvit_attn as mv
+    from npu_shim.testing import moonvit as mv
     from npu_shim.testing import record_npu_calls
     module = mv.moonvit_module()
     layer = module.MoonVitEncoderLayer
@@ -396,7 +396,7 @@ def test_without_torch_npu_both_patches_skip_and_upstream_runs(run_python, make_
     code = textwrap.dedent("""
         import json, importlib.util
         import npu_shim
-        from npu_shim.selftest import vllm_moonvit_attn as mv
+        from npu_shim.testing import moonvit as mv
         module = mv.moonvit_module()
         model = mv.build_tower(module, mv.TINY)
         rows = {r["name"]: [r["state"], r["reason"]] for r in npu_shim.status()}
@@ -427,15 +427,3 @@ def test_cli_status_shows_both_patches_applied(run_python, make_env):
     for name in ("transformers.attn_check", "vllm.moonvit_attn"):
         assert rows[name]["state"] == "applied", rows[name]
         assert rows[name]["versions"]["vllm"] == PINS[lane]["vllm"]
-
-
-# --------------------------------------------------------------------------- selftest
-
-
-def test_selftest_module(moonvit):
-    from npu_shim.selftest import run_one
-
-    result = run_one(mv.PATCH_NAME)
-    assert result["ok"], result["verdict"]
-    assert (result["host_syncs"], result["expected_host_syncs"]) == (1, 1)
-    assert "72" in result["detail"]

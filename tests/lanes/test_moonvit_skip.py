@@ -13,13 +13,13 @@ import textwrap
 
 import pytest
 
-from npu_shim.selftest import vllm_moonvit_attn as mv
+from npu_shim.testing import moonvit as mv
 
 pytestmark = [pytest.mark.lanes("vllm-0.15", "latest-vllm", "vllm-0.16", "vllm-0.17", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30"), pytest.mark.patch("vllm.moonvit_attn")]
 
 FINGERPRINT = textwrap.dedent("""
     import inspect, json
-    from npu_shim.selftest import vllm_moonvit_attn as mv
+    from npu_shim.testing import moonvit as mv
 
     def fingerprint(module):
         '''Every global of the module; for its own functions and classes, where their code lives.'''

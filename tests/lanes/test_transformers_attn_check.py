@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from npu_shim.selftest import vllm_moonvit_attn as mv
+from npu_shim.testing import moonvit as mv
 
 pytestmark = [pytest.mark.lanes("kimi-vl-2025", "vllm-0.13"), pytest.mark.patch("transformers.attn_check")]
 SKIP_LANES = ("vllm-0.15", "latest-vllm")
@@ -183,12 +183,3 @@ def test_lane_versions(stack):
         assert row["versions"]["vllm"] == "0.15.0"
     else:
         assert row["versions"]["transformers"].startswith("5.")
-
-
-def test_selftest_module(stack):
-    from npu_shim.selftest import run_one, transformers_attn_check as selftest
-
-    result = run_one(PATCH_NAME)
-    assert result["ok"], result["verdict"]
-    assert (result["case"], result["host_syncs"], result["expected_host_syncs"]) == (selftest.CASE_FORWARD, 1, 1)
-    assert "config asking for ascend_fa" in result["detail"]
