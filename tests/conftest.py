@@ -52,6 +52,8 @@ def pytest_configure(config):
                                        "ops float32, which the real ops reject (see float32_math)")
     config.addinivalue_line("markers", "hardware_dtypes: only the dtypes the real ops take, also in a "
                                        "float32_math module")
+    config.addinivalue_line("markers", "keeps_process_state: sets up process-wide state and keeps it (sglang's "
+                                       "one-rank process group); runs after the lane's other tests")
 
 
 def defined_lanes(lanes_dir=LANES_DIR):
@@ -161,6 +163,9 @@ def pytest_collection_modifyitems(config, items):
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected
+    # A test that sets up process-wide state and keeps it (sglang's one-rank process group, which
+    # a test of a two-rank topology must not find) runs after the others.
+    items.sort(key=lambda item: item.get_closest_marker("keeps_process_state") is not None)
     for item in items:
         item.user_properties.extend(("patch", name) for name in patches_of(item))
 

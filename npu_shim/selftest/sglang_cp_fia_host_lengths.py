@@ -42,7 +42,6 @@ def run(device=None):
     import torch
     from sglang.srt.layers.cp import base
     from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
-    from sglang.srt.runtime_context import get_parallel
 
     from npu_shim.testing import cp_case
 
@@ -61,7 +60,7 @@ def run(device=None):
         topology = dict(tp_size=CP_SIZE, tp_rank=rank, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1,
                         attn_dp_rank=0, attn_cp_size=CP_SIZE, attn_cp_rank=rank, moe_tp_size=CP_SIZE,
                         moe_ep_size=1, moe_dp_size=1)
-        with base.disable_cp_strategy(), get_parallel().override(enable_prefill_cp=True,
+        with base.disable_cp_strategy(), cp_case.simulated_rank(enable_prefill_cp=True,
                                                                  cp_strategy="zigzag", **topology):
             base.init_cp_strategy(enable_prefill_cp=True, cp_size=CP_SIZE, cp_strategy="zigzag")
             strategy = base.get_cp_strategy()

@@ -27,7 +27,7 @@ def run(device=None):
     import torch
     from sglang.srt.layers.cp.padding import pad_logical_token_to_physical
     from sglang.srt.layers.cp.zigzag import ZigzagCPStrategy
-    from sglang.srt.runtime_context import get_context, get_parallel
+    from sglang.srt.runtime_context import get_context
 
     from npu_shim.selftest import applied_target
     from npu_shim.testing import cp_case
@@ -46,7 +46,7 @@ def run(device=None):
                                             attn_cp_size=CP_SIZE, enable_prefill_context_parallel=True,
                                             prefill_cp_mode="in-seq-split"):
         for rank in range(CP_SIZE):
-            with get_parallel().override(attn_cp_size=CP_SIZE, attn_cp_rank=rank):
+            with cp_case.simulated_rank(attn_cp_size=CP_SIZE, attn_cp_rank=rank):
                 metadata = ZigzagCPStrategy(cp_size=CP_SIZE).build_metadata(
                     num_tokens=sum(EXTEND_LENS), seqs_len=seq_lens, extend_seqs_len=list(EXTEND_LENS))
                 pad_logical_token_to_physical(metadata)

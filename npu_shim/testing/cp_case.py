@@ -187,6 +187,24 @@ class Batch:
         ]
 
 
+def simulated_rank(**topology):
+    """``get_parallel().override(**topology)`` for one rank of a topology simulated in this
+    process, with the process groups the override's widths would be checked against stated as
+    absent (``None``) where the release lets an override name them: a process group built here
+    earlier (the one-rank group of the tower tests and selftests) is not this topology's, and
+    sglang refuses an override whose widths contradict a built group's."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        from sglang.srt.runtime_context import _parallel_fields
+        fields = _parallel_fields()
+    except ImportError:      # a release whose overrides do not check groups
+        fields = ()
+    groups = {name: None for name in ("tp_group", "attn_tp_group", "attn_cp_group", "moe_ep_group")
+              if name in fields and name not in topology}
+    return get_parallel().override(**topology, **groups)
+
+
 def set_cpu_server_args():
     """Install a real ServerArgs for a CPU process as sglang's global server args."""
     from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler

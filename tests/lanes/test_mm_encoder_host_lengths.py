@@ -163,11 +163,3 @@ def test_disable_switch(stack):
     from npu_shim.testing import towers
 
     assert towers.state_with_disabled(PATCH_NAME) == "disabled"
-
-
-def test_selftest(stack):
-    from npu_shim.selftest import run_one
-
-    result = run_one(PATCH_NAME, device="cpu")
-    assert result["ok"], result["verdict"]
-    assert result["expected_host_syncs"] == 0, result

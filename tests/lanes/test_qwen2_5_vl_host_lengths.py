@@ -141,14 +141,3 @@ def test_disabled_the_two_reads_come_back(stack):
     finally:
         for _, path in outputs.values():
             os.unlink(path)
-
-
-def test_selftest(stack):
-    if not tower_copies():
-        pytest.skip("vLLM %s copies cu_seqlens through maybe_recompute_cu_seqlens: the patch is out, "
-                    "its selftest runs only the patched path" % vllm_version())
-    from npu_shim.selftest import run_one
-
-    result = run_one(PATCH_NAME, device="cpu")
-    assert result["ok"], result["verdict"]
-    assert result["expected_host_syncs"] == 0, result

@@ -165,12 +165,3 @@ def test_disabled_the_attention_read_comes_back(stack, name):
     finally:
         for _, path in outputs.values():
             os.unlink(path)
-
-
-@pytest.mark.parametrize("name", TOWERS)
-def test_selftest(stack, name):
-    from npu_shim.selftest import run_one
-
-    result = run_one(PATCHES[name], device="cpu")
-    assert result["ok"], result["verdict"]
-    assert result["expected_host_syncs"] == 0, result
