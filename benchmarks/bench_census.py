@@ -58,7 +58,7 @@ WHY = {
                "it back to build cu_seqlens, position ids and sample indices as host lists (0.26.0: `.cpu()` "
                "per row and 3 blocking `.to(device)` copies; 0.30.0: one `.tolist()` and no blocking copy); "
                "the attention reads cu_seqlens once; the projector's `rearrange` takes the device grid's "
-               "t, h, w (2 per image). 0.26.0 also reads the rotary table's `pids.max() + 1` and slices "
+               "t, h, w (two sizes per call: 4 per image). 0.26.0 also reads the rotary table's `pids.max() + 1` and slices "
                "the output with device `cu_seqlens[i]` (2 per image). The attention's read (and 0.26.0's "
                "slicing) are of numbers the host built; the grid reads set the floor while the grid is "
                "on the device.",
@@ -197,11 +197,10 @@ GLM-4.1V: 0 reads per forward) are in `benchmarks/results/towers-*.txt`.
 
 Checked on a real GPU: the same forwards on CUDA, counted by CUDA itself
 (`benchmarks/bench_cuda_syncs.py`, its run in `benchmarks/results/cuda-syncs.txt`), give the
-counts below for every tower except dots.ocr, Ernie4.5-VL and Keye-VL, where CUDA reports more
-syncs (upstream and shim alike) than the counter: two scalar reads inside one torch call
-counted as one, `repeat_interleave` with device repeats and a host index into a device tensor
-(README, "Checked on a real GPU"). For those three towers the figures here are lower bounds;
-what the shim removes is the same on both counts.
+counts below (reads plus blocking copies) for every tower, except one sync per
+`repeat_interleave` with device repeats, which CUDA makes twice and the counter counts once
+(dots.ocr, Ernie4.5-VL: README, "Checked on a real GPU"). The counter was corrected where that
+run found it undercounting (dots.ocr, Ernie4.5-VL, Keye-VL), and these figures are its recount.
 """
 
 READ_NOT_MEASURED = """\

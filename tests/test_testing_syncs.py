@@ -278,3 +278,69 @@ def test_to_with_copy_is_followed_like_any_to():
         same.to("cpu", copy=True)                                  # a read
     assert [e.kind for e in syncs.events] == ["to"]
     assert syncs.h2d_count == 1
+
+
+# The calibration of benchmarks/bench_cuda_syncs.py: single operations on a device tensor, each
+# with what CUDA's sync-debug mode reported for it on an H100 (benchmarks/results/cuda-syncs.txt,
+# column "cuda"), as (device->host reads, blocking host->device copies) on the CPU stand-in.
+# Two where the counter knowingly differs from CUDA, checked below as the counter's rule:
+# ``t.repeat_interleave(t)`` (CUDA synchronises twice, computing the output size; one read of
+# data is what any device must make, so it counts one) and ``t.to("cpu", non_blocking=True)``
+# (CUDA does not report it; the host cannot use the values before the copy lands, so it counts
+# as the read it becomes).
+CALIBRATED_ON_CUDA = [
+    ("t[3].item()", lambda t, d: t[3].item(), (1, 0)),
+    ("t.tolist()", lambda t, d: t.tolist(), (1, 0)),
+    ("t.cpu()", lambda t, d: t.cpu(), (1, 0)),
+    ("int(t.sum())", lambda t, d: int(t.sum()), (1, 0)),
+    ("t.nonzero()", lambda t, d: t.nonzero(), (1, 0)),
+    ("t[t > 5]", lambda t, d: t[t > 5], (1, 0)),
+    ("torch.equal(t, t.clone())", lambda t, d: torch.equal(t, t.clone()), (1, 0)),
+    ("t.reshape(t[2], t[6])", lambda t, d: t.reshape(t[2], t[6]), (2, 0)),
+    ("t[torch.arange(3)]", lambda t, d: t[torch.arange(3)], (0, 1)),
+    ("torch.arange(t[3]).to(d)", lambda t, d: torch.arange(t[3]).to(d), (1, 1)),
+    ("torch.tensor([1, 2], device=d)", lambda t, d: torch.tensor([1, 2], device=d), (0, 1)),
+    ("torch.tensor([1, 2]).to(d, non_blocking=True)",
+     lambda t, d: torch.tensor([1, 2]).to(d, non_blocking=True), (0, 0)),
+    ("t + 1", lambda t, d: t + 1, (0, 0)),
+]
+COUNTER_RULE_NOT_CUDA = [
+    ("t.repeat_interleave(t)", lambda t, d: t.repeat_interleave(t), (1, 0)),        # CUDA: 2
+    ("t.to('cpu', non_blocking=True)", lambda t, d: t.to("cpu", non_blocking=True), (1, 0)),  # CUDA: 0
+]
+
+
+@pytest.mark.parametrize("body, expected", [pytest.param(body, expected, id=name)
+                                            for name, body, expected in CALIBRATED_ON_CUDA + COUNTER_RULE_NOT_CUDA])
+def test_single_operations_count_what_a_cuda_device_reports(body, expected):
+    from npu_shim.testing.syncs import DEVICE
+
+    t = torch.arange(12, dtype=torch.int32)
+    with count_host_syncs(device_tensors=[t]) as syncs:
+        body(t, DEVICE)
+    assert (syncs.count, syncs.h2d_count) == expected, (syncs.events, syncs.h2d_events)
+
+
+def test_a_factory_sized_by_a_device_scalar_is_a_host_tensor_under_placement():
+    from npu_shim.testing.syncs import DEVICE
+
+    t = torch.arange(12, dtype=torch.int32)
+    with count_host_syncs(device_tensors=[t], follow_placement=True) as syncs:
+        positions = torch.arange(t[3])
+        positions.to(DEVICE)
+    assert [e.kind for e in syncs.events] == ["scalar"] and syncs.h2d_count == 1
+
+
+def test_a_host_tensor_shaped_by_device_scalars_stays_on_the_host():
+    """vLLM's Ernie4.5-VL rot_pos_emb: ``torch.arange(h).reshape(h // 2, 2, ...)`` with ``h`` from
+    the device grid reads the sizes and leaves a host tensor, which ``.to(device)`` copies
+    (blocking): CUDA reports that copy (benchmarks/results/cuda-syncs.txt, ernie45_vl.py:462)."""
+    from npu_shim.testing.syncs import DEVICE
+
+    grid = torch.tensor([[1, 4, 6]])
+    with count_host_syncs(device_tensors=[grid], follow_placement=True) as syncs:
+        _, h, w = grid[0]
+        positions = torch.arange(h).unsqueeze(1).expand(-1, w).reshape(h // 2, 2, w // 2, 2)
+        positions.to(DEVICE)
+    assert syncs.h2d_count == 1, syncs.h2d_events
+    assert syncs.count == 4, syncs.events      # h (arange), w (expand), h // 2 and w // 2 (reshape)

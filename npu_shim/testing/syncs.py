@@ -19,10 +19,11 @@ How it sees them, two layers that cannot both count one read:
 * a ``TorchDispatchMode`` under it catches every scalar read the first layer
   did not name, at the dispatcher: ``aten._local_scalar_dense`` and, under
   ``torch.inference_mode()`` (where the dispatcher shows the composite op),
-  ``aten.item`` (kind ``scalar``), and the data-dependent-shape aten ops
-  (kind ``shape``). It counts only inside a torch call in which the first
-  layer recorded nothing, so ``t.item()`` is one ``item``, never also a
-  ``scalar``.
+  ``aten.item`` (kind ``scalar``), ``aten.equal`` (kind ``equal``: a bool the
+  device computes), and the data-dependent-shape aten ops (kind ``shape``). It
+  counts only inside a torch call in which the first layer recorded nothing, so
+  ``t.item()`` is one ``item``, never also a ``scalar``; every read it counts
+  there is one (``t.reshape(t[2], t[6])`` reads two sizes: two).
 
 Ops that run inside another ``__torch_function__`` handler run with the first
 mode popped, and the dispatch layer stays silent inside calls of
@@ -67,7 +68,19 @@ would see a second device.) Whatever the setting, a copy of host data to the dev
 that is not ``non_blocking=True`` (``.to(d)``, ``.cuda()``,
 ``torch.tensor(data, device=d)``, ``t.new_tensor(data)``, ``dev.copy_(host)``)
 is a blocking host->device copy: recorded in ``h2d_events`` (its own count,
-``h2d_count``), never in ``events``/``count``.
+``h2d_count``), never in ``events``/``count``. So is a host index tensor into a
+device tensor (``dev[torch.arange(3)]``: the index goes to the device first).
+A factory (``torch.arange``, ``torch.zeros`` ...) is placed by its ``device=``
+alone: a device scalar among its arguments is read, it does not make the output
+a device tensor.
+
+Checked against a real device: ``benchmarks/bench_cuda_syncs.py`` counts the
+same forwards with CUDA's sync-debug mode (``benchmarks/results/cuda-syncs.txt``);
+its single-operation calibration is a test here (tests/test_testing_syncs.py),
+with the two places where the counter's rule is not CUDA's: device repeats in
+``repeat_interleave`` count one read (CUDA synchronises twice) and
+``.to("cpu", non_blocking=True)`` of a device tensor counts one (CUDA reports
+none; the host cannot use the values before the copy lands).
 
 So "upstream vllm-ascend 0.13 syncs once per layer" is checked on CPU as::
 
@@ -119,6 +132,13 @@ _SHAPE_ATEN = {_aten.nonzero.default, _aten.masked_select.default, _aten._unique
                _aten.argwhere.default, _aten.nonzero_numpy.default}
 _REPEAT_ATEN = {_aten.repeat_interleave.Tensor, _aten.repeat_interleave.self_Tensor}
 _INDEX_ATEN = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}
+# Ops that answer a Python value computed on the device (a bool): a read.
+_ANSWER_ATEN = {_aten.equal.default}
+# Factories: where their output lives is their ``device=`` alone; a device scalar among their
+# arguments is read to the host (a size, a bound), it does not place the output.
+_FACTORIES = {torch.arange, torch.range, torch.linspace, torch.logspace, torch.zeros, torch.ones,
+              torch.empty, torch.full, torch.rand, torch.randn, torch.randint, torch.randperm,
+              torch.eye, torch.tril_indices, torch.triu_indices}
 
 # Frames skipped when naming the caller: torch itself, this package, the emulated
 # torch_npu's call wrappers (a host_arg read is the caller's), contextlib.
@@ -216,9 +236,12 @@ class HostSyncCounter:
     def is_host(self, t):
         return isinstance(t, torch.Tensor) and not self.is_device(t)
 
-    def _record(self, kind, detail=""):
+    def _record(self, kind, detail="", at_dispatch=False):
         self.events.append(SyncEvent(kind, _caller_location(), detail))
-        if self._frames:
+        if self._frames and not at_dispatch:
+            # The function layer named this call's read: the dispatch layer must not count the
+            # same read again. A read the dispatch layer counts leaves the call open to more
+            # (``t.reshape(t[2], t[6])`` reads two sizes).
             self._frames[-1][0] = True
 
     def _record_h2d(self):
@@ -270,6 +293,16 @@ def _opaque(func):
     return module.startswith(("torch_npu", "npu_shim."))
 
 
+def _placing(counter, inputs):
+    """The inputs that place a call's output. A 0-d device tensor beside a host tensor with
+    dimensions is read as a number (``x.reshape(h // 2, ...)`` with ``h`` from a device grid):
+    on a device, a host tensor takes no device tensor as data, so the output stays where the
+    host tensor is."""
+    if any(counter.is_host(x) and x.dim() > 0 for x in inputs):
+        return [x for x in inputs if x.dim() > 0]
+    return inputs
+
+
 class _SyncMode(TorchFunctionMode):
     def __init__(self, counter):
         super().__init__()
@@ -306,7 +339,7 @@ class _SyncMode(TorchFunctionMode):
         if transfer_out == "keep":
             return result
         inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
-        if any(c.is_device(x) for x in inputs):
+        if any(c.is_device(x) for x in _placing(c, inputs)):
             c.mark_device(*[o for o in outputs if o.device.type == "cpu"])
         elif inputs and c.cpu_is_device and all(c.is_host(x) for x in inputs):
             c.mark_host(*[o for o in outputs if o.device.type == "cpu"])
@@ -384,7 +417,7 @@ class _SyncMode(TorchFunctionMode):
                 return "device"
             return None
         if func in _INDEXING:
-            self._index_syncs(args[1] if len(args) > 1 else None)
+            self._index_syncs(args[1] if len(args) > 1 else None, indexed_on_device=c.is_device(this))
             return None
         if func in _NARROW:
             start = args[2] if len(args) > 2 else kwargs.get("start")
@@ -406,9 +439,14 @@ class _SyncMode(TorchFunctionMode):
             if func in _FROM_HOST_DATA and not c.is_device(this):
                 c._record_h2d()
             return "device"
+        if func in _FACTORIES:
+            # Placed by ``device=`` alone (above): a device scalar among the arguments is read
+            # (a size, a bound), it does not put the output on the device. Unmarked, the output
+            # is what any tensor the code builds is: host, or device under cpu_is_device.
+            return "host" if c.follow_placement else "keep"
         return None
 
-    def _index_syncs(self, index):
+    def _index_syncs(self, index, indexed_on_device):
         c = self.counter
         items = index if isinstance(index, tuple) else (index,)
         for item in items:
@@ -421,6 +459,10 @@ class _SyncMode(TorchFunctionMode):
                     c._record("shape")
                 elif item.dim() == 0 and not item.dtype.is_floating_point:
                     c._record("index")
+            elif isinstance(item, torch.Tensor) and indexed_on_device and item.dim() > 0:
+                # A host index tensor into a device tensor is copied to the device first, and
+                # that copy is blocking (CUDA reports it: benchmarks/results/cuda-syncs.txt).
+                c._record_h2d()
 
 
 class _ScalarReadMode(TorchDispatchMode):
@@ -439,7 +481,7 @@ class _ScalarReadMode(TorchDispatchMode):
         if not silent:
             kind = self._read(func, args, kwargs)
             if kind:
-                c._record(kind)
+                c._record(kind, at_dispatch=True)
         result = func(*args, **kwargs)
         if not silent and func not in _SCALAR_READS:
             inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
@@ -453,6 +495,8 @@ class _ScalarReadMode(TorchDispatchMode):
         this = args[0] if args else None
         if func in _SCALAR_READS:
             return "scalar" if c.is_device(this) else None
+        if func in _ANSWER_ATEN:
+            return "equal" if any(c.is_device(x) for x in args[:2]) else None
         if func in _SHAPE_ATEN:
             return "shape" if c.is_device(this) else None
         if func in _REPEAT_ATEN:

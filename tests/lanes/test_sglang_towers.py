@@ -18,7 +18,11 @@ expected counts are built from the sites that read:
   built; ``sglang.vision_device_lengths`` alone makes it 1 per forward), 0 on host lengths; from
   0.5.16, 1 per metadata object (``.item()``) + 1 per layer (upstream) -> 0 (shim);
 * blocking host->device copies, upstream: Qwen2.5-VL 4 and GLM-4V 1 (the towers' own), Qwen3-VL 0;
-  with the shim 0 (the tower patches copy with ``non_blocking=True``).
+  with the shim 0 (the tower patches copy with ``non_blocking=True``); and, upstream and shim
+  alike, Qwen2.5-VL's ``rot_pos_emb``, which indexes the device rotary table with the position ids
+  it built on the host (``rotary_pos_emb_full[pos_ids]``: the index goes over first, blocking; the
+  tower patches leave ``rot_pos_emb`` as it is). The counter counts that copy since it was
+  checked against CUDA (benchmarks/results/cuda-syncs.txt, "host index into a device tensor").
 
 Outputs: ``torch.equal`` to upstream's (the same ops on the same data), and within tolerance of the
 float64 tower (same weights rounded to the dtype, attention ``attention_f64``): relative error
@@ -45,6 +49,7 @@ DEPTH = {"Qwen2.5-VL": 4, "Qwen3-VL": 3, "GLM-4V": 3}
 METADATA_OBJECTS = {"Qwen2.5-VL": 2, "Qwen3-VL": 1, "GLM-4V": 1}     # window + full; one
 DEVICE_LENGTHS = ("Qwen3-VL",)      # hands the attention a device copy of its host lengths
 H2D_UPSTREAM = {"Qwen2.5-VL": 4, "Qwen3-VL": 0, "GLM-4V": 1}
+H2D_ROTARY_INDEX = {"Qwen2.5-VL": 1}      # rot_pos_emb's host position ids into the device table
 ATTENTION_FILES = ("attention/vision.py", "sglang/vision_device_lengths.py", "sglang/vision_host_lengths.py")
 TOLERANCE = {"bfloat16": 6e-2, "float16": 1.5e-2}
 
@@ -65,7 +70,7 @@ def tower_reads(name, grid, upstream):
 
 
 def h2d(name, upstream):
-    return H2D_UPSTREAM[name] if upstream else 0
+    return (H2D_UPSTREAM[name] if upstream else 0) + H2D_ROTARY_INDEX.get(name, 0)
 
 
 def attention_reads(name, upstream):
