@@ -74,7 +74,7 @@ def run_pytest(junit_path, pytest_args, env):
 # registered with its real __path__ but without running that __init__; the real
 # ``vllm_ascend.ops.mm_encoder_attention`` file is then imported by the shim as usual.
 STATUS_SNIPPET = """
-import contextlib, importlib.util, sys
+import contextlib, importlib.util, json, sys, traceback
 if importlib.util.find_spec("vllm_ascend") is not None:
     from npu_shim.testing.isolation import import_vllm_ascend_ops_module
     import_vllm_ascend_ops_module()
@@ -85,18 +85,39 @@ if importlib.util.find_spec("vllm") is not None:
 from npu_shim.cli import main
 with placeholder:
     status = main(["status", "--json", "--import"])
+sys.stdout.flush()
+if len(sys.argv) > 1:
+    # The family matrix, after the status is printed (see MATRIX_NOTE); a failure here is the
+    # matrix test's, written to its file, and leaves the status and its exit code alone.
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            from npu_shim.testing.family_matrix import checks_of_originals
+            matrix = checks_of_originals()
+    except BaseException:
+        matrix = {"error": traceback.format_exc()}
+    with open(sys.argv[1], "w", encoding="utf-8") as handle:
+        json.dump(matrix, handle)
 sys.exit(status)
 """
+# Where vllm-ascend is installed, the status interpreter then also computes the family
+# matrix of tests/lanes/test_family_by_structure.py (every family's structural check against
+# upstream's code; the test would otherwise import every target once more in a fresh
+# interpreter, 7-16 s a lane): npu_shim.testing.family_matrix.checks_of_originals uninstalls
+# the shim (the engine restores each original object it replaced), keeps it off, and reports
+# any replacement still in place. The file's path goes to pytest as $FAMILY_MATRIX_JSON, which
+# the test reads (without it, the test computes the matrix in a fresh NPU_SHIM=0 interpreter).
+MATRIX_ENV = "FAMILY_MATRIX_JSON"
 STATUS_NOTE = ("status: npu-shim status --json --import (vllm_ascend.ops loaded without its __init__; "
                "torchvision, which vLLM's GLM-4.1V module imports and the lanes do not install, as the "
                "tests' import-only placeholder)")
 
 
-def patch_status(env):
-    """Rows from ``npu-shim status --json --import``; (None, message) when unavailable."""
+def patch_status(env, matrix_path=None):
+    """Rows from ``npu-shim status --json --import``; (None, message) when unavailable.
+    With ``matrix_path``, the same interpreter then writes the family matrix there (STATUS_SNIPPET)."""
     # -P (3.11+) keeps the checkout off sys.path; below 3.11, run from the venv's directory.
     safe = sys.version_info >= (3, 11)
-    command = [sys.executable] + (["-P"] if safe else []) + ["-c", STATUS_SNIPPET]
+    command = [sys.executable] + (["-P"] if safe else []) + ["-c", STATUS_SNIPPET] + ([matrix_path] if matrix_path else [])
     try:
         proc = subprocess.run(command, cwd=REPO if safe else sys.prefix, env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
@@ -321,16 +342,27 @@ def cmd_run(args):
                        "problems": mismatches, "install_seconds": args.install_seconds,
                        "python": "%d.%d.%d" % sys.version_info[:3]}, handle, indent=2, sort_keys=True)
         return 1
+    # The status first (its gate is read after the tests): where vllm-ascend is installed, its
+    # interpreter also writes the family matrix the tests read (MATRIX_ENV).
+    # The status needs the targets imported: with no real torch_npu here, the emulation
+    # stands in for it (NPU_SHIM_EMULATE=1), as in the lane's tests.
+    # VLLM_CONFIGURE_LOGGING=0: vLLM's default log handler writes to stdout.
+    matrix_path = None
+    if importlib.util.find_spec("vllm_ascend") is not None:
+        matrix_path = os.path.abspath(os.path.join(args.out, "family-matrix.json"))
+        if os.path.exists(matrix_path):
+            os.remove(matrix_path)
+    started = time.monotonic()
+    rows, status_problem = patch_status(dict(env, NPU_SHIM_EMULATE="1", VLLM_CONFIGURE_LOGGING="0"), matrix_path)
+    status_seconds = time.monotonic() - started
+    if matrix_path and os.path.exists(matrix_path):
+        env[MATRIX_ENV] = matrix_path
     started = time.monotonic()
     pytest_rc = run_pytest(junit_path, args.pytest_args, env)
     test_seconds = time.monotonic() - started
     cases = read_junit(junit_path)
     counts = totals(cases)
 
-    # The status needs the targets imported: with no real torch_npu here, the emulation
-    # stands in for it (NPU_SHIM_EMULATE=1), as in the lane's tests.
-    # VLLM_CONFIGURE_LOGGING=0: vLLM's default log handler writes to stdout.
-    rows, status_problem = patch_status(dict(env, NPU_SHIM_EMULATE="1", VLLM_CONFIGURE_LOGGING="0"))
     summary = {
         "lane": args.lane,
         "tests_of": args.tests_of or args.lane,
@@ -342,6 +374,7 @@ def cmd_run(args):
         "junit": os.path.relpath(junit_path, REPO),
         "install_seconds": args.install_seconds,
         "test_seconds": round(test_seconds, 1),
+        "status_seconds": round(status_seconds, 1),
         "python": "%d.%d.%d" % sys.version_info[:3],
     }
     problems = []
