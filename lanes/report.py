@@ -260,6 +260,95 @@ def disk_use(top):
     return own, shared
 
 
+# Bytecode shared between lanes (``--bytecode-store``). The venvs are installed without
+# bytecode, so every lane compiled again what its tests import: torch alone, the same files
+# in most lanes (hardlinks of one copy in uv's cache), is about 8 s of CPU a lane. After a
+# lane, each .pyc of a source file that is a hardlink (one file shared with uv's cache and
+# the other lanes) is kept in the store under that file's identity (device, inode), as a
+# *checked hash-based* pyc (PEP 552): whoever loads it, Python hashes the source and compiles
+# it afresh if the hash differs, so a store entry can never stand in for other code. Before
+# the next lane's first import, each of its hardlinked sources that has an entry gets it in
+# its __pycache__ (a hardlink; Python never writes into a pyc in place, it replaces the file).
+# Python corrects the code's file name to the path it loads it from (co_filename).
+PYC_SUFFIX = ".%s.pyc" % sys.implementation.cache_tag
+CHECKED_HASH = (0b11).to_bytes(4, "little")
+
+
+def _store_key(stat):
+    return "%d-%d%s" % (stat.st_dev, stat.st_ino, PYC_SUFFIX)
+
+
+def seed_bytecode(venv, store):
+    """Hardlink the store's pycs into ``venv``'s __pycache__ directories; returns how many."""
+    try:
+        held = set(os.listdir(store))
+    except OSError:
+        return 0
+    linked = 0
+    for directory, subdirs, files in os.walk(venv):
+        if "__pycache__" in subdirs:
+            subdirs.remove("__pycache__")
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            try:
+                st = os.lstat(os.path.join(directory, name))
+            except OSError:
+                continue
+            key = _store_key(st)
+            if st.st_nlink < 2 or key not in held:
+                continue
+            cache = os.path.join(directory, "__pycache__")
+            try:
+                os.makedirs(cache, exist_ok=True)
+                os.link(os.path.join(store, key), os.path.join(cache, name[:-3] + PYC_SUFFIX))
+                linked += 1
+            except OSError:
+                pass
+    return linked
+
+
+def keep_bytecode(venv, store):
+    """Add to the store each pyc under ``venv`` compiled from a hardlinked source it does not
+    hold yet, as a checked hash-based pyc; a timestamp pyc that does not match its source's
+    mtime and size (stale) is left out. Returns how many were added."""
+    import importlib.util
+
+    os.makedirs(store, exist_ok=True)
+    held = set(os.listdir(store))
+    added = 0
+    for directory, subdirs, files in os.walk(venv):
+        if os.path.basename(directory) != "__pycache__":
+            continue
+        for name in files:
+            if not name.endswith(PYC_SUFFIX):
+                continue
+            source = os.path.join(os.path.dirname(directory), name[:-len(PYC_SUFFIX)] + ".py")
+            try:
+                st = os.lstat(source)
+                if st.st_nlink < 2 or _store_key(st) in held:
+                    continue
+                with open(os.path.join(directory, name), "rb") as handle:
+                    data = handle.read()
+                if data[:4] != importlib.util.MAGIC_NUMBER or int.from_bytes(data[4:8], "little") != 0:
+                    continue
+                if data[8:16] != ((int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+                                  + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")):
+                    continue
+                with open(source, "rb") as handle:
+                    digest = importlib.util.source_hash(handle.read())
+                key = _store_key(st)
+                partial = os.path.join(store, "%s.%d.tmp" % (key, os.getpid()))
+                with open(partial, "wb") as handle:
+                    handle.write(data[:4] + CHECKED_HASH + digest + data[16:])
+                os.replace(partial, os.path.join(store, key))
+                held.add(key)
+                added += 1
+            except OSError:
+                continue
+    return added
+
+
 def drop_bytecode(venv):
     """Remove the ``__pycache__`` directories under ``venv``, once the lane's tests and status
     have run: the venv is installed without bytecode and made anew by every run, so what the
@@ -347,6 +436,10 @@ def cmd_run(args):
     # The status needs the targets imported: with no real torch_npu here, the emulation
     # stands in for it (NPU_SHIM_EMULATE=1), as in the lane's tests.
     # VLLM_CONFIGURE_LOGGING=0: vLLM's default log handler writes to stdout.
+    store = getattr(args, "bytecode_store", None)
+    linked = seed_bytecode(sys.prefix, store) if store else None
+    if store:
+        print("lane %s: %d pycs linked from %s" % (args.lane, linked, store), flush=True)
     matrix_path = None
     if importlib.util.find_spec("vllm_ascend") is not None:
         matrix_path = os.path.abspath(os.path.join(args.out, "family-matrix.json"))
@@ -390,6 +483,8 @@ def cmd_run(args):
         problems.append("which patches claim this release cannot be checked: " + status_problem)
     problems += unexercised_claims(rows or [], summary["tests_per_patch"])
     summary["problems"] = problems
+    if store:
+        summary["bytecode_linked"], summary["bytecode_kept"] = linked, keep_bytecode(sys.prefix, store)
     summary["bytecode_mib_dropped"] = round(drop_bytecode(sys.prefix) / 2**20)
     summary["venv_mib"], summary["venv_shared_mib"] = venv_size_mib()
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as handle:
@@ -524,6 +619,8 @@ def main(argv=None):
     run.add_argument("--variant", action="store_true",
                      help="a Python variant of the --tests-of lane: leave out its tests marked "
                           "claimed(..., per_family=True) (NPU_SHIM_LANE_VARIANT=1; tests/conftest.py)")
+    run.add_argument("--bytecode-store", default=None,
+                     help="directory of pycs shared between lanes: link them in first, add this lane's after")
     run.add_argument("--stands-for", default=None,
                      help="the pin file's '# Stands for:' value: the installed releases must be among them")
     run.add_argument("--expected-skip", action="append", default=[],
