@@ -213,7 +213,8 @@ def install_lane(session, lane):
 # --no-compile is uv's default (pip byte-compiled every module of torch, vLLM and sglang: 30-60 s
 # a lane on 2 cores); the tests import a fraction of them, compiled on first import and written
 # then (PYTHONDONTWRITEBYTECODE is cleared for the lane's tests below: without bytecode, each of
-# their subprocesses would compile vLLM again).
+# their subprocesses would compile vLLM again), and kept in .nox/bytecode for the next lanes that
+# have the same files (--bytecode-store; lanes/report.py, seed_bytecode and keep_bytecode).
 @nox.session(venv_backend="uv")
 @nox.parametrize(["python", "lane"],
                  [nox.param(interpreter(spec["python"]), name, id=name) for name, spec in LANES.items()])

@@ -5,9 +5,11 @@ Called by ``noxfile.py`` inside the lane's virtual environment::
     python lanes/report.py run --lane vllm-0.13 --out .nox/reports/vllm-0.13 -- [pytest args]
     python lanes/report.py summary .nox/reports [LANE ...]   # one table over the lanes
 
-``run`` runs pytest (writing a junit xml), then asks the shim what each patch does in this
-environment (``npu-shim status --json --import``, see STATUS_SNIPPET), prints the lane table and
-writes ``summary.json`` next to the junit file. The lane fails (non-zero exit, each
+``run`` asks the shim what each patch does in this environment (``npu-shim status --json
+--import``, see STATUS_SNIPPET; where vllm-ascend is installed the same interpreter then writes
+the family matrix the tests read, MATRIX_ENV), runs pytest (writing a junit xml), prints the
+lane table and writes ``summary.json`` next to the junit file. With ``--bytecode-store`` the
+lanes share the bytecode of the files they share (seed_bytecode, keep_bytecode). The lane fails (non-zero exit, each
 reason printed as ``LANE FAILED: ...``) when
 
 - the installed upstream releases are not the ones its pin file's ``# Stands for:`` line
