@@ -82,6 +82,9 @@ STARTED = time.time()  # nox imports this file once, before the first session: t
 HERE = os.path.dirname(os.path.abspath(__file__))
 LANES_DIR = os.path.join(HERE, "lanes")
 REPORTS = os.path.join(HERE, ".nox", "reports")
+# pycs shared between the lanes (lanes/report.py: seed_bytecode, keep_bytecode); emptied at the
+# start of each `nox -s lanes` run, so it holds what this run's lanes compiled
+BYTECODE = os.path.join(HERE, ".nox", "bytecode")
 PLACEHOLDERS = os.path.join(HERE, "tests", "placeholders")
 
 KIND_ENV = {
@@ -210,7 +213,8 @@ def install_lane(session, lane):
 # --no-compile is uv's default (pip byte-compiled every module of torch, vLLM and sglang: 30-60 s
 # a lane on 2 cores); the tests import a fraction of them, compiled on first import and written
 # then (PYTHONDONTWRITEBYTECODE is cleared for the lane's tests below: without bytecode, each of
-# their subprocesses would compile vLLM again).
+# their subprocesses would compile vLLM again), and kept in .nox/bytecode for the next lanes that
+# have the same files (--bytecode-store; lanes/report.py, seed_bytecode and keep_bytecode).
 @nox.session(venv_backend="uv")
 @nox.parametrize(["python", "lane"],
                  [nox.param(interpreter(spec["python"]), name, id=name) for name, spec in LANES.items()])
@@ -235,6 +239,8 @@ def lane(session, lane):
         spec.get("tests_of", lane),
         "--stands-for",
         spec["stands_for"],
+        "--bytecode-store",
+        BYTECODE,
         *(["--variant"] if "tests_of" in spec else []),
         *[argument for text in spec["expected_skips"] for argument in ("--expected-skip", text)],
         "--",
@@ -328,6 +334,7 @@ def lanes(session):
     selected = session.posargs or list(LANES)
     jobs = lane_jobs()
     names = schedule(selected, recorded_costs())
+    shutil.rmtree(BYTECODE, ignore_errors=True)
     session.log("%d lanes, %d at a time", len(names), jobs)
     failed = run_lanes(session, names, jobs)
     session.run(sys.executable, os.path.join("lanes", "report.py"), "summary", REPORTS, *selected,

@@ -5,9 +5,11 @@ Called by ``noxfile.py`` inside the lane's virtual environment::
     python lanes/report.py run --lane vllm-0.13 --out .nox/reports/vllm-0.13 -- [pytest args]
     python lanes/report.py summary .nox/reports [LANE ...]   # one table over the lanes
 
-``run`` runs pytest (writing a junit xml), then asks the shim what each patch does in this
-environment (``npu-shim status --json --import``, see STATUS_SNIPPET), prints the lane table and
-writes ``summary.json`` next to the junit file. The lane fails (non-zero exit, each
+``run`` asks the shim what each patch does in this environment (``npu-shim status --json
+--import``, see STATUS_SNIPPET; where vllm-ascend is installed the same interpreter then writes
+the family matrix the tests read, MATRIX_ENV), runs pytest (writing a junit xml), prints the
+lane table and writes ``summary.json`` next to the junit file. With ``--bytecode-store`` the
+lanes share the bytecode of the files they share (seed_bytecode, keep_bytecode). The lane fails (non-zero exit, each
 reason printed as ``LANE FAILED: ...``) when
 
 - the installed upstream releases are not the ones its pin file's ``# Stands for:`` line
@@ -74,7 +76,7 @@ def run_pytest(junit_path, pytest_args, env):
 # registered with its real __path__ but without running that __init__; the real
 # ``vllm_ascend.ops.mm_encoder_attention`` file is then imported by the shim as usual.
 STATUS_SNIPPET = """
-import contextlib, importlib.util, sys
+import contextlib, importlib.util, json, sys, traceback
 if importlib.util.find_spec("vllm_ascend") is not None:
     from npu_shim.testing.isolation import import_vllm_ascend_ops_module
     import_vllm_ascend_ops_module()
@@ -85,18 +87,39 @@ if importlib.util.find_spec("vllm") is not None:
 from npu_shim.cli import main
 with placeholder:
     status = main(["status", "--json", "--import"])
+sys.stdout.flush()
+if len(sys.argv) > 1:
+    # The family matrix, after the status is printed (see MATRIX_NOTE); a failure here is the
+    # matrix test's, written to its file, and leaves the status and its exit code alone.
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            from npu_shim.testing.family_matrix import checks_of_originals
+            matrix = checks_of_originals()
+    except BaseException:
+        matrix = {"error": traceback.format_exc()}
+    with open(sys.argv[1], "w", encoding="utf-8") as handle:
+        json.dump(matrix, handle)
 sys.exit(status)
 """
+# Where vllm-ascend is installed, the status interpreter then also computes the family
+# matrix of tests/lanes/test_family_by_structure.py (every family's structural check against
+# upstream's code; the test would otherwise import every target once more in a fresh
+# interpreter, 7-16 s a lane): npu_shim.testing.family_matrix.checks_of_originals uninstalls
+# the shim (the engine restores each original object it replaced), keeps it off, and reports
+# any replacement still in place. The file's path goes to pytest as $FAMILY_MATRIX_JSON, which
+# the test reads (without it, the test computes the matrix in a fresh NPU_SHIM=0 interpreter).
+MATRIX_ENV = "FAMILY_MATRIX_JSON"
 STATUS_NOTE = ("status: npu-shim status --json --import (vllm_ascend.ops loaded without its __init__; "
                "torchvision, which vLLM's GLM-4.1V module imports and the lanes do not install, as the "
                "tests' import-only placeholder)")
 
 
-def patch_status(env):
-    """Rows from ``npu-shim status --json --import``; (None, message) when unavailable."""
+def patch_status(env, matrix_path=None):
+    """Rows from ``npu-shim status --json --import``; (None, message) when unavailable.
+    With ``matrix_path``, the same interpreter then writes the family matrix there (STATUS_SNIPPET)."""
     # -P (3.11+) keeps the checkout off sys.path; below 3.11, run from the venv's directory.
     safe = sys.version_info >= (3, 11)
-    command = [sys.executable] + (["-P"] if safe else []) + ["-c", STATUS_SNIPPET]
+    command = [sys.executable] + (["-P"] if safe else []) + ["-c", STATUS_SNIPPET] + ([matrix_path] if matrix_path else [])
     try:
         proc = subprocess.run(command, cwd=REPO if safe else sys.prefix, env=env, capture_output=True, text=True, timeout=600)
     except subprocess.TimeoutExpired:
@@ -239,6 +262,95 @@ def disk_use(top):
     return own, shared
 
 
+# Bytecode shared between lanes (``--bytecode-store``). The venvs are installed without
+# bytecode, so every lane compiled again what its tests import: torch alone, the same files
+# in most lanes (hardlinks of one copy in uv's cache), is about 8 s of CPU a lane. After a
+# lane, each .pyc of a source file that is a hardlink (one file shared with uv's cache and
+# the other lanes) is kept in the store under that file's identity (device, inode), as a
+# *checked hash-based* pyc (PEP 552): whoever loads it, Python hashes the source and compiles
+# it afresh if the hash differs, so a store entry can never stand in for other code. Before
+# the next lane's first import, each of its hardlinked sources that has an entry gets it in
+# its __pycache__ (a hardlink; Python never writes into a pyc in place, it replaces the file).
+# Python corrects the code's file name to the path it loads it from (co_filename).
+PYC_SUFFIX = ".%s.pyc" % sys.implementation.cache_tag
+CHECKED_HASH = (0b11).to_bytes(4, "little")
+
+
+def _store_key(stat):
+    return "%d-%d%s" % (stat.st_dev, stat.st_ino, PYC_SUFFIX)
+
+
+def seed_bytecode(venv, store):
+    """Hardlink the store's pycs into ``venv``'s __pycache__ directories; returns how many."""
+    try:
+        held = set(os.listdir(store))
+    except OSError:
+        return 0
+    linked = 0
+    for directory, subdirs, files in os.walk(venv):
+        if "__pycache__" in subdirs:
+            subdirs.remove("__pycache__")
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            try:
+                st = os.lstat(os.path.join(directory, name))
+            except OSError:
+                continue
+            key = _store_key(st)
+            if st.st_nlink < 2 or key not in held:
+                continue
+            cache = os.path.join(directory, "__pycache__")
+            try:
+                os.makedirs(cache, exist_ok=True)
+                os.link(os.path.join(store, key), os.path.join(cache, name[:-3] + PYC_SUFFIX))
+                linked += 1
+            except OSError:
+                pass
+    return linked
+
+
+def keep_bytecode(venv, store):
+    """Add to the store each pyc under ``venv`` compiled from a hardlinked source it does not
+    hold yet, as a checked hash-based pyc; a timestamp pyc that does not match its source's
+    mtime and size (stale) is left out. Returns how many were added."""
+    import importlib.util
+
+    os.makedirs(store, exist_ok=True)
+    held = set(os.listdir(store))
+    added = 0
+    for directory, subdirs, files in os.walk(venv):
+        if os.path.basename(directory) != "__pycache__":
+            continue
+        for name in files:
+            if not name.endswith(PYC_SUFFIX):
+                continue
+            source = os.path.join(os.path.dirname(directory), name[:-len(PYC_SUFFIX)] + ".py")
+            try:
+                st = os.lstat(source)
+                if st.st_nlink < 2 or _store_key(st) in held:
+                    continue
+                with open(os.path.join(directory, name), "rb") as handle:
+                    data = handle.read()
+                if data[:4] != importlib.util.MAGIC_NUMBER or int.from_bytes(data[4:8], "little") != 0:
+                    continue
+                if data[8:16] != ((int(st.st_mtime) & 0xFFFFFFFF).to_bytes(4, "little")
+                                  + (st.st_size & 0xFFFFFFFF).to_bytes(4, "little")):
+                    continue
+                with open(source, "rb") as handle:
+                    digest = importlib.util.source_hash(handle.read())
+                key = _store_key(st)
+                partial = os.path.join(store, "%s.%d.tmp" % (key, os.getpid()))
+                with open(partial, "wb") as handle:
+                    handle.write(data[:4] + CHECKED_HASH + digest + data[16:])
+                os.replace(partial, os.path.join(store, key))
+                held.add(key)
+                added += 1
+            except OSError:
+                continue
+    return added
+
+
 def drop_bytecode(venv):
     """Remove the ``__pycache__`` directories under ``venv``, once the lane's tests and status
     have run: the venv is installed without bytecode and made anew by every run, so what the
@@ -321,16 +433,31 @@ def cmd_run(args):
                        "problems": mismatches, "install_seconds": args.install_seconds,
                        "python": "%d.%d.%d" % sys.version_info[:3]}, handle, indent=2, sort_keys=True)
         return 1
+    # The status first (its gate is read after the tests): where vllm-ascend is installed, its
+    # interpreter also writes the family matrix the tests read (MATRIX_ENV).
+    # The status needs the targets imported: with no real torch_npu here, the emulation
+    # stands in for it (NPU_SHIM_EMULATE=1), as in the lane's tests.
+    # VLLM_CONFIGURE_LOGGING=0: vLLM's default log handler writes to stdout.
+    store = getattr(args, "bytecode_store", None)
+    linked = seed_bytecode(sys.prefix, store) if store else None
+    if store:
+        print("lane %s: %d pycs linked from %s" % (args.lane, linked, store), flush=True)
+    matrix_path = None
+    if importlib.util.find_spec("vllm_ascend") is not None:
+        matrix_path = os.path.abspath(os.path.join(args.out, "family-matrix.json"))
+        if os.path.exists(matrix_path):
+            os.remove(matrix_path)
+    started = time.monotonic()
+    rows, status_problem = patch_status(dict(env, NPU_SHIM_EMULATE="1", VLLM_CONFIGURE_LOGGING="0"), matrix_path)
+    status_seconds = time.monotonic() - started
+    if matrix_path and os.path.exists(matrix_path):
+        env[MATRIX_ENV] = matrix_path
     started = time.monotonic()
     pytest_rc = run_pytest(junit_path, args.pytest_args, env)
     test_seconds = time.monotonic() - started
     cases = read_junit(junit_path)
     counts = totals(cases)
 
-    # The status needs the targets imported: with no real torch_npu here, the emulation
-    # stands in for it (NPU_SHIM_EMULATE=1), as in the lane's tests.
-    # VLLM_CONFIGURE_LOGGING=0: vLLM's default log handler writes to stdout.
-    rows, status_problem = patch_status(dict(env, NPU_SHIM_EMULATE="1", VLLM_CONFIGURE_LOGGING="0"))
     summary = {
         "lane": args.lane,
         "tests_of": args.tests_of or args.lane,
@@ -342,6 +469,7 @@ def cmd_run(args):
         "junit": os.path.relpath(junit_path, REPO),
         "install_seconds": args.install_seconds,
         "test_seconds": round(test_seconds, 1),
+        "status_seconds": round(status_seconds, 1),
         "python": "%d.%d.%d" % sys.version_info[:3],
     }
     problems = []
@@ -357,6 +485,8 @@ def cmd_run(args):
         problems.append("which patches claim this release cannot be checked: " + status_problem)
     problems += unexercised_claims(rows or [], summary["tests_per_patch"])
     summary["problems"] = problems
+    if store:
+        summary["bytecode_linked"], summary["bytecode_kept"] = linked, keep_bytecode(sys.prefix, store)
     summary["bytecode_mib_dropped"] = round(drop_bytecode(sys.prefix) / 2**20)
     summary["venv_mib"], summary["venv_shared_mib"] = venv_size_mib()
     with open(os.path.join(args.out, "summary.json"), "w", encoding="utf-8") as handle:
@@ -491,6 +621,8 @@ def main(argv=None):
     run.add_argument("--variant", action="store_true",
                      help="a Python variant of the --tests-of lane: leave out its tests marked "
                           "claimed(..., per_family=True) (NPU_SHIM_LANE_VARIANT=1; tests/conftest.py)")
+    run.add_argument("--bytecode-store", default=None,
+                     help="directory of pycs shared between lanes: link them in first, add this lane's after")
     run.add_argument("--stands-for", default=None,
                      help="the pin file's '# Stands for:' value: the installed releases must be among them")
     run.add_argument("--expected-skip", action="append", default=[],

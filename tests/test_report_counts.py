@@ -126,7 +126,7 @@ def _run_gated(report, out, junit, expected=(), rows=None, stands_for=None):
 
     original = report.run_pytest, report.patch_status, report.drop_bytecode, report.venv_size_mib
     report.run_pytest = fake_pytest
-    report.patch_status = lambda env: (rows or [], None)
+    report.patch_status = lambda env, matrix_path=None: (rows or [], None)
     report.drop_bytecode = lambda prefix: 0
     report.venv_size_mib = lambda: (0, 0)
     try:

@@ -7,13 +7,19 @@ object on the last line of stdout).
 an applied patch would show them its own replacement. Targets are imported the way the
 lane tests import them (:func:`npu_shim.testing.towers.setup`, vllm-ascend modules
 without ``vllm_ascend/ops/__init__.py``), under the torch_npu emulation.
+
+:func:`checks_of_originals` runs the same checks in a process where the shim has applied its
+patches (``lanes/report.py`` runs it right after ``npu-shim status --import``, in the same
+interpreter, which saves the lane one more import of every target): it uninstalls the shim
+first, which restores the original objects the engine kept, and reports any replacement
+still in place instead of letting a check look at it.
 """
 import importlib
 import json
 import os
 import sys
 
-__all__ = ["checks", "main", "status"]
+__all__ = ["checks", "checks_of_originals", "main", "status"]
 
 
 def _targets():
@@ -76,6 +82,87 @@ def checks():
             entry["results"][family.name] = outcome
         out[patch.name] = entry
     return out
+
+
+def checks_of_originals():
+    """``{"checks": checks(), "problems": [...], "reverted": [...], "rebound": [...]}`` in a
+    process where the shim is installed and has applied patches (``npu-shim status --import``
+    ran here): upstream's code is checked, not a replacement.
+
+    The shim is uninstalled (every applied patch reverted to the original object the engine
+    kept) and kept off (``NPU_SHIM=0``: :func:`towers.setup`'s ``npu_shim.install()`` arms
+    nothing). A module imported while a patch was on may have bound a replaced name itself
+    (``from ..utils import _merge_multimodal_embeddings`` in vLLM's Qwen3-Omni thinker):
+    each such module-level name outside ``npu_shim`` is bound to the original again, as it
+    would be in a process where the shim never ran, and listed in ``rebound``. Then, before
+    and after the checks, every slot a patch wrote must hold its original, and no replacement
+    may be left in any module's namespace outside ``npu_shim`` or in a patch subject's; each
+    finding is a problem, and the caller fails."""
+    import npu_shim
+    from npu_shim import _startup
+
+    written, originals = {}, []
+    if _startup._State.engine is not None:
+        for name, record in sorted(_startup._State.engine._records.items()):
+            for slot, original in record.undo or ():
+                value = slot.read_own()
+                written[id(value)] = (name, slot.path, value, original)   # the reference keeps the id taken
+                originals.append((name, slot, original))
+    os.environ["NPU_SHIM"] = "0"
+    npu_shim.uninstall()
+    rebound = []
+    for module_name, space in _upstream_namespaces():
+        for key, value in list(space.items()):
+            hit = written.get(id(value))
+            if hit is not None and hit[2] is value and _present(hit[3]):
+                space[key] = hit[3]
+                rebound.append("%s.%s (%s: %s)" % (module_name, key, hit[0], hit[1]))
+    problems = _left_in_place(written, originals)
+    result = checks()
+    problems += [p for p in _left_in_place(written, originals) if p not in problems]
+    return {"checks": result, "problems": problems, "reverted": sorted({o[0] for o in originals}),
+            "rebound": sorted(rebound)}
+
+
+def _present(original):
+    from npu_shim.engine.slots import _MISSING
+
+    return original is not _MISSING
+
+
+def _upstream_namespaces():
+    """``(module name, namespace)`` of every imported module outside ``npu_shim``."""
+    for name, module in list(sys.modules.items()):
+        space = getattr(module, "__dict__", None)
+        if isinstance(space, dict) and name != "npu_shim" and not name.startswith("npu_shim."):
+            yield name, space
+
+
+def _left_in_place(written, originals):
+    """Where a replacement the shim wrote is still reachable (see checks_of_originals)."""
+    from npu_shim.engine import guards
+    from npu_shim.patches import BUILTIN_PATCHES
+
+    problems = ["%s: %s does not hold its original again after npu_shim.uninstall()" % (name, slot.path)
+                for name, slot, original in originals if slot.read_own() is not original]
+    spaces = list(_upstream_namespaces())
+    for _, module_name in BUILTIN_PATCHES:
+        patch = importlib.import_module(module_name).PATCH
+        module = sys.modules.get(patch.target)
+        if module is None:
+            continue
+        try:
+            subject = guards.subject_of(patch, module)
+        except Exception:                # noqa: BLE001 -- checks() reports a missing subject
+            subject = module
+        if subject is not module and hasattr(subject, "__dict__"):
+            spaces.append(("%s.%s" % (patch.target, patch.subject), vars(subject)))
+    for where, space in spaces:
+        for key, value in list(space.items()):
+            hit = written.get(id(value))
+            if hit is not None and hit[2] is value:
+                problems.append("%s.%s is still the replacement %s wrote to %s" % (where, key, hit[0], hit[1]))
+    return problems
 
 
 def status():

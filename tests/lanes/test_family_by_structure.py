@@ -3,8 +3,12 @@ and a development or local version string does not change which family applies.
 
 Runs on every lane that pins vllm-ascend (read from the pin files): each holds one release's
 real code, so together the lanes run every family's check against every release the lanes
-stand for. The targets are imported in a fresh interpreter (``npu_shim.testing.family_matrix``);
-the checks run with ``NPU_SHIM=0`` so that they look at upstream's code, not a replacement.
+stand for. The checks must look at upstream's code, not a replacement. In a lane,
+``lanes/report.py`` computes the matrix in the interpreter of its ``npu-shim status --import``
+gate, after the status (``family_matrix.checks_of_originals``: the shim uninstalled, each
+original restored, any replacement left in place reported as a problem) and names the file in
+``$FAMILY_MATRIX_JSON``; without it (pytest run by hand) the targets are imported in a fresh
+interpreter (``npu_shim.testing.family_matrix checks``) with ``NPU_SHIM=0``.
 A shadowing ``.dist-info`` first on ``sys.path`` gives the installed code another version:
 ``importlib.metadata`` reports the first distribution it finds.
 """
@@ -44,7 +48,14 @@ def fresh(what, tmp_path, shadow=None, **env):
 
 @pytest.fixture(scope="module")
 def matrix(tmp_path_factory):
-    return fresh("checks", tmp_path_factory.mktemp("checks"), NPU_SHIM="0")
+    path = os.environ.get("FAMILY_MATRIX_JSON")
+    if not path:
+        return fresh("checks", tmp_path_factory.mktemp("checks"), NPU_SHIM="0")
+    with open(path, encoding="utf-8") as handle:
+        computed = json.load(handle)
+    assert "error" not in computed, "the lane's status interpreter could not compute the matrix:\n" + computed["error"]
+    assert not computed["problems"], computed["problems"]
+    return computed["checks"]
 
 
 def accepting(entry):
