@@ -310,6 +310,125 @@ def lane_per_family(root, declared=None):
     return out
 
 
+OUTSIDE = ("all", "below", "above", "newest")
+
+
+def variant_lanes(root):
+    """The lanes that run another lane's tests on another Python (``# Tests of:``)."""
+    return {os.path.basename(path)[:-4] for path in lane_files(root) if lane_header(path, "Tests of")}
+
+
+def _pin_matches(pinned, condition):
+    """``pinned`` (a version or None) against a ``pinned=`` condition: None (not installed), a
+    PEP 440 range, or a collection of releases."""
+    from npu_shim.engine.guards import within
+
+    if condition is None:
+        return pinned is None
+    if pinned is None:
+        return False
+    if isinstance(condition, str):
+        return within(condition, pinned)
+    return pinned in condition
+
+
+def lane_selection(root, name, implemented_in=(), outside=(), window=False, per_family=False,
+                   pinned=None, declared=None):
+    """The lanes (no Python variant) of ``pytest.mark.claimed(name, **keywords)``, from the
+    declaration of patch ``name`` and the pin files (tests/conftest.py documents the marker).
+
+    default           the lanes a family of the patch claims (:func:`family_lanes`);
+    ``implemented_in``  module path(s): only the families whose ``implementation`` lives
+                      there (each must name one); ``per_family``: one lane per family, the one
+                      pinning its newest release (:func:`lane_per_family`);
+    ``window``        every lane whose pins the patch's ``requires`` admit, claimed or not;
+    ``outside``       lanes that pin every distribution of ``requires`` and that no family
+                      claims: ``"all"``; ``"below"`` / ``"above"``: the one nearest the claimed
+                      lanes on that side (on the first distribution of ``requires`` whose range
+                      rules the lane out); ``"newest"``: the newest of them (above, else below);
+                      a tuple takes several;
+    ``pinned``        ``{dist: condition}``, narrowing any of the above: a PEP 440 range, a
+                      collection of releases, or None for "not installed".
+    Raises ValueError for a selection the declaration cannot answer or one with no lane."""
+    from npu_shim.engine.guards import within
+
+    declared = declared or patches()
+    found = [p for p, _ in declared if p.name == name]
+    if not found:
+        raise ValueError("no patch %r" % name)
+    patch = found[0]
+    variants = variant_lanes(root)
+    table = {lane: pins_ for lane, pins_ in lane_table(root).items() if lane not in variants}
+    claims = {family: [lane for lane in lanes if lane in table]
+              for family, lanes in family_lanes(root, declared)[name].items()}
+    outside = (outside,) if isinstance(outside, str) else tuple(outside or ())
+    modules = (implemented_in,) if isinstance(implemented_in, str) else tuple(implemented_in or ())
+    wrong = [value for value in outside if value not in OUTSIDE]
+    if wrong:
+        raise ValueError("outside=%r: give %s" % (wrong[0], ", ".join(map(repr, OUTSIDE))))
+    if sum(map(bool, (outside, window, per_family))) > 1 or (modules and (outside or window)):
+        raise ValueError("outside, window and per_family select different lanes: give one "
+                         "(implemented_in narrows the claimed lanes only)")
+    if modules:
+        homes = {f.name: f.implementation.partition(":")[0] for f in patch.families
+                 if isinstance(f.implementation, str)}
+        unknown = [module for module in modules if module not in homes.values()]
+        if unknown:
+            raise ValueError("%s: no family is implemented in %s (families: %s)" % (
+                name, unknown[0], ", ".join("%s in %s" % kv for kv in sorted(homes.items()))))
+        claims = {family: lanes for family, lanes in claims.items() if homes.get(family) in modules}
+    claimed = {lane for lanes in claims.values() for lane in lanes}
+    if per_family:
+        families = {f.name: f for f in patch.families}
+        selected = {max(lanes, key=lambda lane: (version_key(table[lane][patch.family_dist(families[f])]), lane))
+                    for f, lanes in claims.items() if lanes}
+    elif window:
+        selected = {lane for lane, pins_ in table.items()
+                    if all(dist in pins_ and within(spec, pins_[dist]) for dist, spec in patch.requires.items())}
+    elif outside:
+        selected = set(outside_lanes(patch, table, claimed, outside))
+    else:
+        selected = claimed
+    for dist, condition in (pinned or {}).items():
+        selected = {lane for lane in selected if _pin_matches(table[lane].get(dist), condition)}
+    if not selected:
+        raise ValueError("%s: pytest.mark.claimed(%s) selects no lane" % (name, ", ".join(
+            "%s=%r" % kv for kv in sorted(dict(implemented_in=implemented_in, outside=outside, window=window,
+                                               per_family=per_family, pinned=pinned).items()) if kv[1])))
+    return sorted(selected)
+
+
+def outside_lanes(patch, table, claimed, choices):
+    """The lanes of ``table`` pinning every distribution of ``patch.requires`` that are not in
+    ``claimed``, as :func:`lane_selection`'s ``outside`` chooses them."""
+    from npu_shim.engine.guards import within
+
+    dists = list(patch.requires)
+    sides = {"below": [], "above": []}
+    every = []
+    for lane, pins_ in sorted(table.items()):
+        if lane in claimed or not all(dist in pins_ for dist in dists):
+            continue
+        every.append(lane)
+        dist = next((d for d in dists if not within(patch.requires[d], pins_[d])), None)
+        if dist is None or not claimed:
+            continue
+        key = (version_key(pins_[dist]), lane)
+        low = min(version_key(table[other][dist]) for other in claimed)
+        sides["below" if key[0] < low else "above"].append(key)
+    chosen = set()
+    for choice in choices:
+        if choice == "all":
+            chosen.update(every)
+        elif choice == "below" and sides["below"]:
+            chosen.add(max(sides["below"])[1])
+        elif choice == "above" and sides["above"]:
+            chosen.add(min(sides["above"])[1])
+        elif choice == "newest" and (sides["above"] or sides["below"]):
+            chosen.add(max(sides["above"] or sides["below"])[1])
+    return sorted(chosen)
+
+
 def lane_rows(root):
     """One row per lane: what it stands for and installs (no figure of a run)."""
     rows = []

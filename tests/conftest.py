@@ -1,7 +1,7 @@
 """Lane selection.
 
 Every test belongs to one or more *lanes* (pinned upstream stacks, see ``lanes/``).
-A test module says which with ``pytestmark = pytest.mark.lanes("kimi-vl-2025", ...)``;
+A test module says which with ``pytestmark = pytest.mark.claimed(<patch>, ...)`` (below);
 unmarked tests belong to the ``base`` lane (no upstream framework installed).
 ``NPU_SHIM_LANE`` (set by the nox sessions) names the lane being run; tests of
 other lanes are deselected, never skipped, so a lane that silently runs nothing
@@ -12,16 +12,36 @@ A test that exercises a patch names it: ``pytest.mark.patch("sglang.cp_fia")``
 Each selected test's patch names are recorded as ``<property name="patch">`` in
 the junit XML, from which ``lanes/report.py`` counts the tests of each patch.
 
-A test of what a patch does wherever it is claimed selects its lanes from the
-declarations instead of a hand-kept list: ``pytest.mark.claimed("vllm.qwen2_vl_host_lengths")``
-adds every lane whose pinned releases a family of that patch claims (its fence admits
-them; ``npu_shim.reference.claimed_lanes``), the same lanes on which ``lanes/report.py``
-requires the patch applied and a test marked for it passed. Reading one more release
-into a fence moves the test onto its lane with no edit here. A test that starts fresh
-interpreters to show a switch or strict mode (the engine's handling of one family, 5-20 s
-each) says ``pytest.mark.claimed(patch, per_family=True)``: it runs on one lane per family
-of the patch, the lane pinning the family's newest release, and not in the Python-variant
-lanes (``# Tests of:``), where everything else of their base lane runs.
+A test names its lanes by what it is about, derived from the declarations and the pin files,
+not by a hand-kept list: ``pytest.mark.claimed("vllm.qwen2_vl_host_lengths")`` adds every lane
+whose pinned releases a family of that patch claims (its fence admits them;
+``npu_shim.reference.claimed_lanes``), the same lanes on which ``lanes/report.py`` requires the
+patch applied and a test marked for it passed. Reading one more release into a fence, or adding
+a lane, moves the test with no edit here. Keywords narrow or change the selection
+(``npu_shim.reference.lane_selection`` computes it):
+
+* ``implemented_in="pkg.module"`` (or a tuple): only the families whose implementation lives in
+  that module: a test of one family's code names the code it exercises, not the family's id or
+  its lanes. A module no family of the patch lives in fails collection.
+* ``per_family=True``: one lane per family, the lane pinning the family's newest release, and
+  none in the Python-variant lanes (``# Tests of:``, where everything else of their base lane
+  runs): for a test that starts fresh interpreters to show a switch or strict mode (the
+  engine's handling of one family, 5-20 s each).
+* ``window=True``: every lane whose pins the patch's ``requires`` admit, claimed or not (a
+  patch whose family names no release, told apart by structure alone).
+* ``outside="all"`` / ``"below"`` / ``"above"`` / ``"newest"`` (or a tuple): lanes that pin
+  every distribution the patch requires and that no family claims, where the patch must be out
+  with its reason: all of them; the one nearest the claimed lanes below or above them; the
+  newest. Representatives keep a skip test's CI time flat as lanes are added.
+* ``pinned={dist: condition}`` narrows any of these by a lane's pins: a PEP 440 range, a list
+  of releases, or None for "not installed". For a test whose subject is one release's code
+  (the release of an upstream fix, a bug one release had), the release is the literal, never
+  the lane.
+
+Several ``claimed`` markers on one node add up; a test's own markers replace its module's. A
+selection that yields no lane, or an unknown keyword, fails collection naming the test.
+``pytest.mark.lanes(*names)`` names lanes literally: for the base lane and for the tests of this
+mechanism.
 
 The markers are checked over every collected test, selected or not: a lane name
 that nox does not define (a pin file ``lanes/<name>.txt`` whose name does not
@@ -35,6 +55,7 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
@@ -46,8 +67,9 @@ LANES_DIR = os.path.join(REPO, "lanes")
 def pytest_configure(config):
     config.addinivalue_line("markers", "lanes(*names): pinned stacks this test runs in")
     config.addinivalue_line("markers", "patch(*names): the npu-shim patches this test exercises")
-    config.addinivalue_line("markers", "claimed(*patches, per_family=False): run on every lane a family of "
-                                       "these patches claims; per_family=True: on one lane per family")
+    config.addinivalue_line("markers", "claimed(*patches, implemented_in=(), per_family=False, window=False, "
+                                       "outside=(), pinned=None): lanes derived from the patches' declarations "
+                                       "and the lanes' pins (see tests/conftest.py)")
     config.addinivalue_line("markers", "float32_math: a math check that feeds the emulated attention "
                                        "ops float32, which the real ops reject (see float32_math)")
     config.addinivalue_line("markers", "hardware_dtypes: only the dtypes the real ops take, also in a "
@@ -76,53 +98,78 @@ def builtin_patch_names():
     return [name for name, _ in module.BUILTIN_PATCHES]
 
 
+CLAIMED_KEYWORDS = ("implemented_in", "outside", "window", "per_family", "pinned")
+
+
+def claimed_specs(item):
+    """``{node: [spec]}`` for the ``claimed`` markers of ``item``'s chain (test, class, module):
+    one spec, ``json.dumps([patch, keywords])``, per patch the marker names. An unknown keyword
+    or a value JSON cannot carry fails collection naming the test."""
+    out = {}
+    for node in item.listchain():
+        for mark in node.own_markers:
+            if mark.name != "claimed":
+                continue
+            unknown = set(mark.kwargs) - set(CLAIMED_KEYWORDS)
+            if unknown:
+                raise pytest.UsageError("%s: pytest.mark.claimed takes no %s (it takes %s)" % (
+                    item.nodeid, ", ".join(sorted(unknown)), ", ".join(CLAIMED_KEYWORDS)))
+            try:
+                out.setdefault(node, []).extend(json.dumps([patch, mark.kwargs], sort_keys=True)
+                                                for patch in mark.args)
+            except TypeError as exc:
+                raise pytest.UsageError("%s: pytest.mark.claimed(%s): %s" % (
+                    item.nodeid, ", ".join("%s=%r" % kv for kv in sorted(mark.kwargs.items())), exc))
+    return out
+
+
 @functools.lru_cache(maxsize=None)
-def declared_lanes():
-    """``{"claimed": {patch: [lanes]}, "per_family": {patch: [lanes]}}`` from the installed
-    npu_shim's declarations and this checkout's pin files (``reference.claimed_lanes``,
-    ``reference.lane_per_family``), computed in a child interpreter with the shim off
-    (``import npu_shim`` installs it, which this collecting process must not do before the
-    tests ask for it)."""
-    code = ("import json, sys; from npu_shim import reference; "
-            "json.dump({'claimed': reference.claimed_lanes(sys.argv[1]), "
-            "'per_family': reference.lane_per_family(sys.argv[1])}, sys.stdout)")
+def declared_lanes(specs):
+    """``{spec: {"lanes": [...]} or {"error": why}}`` for the ``claimed`` specs (a tuple of
+    :func:`claimed_specs` strings), from the installed npu_shim's declarations and this
+    checkout's pin files (``npu_shim.reference.lane_selection``), computed in a child
+    interpreter with the shim off (``import npu_shim`` installs it, which this collecting
+    process must not do before the tests ask for it)."""
+    code = textwrap.dedent("""
+        import json, sys
+        from npu_shim import reference
+        out = {}
+        for spec in json.load(sys.stdin):
+            patch, keywords = json.loads(spec)
+            try:
+                out[spec] = {"lanes": reference.lane_selection(sys.argv[1], patch, **keywords)}
+            except ValueError as exc:
+                out[spec] = {"error": str(exc)}
+        json.dump(out, sys.stdout)
+    """)
     env = dict(os.environ, NPU_SHIM="0")
-    proc = subprocess.run([sys.executable, "-c", code, REPO], env=env, capture_output=True, text=True,
-                          cwd=os.path.dirname(sys.executable))
+    proc = subprocess.run([sys.executable, "-c", code, REPO], input=json.dumps(list(specs)), env=env,
+                          capture_output=True, text=True, cwd=os.path.dirname(sys.executable))
     if proc.returncode != 0:
         raise pytest.UsageError("cannot derive the lanes of pytest.mark.claimed: " + proc.stderr.strip()[-2000:])
     return json.loads(proc.stdout)
 
 
-def claimed_lanes():
-    return declared_lanes()["claimed"]
-
-
-def _lanes_of(item, variant=False):
+def _lanes_of(item, selections, variant=False):
     """The lanes of the closest node (test, class, module) that names any: its ``lanes`` and
-    the lanes its ``claimed`` patches claim, together; a test's own marker replaces its
-    module's, so a test marked for one lane outside a module's claims stays there.
-    ``claimed(..., per_family=True)`` takes one lane per family instead
-    (``reference.lane_per_family``), and none in a variant run (a lane that runs another
-    lane's tests on another Python, ``NPU_SHIM_LANE_VARIANT=1``)."""
+    the lanes its ``claimed`` markers select (``selections``: :func:`declared_lanes`),
+    together; a test's own marker replaces its module's, so a test marked for one lane outside
+    a module's claims stays there. ``per_family=True`` selects no lane in a variant run (a lane
+    that runs another lane's tests on another Python, ``NPU_SHIM_LANE_VARIANT=1``)."""
+    specs = claimed_specs(item)
     for node in item.listchain()[::-1]:
-        marks = [m for m in node.own_markers if m.name in ("lanes", "claimed")]
-        if marks:
+        marks = [m for m in node.own_markers if m.name == "lanes"]
+        if marks or node in specs:
             lanes = set()
             for mark in marks:
-                unknown = set(mark.kwargs) - ({"per_family"} if mark.name == "claimed" else set())
-                if unknown:
-                    raise pytest.UsageError("%s: pytest.mark.%s takes no %s" % (item.nodeid, mark.name,
-                                                                                ", ".join(sorted(unknown))))
-                if mark.name == "lanes":
-                    lanes.update(mark.args)
-                elif mark.kwargs.get("per_family"):
-                    if not variant:
-                        for patch in mark.args:
-                            lanes.update(declared_lanes()["per_family"].get(patch, ()))
-                else:
-                    for patch in mark.args:
-                        lanes.update(claimed_lanes().get(patch, ()))
+                if mark.kwargs:
+                    raise pytest.UsageError("%s: pytest.mark.lanes takes no %s" % (
+                        item.nodeid, ", ".join(sorted(mark.kwargs))))
+                lanes.update(mark.args)
+            for spec in specs.get(node, ()):
+                if variant and json.loads(spec)[1].get("per_family"):
+                    continue
+                lanes.update(selections[spec]["lanes"])
             return lanes
     return {BASE_LANE}
 
@@ -155,11 +202,18 @@ def pytest_collection_modifyitems(config, items):
     problems = marker_problems(items, defined_lanes(), builtin_patch_names())
     if problems:
         raise pytest.UsageError("bad test markers:\n  " + "\n  ".join(dict.fromkeys(problems)))
+    specs = {item: claimed_specs(item) for item in items}
+    selections = declared_lanes(tuple(sorted({spec for by_node in specs.values()
+                                              for node_specs in by_node.values() for spec in node_specs})))
+    problems = ["%s: %s" % (item.nodeid, selections[spec]["error"]) for item, by_node in specs.items()
+                for node_specs in by_node.values() for spec in node_specs if "error" in selections[spec]]
+    if problems:
+        raise pytest.UsageError("bad pytest.mark.claimed:\n  " + "\n  ".join(dict.fromkeys(problems)))
     lane = os.environ.get("NPU_SHIM_LANE", BASE_LANE)
     variant = os.environ.get("NPU_SHIM_LANE_VARIANT") == "1"
     selected, deselected = [], []
     for item in items:
-        (selected if lane in _lanes_of(item, variant) else deselected).append(item)
+        (selected if lane in _lanes_of(item, selections, variant) else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected

@@ -14,6 +14,16 @@ if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
 
+@pytest.fixture
+def lane_pins():
+    """``lane_pins(*dists)``: ``{dist: version}`` the running lane's pin file pins
+    (``NPU_SHIM_LANE``; ``npu_shim.reference.lane_table``), what the installed versions must be."""
+    from npu_shim import reference
+
+    pinned = reference.lane_table(os.path.dirname(os.path.dirname(HERE)))[os.environ["NPU_SHIM_LANE"]]
+    return lambda *dists: {dist: pinned[dist] for dist in dists}
+
+
 @pytest.fixture(params=["A2", "310P"])
 def device_class(request, monkeypatch):
     """vllm-ascend's device class under test: A2, or 310P (the emulation's SoC set to a 310P

@@ -22,7 +22,7 @@ there with ``vllm.mm_encoder_host_lengths``.
 import pytest
 
 pytestmark = [pytest.mark.claimed("vllm.glm4_1v_host_lengths"),
-              pytest.mark.lanes("vllm-0.30"),       # outside its window: skipped, and why,
+              pytest.mark.claimed("vllm.glm4_1v_host_lengths", outside="newest"),   # outside its window: skipped, and why,
               pytest.mark.patch("vllm.glm4_1v_host_lengths", "vllm.mm_encoder_host_lengths",
                                 "vllm.mm_encoder_attn")]
 

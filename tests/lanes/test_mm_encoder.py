@@ -30,7 +30,7 @@ import pytest
 from npu_shim.testing.claims import claimed_family
 from npu_shim.testing.errors import Tolerance
 
-pytestmark = [pytest.mark.lanes("vllm-0.13", "vllm-0.14", "vllm-0.15", "vllm-0.16", "vllm-0.17"),
+pytestmark = [pytest.mark.claimed("vllm.mm_encoder_attn", implemented_in="npu_shim.patches.vllm_ascend.mm_encoder.v013"),
               pytest.mark.patch("vllm.mm_encoder_attn"),
               pytest.mark.float32_math]  # the layer-level math checks: float32 vs float64 (see conftest)
 
@@ -675,6 +675,8 @@ def test_inference_buffer_rewritten_in_place_between_forwards(stack):
 # functools.cache'd, so its cache is cleared on the way in and out: the same as
 # a process started with VLLM_VERSION=0.16.0.
 CACHE_BRANCH_VLLM = "0.16.0"
+# the one release whose module keeps seq_lens_cpu_cache (the subject of the tests below)
+SEQ_LENS_CPU_CACHE = pytest.mark.claimed(PATCH_NAME, pinned={"vllm-ascend": ("0.15.0rc1",)})
 
 
 @pytest.fixture
@@ -694,7 +696,7 @@ def cache_branch(stack, monkeypatch):
     vllm_version_is.cache_clear()
 
 
-@pytest.mark.lanes("vllm-0.15")
+@SEQ_LENS_CPU_CACHE
 def test_015_prefix_without_digits_raises_upstream_works_patched(cache_branch):
     stack = cache_branch
     with pytest.raises(ValueError, match="invalid literal for int"):
@@ -706,7 +708,7 @@ def test_015_prefix_without_digits_raises_upstream_works_patched(cache_branch):
     assert max_err(out, reference(q, k, v, ref_cu, heads=4, kv_heads=4, head_dim=64)) < TOL
 
 
-@pytest.mark.lanes("vllm-0.15")
+@SEQ_LENS_CPU_CACHE
 def test_015_two_encoders_alternating_upstream_wrong_patched_right(cache_branch):
     import torch
     from npu_shim.testing import count_host_syncs, dense_segments
@@ -741,7 +743,7 @@ def test_015_two_encoders_alternating_upstream_wrong_patched_right(cache_branch)
     assert our_syncs == 2
 
 
-@pytest.mark.lanes("vllm-0.15")
+@SEQ_LENS_CPU_CACHE
 def test_015_qwen25_vl_full_attention_layers_get_window_lengths_upstream(cache_branch):
     """The seed's cache refreshes at layer 0, a windowed layer in Qwen2.5-VL: the
     full-attention layers 7/15/23/31 then attend within windows upstream."""
@@ -761,7 +763,7 @@ def test_015_qwen25_vl_full_attention_layers_get_window_lengths_upstream(cache_b
         assert wrong | right == set(range(QWEN25_VL_DEPTH))
 
 
-@pytest.mark.lanes("vllm-0.15")
+@SEQ_LENS_CPU_CACHE
 def test_015_prefix_with_other_digits_reads_another_encoders_lengths(cache_branch):
     """'visual2.blocks.0.attn' parses to layer index 20: upstream never refreshes for this
     tower and uses whatever the previous encoder cached."""

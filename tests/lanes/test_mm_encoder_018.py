@@ -28,7 +28,8 @@ import pytest
 import npu_shim
 from npu_shim.testing.errors import Tolerance
 
-pytestmark = [pytest.mark.lanes("vllm-0.18", "vllm-0.21", "vllm-0.19", "vllm-0.20"), pytest.mark.patch("vllm.mm_encoder_attn"),
+pytestmark = [pytest.mark.claimed("vllm.mm_encoder_attn", implemented_in=("npu_shim.patches.vllm_ascend.mm_encoder.v018", "npu_shim.patches.vllm_ascend.mm_encoder.v019")),
+              pytest.mark.patch("vllm.mm_encoder_attn"),
               pytest.mark.float32_math]  # the layer-level math checks: float32 vs float64 (see conftest)
 
 PATCH_NAME = "vllm.mm_encoder_attn"

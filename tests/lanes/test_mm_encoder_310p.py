@@ -41,6 +41,9 @@ pytestmark = [pytest.mark.claimed("vllm.mm_encoder_attn_310p"),
 TARGET = "vllm_ascend._310p.ops.mm_encoder_attention"
 CLASS_NAME = "AscendMMEncoderAttention310"
 PATCH_NAME = "vllm.mm_encoder_attn_310p"
+# the families of vLLM 0.18+, whose 310P class subclasses vLLM's MMEncoderAttention (0.14.0rc1's
+# subclasses Ascend's and does not pad 72)
+VLLM_SUBCLASS = ("npu_shim.patches.vllm_ascend.mm_encoder.v018_310p", "npu_shim.patches.vllm_ascend.mm_encoder.v023_310p")
 UPSTREAM_COPY = "npu_shim_tests_upstream_mm_encoder_attention_310p"
 SOC = "Ascend310P3"
 LAYERS = 27
@@ -444,7 +447,7 @@ def test_qwen25_vl_full_and_window_layers(stack):
     assert max(max_err(out, refs[id(cu)]) for out, cu in outs) < TOL
 
 
-@pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.19", "vllm-0.20", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30")   # vLLM 0.18+ has the hook
+@pytest.mark.claimed(PATCH_NAME, implemented_in=VLLM_SUBCLASS)   # vLLM 0.18+ has the hook
 def test_qwen3_vl_lengths_from_vllms_hook(stack):
     """Qwen3-VL asks MMEncoderAttention.maybe_compute_seq_lens once per forward (vLLM
     0.18+). With the 310P class registered that reaches vLLM's own method (the 310P class
@@ -468,7 +471,7 @@ def test_qwen3_vl_lengths_from_vllms_hook(stack):
     assert max(max_err(o, ref) for o in outs) < TOL
 
 
-@pytest.mark.lanes("vllm-0.18", "vllm-0.22", "latest-vllm", "vllm-0.19", "vllm-0.20", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30")
+@pytest.mark.claimed(PATCH_NAME, implemented_in=VLLM_SUBCLASS)
 def test_moonvit_packed_qkv_views(stack):
     """MoonViT unbinds one packed QKV projection into strided views (16 heads of 72; 0.14.0rc1
     does not pad 72, which the 310P kernel cannot take, so it is left out there)."""
@@ -490,7 +493,7 @@ def test_moonvit_packed_qkv_views(stack):
     assert syncs.count == 1 and max(max_err(o, ref) for o in outs) < TOL
 
 
-@pytest.mark.lanes("latest-vllm", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30")
+@pytest.mark.claimed(PATCH_NAME, implemented_in="npu_shim.patches.vllm_ascend.mm_encoder.v023_310p")
 def test_0_23_op_choice_follows_upstreams(stack):
     """0.23.0rc1+: upstream calls _npu_flash_attention_unpad_v2(..., kernel_type=2) when the
     layer recorded support_approximate_calculation (torch_npu has the op). The emulation has

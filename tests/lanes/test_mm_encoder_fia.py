@@ -29,7 +29,9 @@ import pytest
 from npu_shim.testing.claims import claimed_family
 from npu_shim.testing.errors import Tolerance
 
-pytestmark = [pytest.mark.lanes("vllm-0.22", "latest-vllm", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30"), pytest.mark.patch("vllm.mm_encoder_attn"),
+FUSED_INFER = ("npu_shim.patches.vllm_ascend.mm_encoder.v022", "npu_shim.patches.vllm_ascend.mm_encoder.v023")   # where the fused-infer families live
+pytestmark = [pytest.mark.claimed("vllm.mm_encoder_attn", implemented_in=FUSED_INFER),
+              pytest.mark.patch("vllm.mm_encoder_attn"),
               pytest.mark.float32_math]  # the layer-level math checks: float32 vs float64 (see conftest)
 
 PATCH_NAME = "vllm.mm_encoder_attn"
@@ -703,7 +705,7 @@ print(json.dumps({"switches": row["switches"], "family": row["family"], "fusion_
 '''
 
 
-@pytest.mark.lanes("vllm-0.22", "latest-vllm")            # one lane per fused-infer family
+@pytest.mark.claimed(PATCH_NAME, implemented_in=FUSED_INFER, per_family=True)   # one lane per fused-infer family
 def test_fusion_switch_in_a_fresh_interpreter(stack, run_python, make_env, tmp_path):
     """NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1 in the environment: the installed patch makes the
     0.18.0 call, status (JSON and table) shows the switch on, output near the FIA path's."""

@@ -18,7 +18,8 @@ import os
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("latest-vllm", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30"), pytest.mark.patch("vllm.mm_encoder_attn")]
+pytestmark = [pytest.mark.claimed("vllm.mm_encoder_attn", implemented_in="npu_shim.patches.vllm_ascend.mm_encoder.v023"),
+              pytest.mark.patch("vllm.mm_encoder_attn")]
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 

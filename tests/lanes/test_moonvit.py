@@ -27,14 +27,10 @@ import pytest
 
 from npu_shim.testing import moonvit as mv
 
-pytestmark = [pytest.mark.lanes("kimi-vl-2025", "vllm-0.13"),
+pytestmark = [pytest.mark.claimed("vllm.moonvit_attn", "transformers.attn_check"),
               pytest.mark.patch("vllm.moonvit_attn", "transformers.attn_check"),
               pytest.mark.float32_math]  # float32 beside bfloat16: the math checks (see conftest)
 
-PINS = {
-    "kimi-vl-2025": {"vllm": "0.10.1.1", "transformers": "4.56.0"},
-    "vllm-0.13": {"vllm": "0.13.0", "transformers": "4.57.6"},
-}
 KIMI_2_LAYERS = dict(mv.KIMI_VL, num_hidden_layers=2)
 GEOMETRIES = {"tiny": mv.TINY, "kimi-vl-heads": KIMI_2_LAYERS}
 # |output - float64 reference| <= TOL[dtype] * max |reference| (no floor); measured worst (kimi-vl-2025,
@@ -43,6 +39,7 @@ GEOMETRIES = {"tiny": mv.TINY, "kimi-vl-heads": KIMI_2_LAYERS}
 ATTENTION_TOL = {"float32": 2e-6, "bfloat16": 8e-3, "float16": 1e-3}   # one layer, exact inputs
 TOWER_TOL = {"float32": 1e-5, "bfloat16": 4e-2, "float16": 6e-3}       # whole tower (all layers in dtype)
 TRANSFORMERS_REJECTS = 'Specified `attn_implementation="ascend_fa"` is not supported'
+
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +93,12 @@ def relative(comparison, err, reference, tol, dtype_name):
 # --------------------------------------------------------------------------- set-up
 
 
-def test_both_patches_applied_on_the_pinned_stack(moonvit):
+def test_both_patches_applied_on_the_pinned_stack(moonvit, lane_pins):
     import npu_shim
 
-    lane = os.environ.get("NPU_SHIM_LANE")
     rows = {r["name"]: r for r in npu_shim.status()}
-    assert rows["vllm.moonvit_attn"]["versions"]["vllm"] == PINS[lane]["vllm"]
-    assert rows["transformers.attn_check"]["versions"] == PINS[lane]
+    assert rows["vllm.moonvit_attn"]["versions"] == lane_pins("vllm")
+    assert rows["transformers.attn_check"]["versions"] == lane_pins("transformers", "vllm")
     assert moonvit.VL_VISION_ATTENTION_FUNCTIONS["ascend_fa"].__module__ == "npu_shim.patches.vllm.moonvit_attn"
     for method in ("__init__", "attention_qkvpacked"):
         wrapper = moonvit.MoonVitEncoderLayer.__dict__[method]
@@ -414,7 +410,7 @@ def test_without_torch_npu_both_patches_skip_and_upstream_runs(run_python, make_
 # --------------------------------------------------------------------------- npu-shim status
 
 
-def test_cli_status_shows_both_patches_applied(run_python, make_env):
+def test_cli_status_shows_both_patches_applied(run_python, make_env, lane_pins):
     import subprocess
 
     cli = os.path.join(os.path.dirname(sys.executable), "npu-shim")
@@ -423,7 +419,6 @@ def test_cli_status_shows_both_patches_applied(run_python, make_env):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     rows = {r["name"]: r for r in json.loads(proc.stdout)}   # vLLM's import logs go to stderr
-    lane = os.environ.get("NPU_SHIM_LANE")
     for name in ("transformers.attn_check", "vllm.moonvit_attn"):
         assert rows[name]["state"] == "applied", rows[name]
-        assert rows[name]["versions"]["vllm"] == PINS[lane]["vllm"]
+        assert rows[name]["versions"]["vllm"] == lane_pins("vllm")["vllm"]

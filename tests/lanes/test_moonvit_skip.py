@@ -8,14 +8,15 @@ the shim — even with the emulated torch_npu present, so the NPU requirement is
 not what stops it.
 """
 import json
-import os
 import textwrap
 
 import pytest
 
 from npu_shim.testing import moonvit as mv
 
-pytestmark = [pytest.mark.lanes("vllm-0.15", "latest-vllm", "vllm-0.16", "vllm-0.17", "vllm-0.23", "vllm-0.24", "vllm-0.25", "vllm-0.27", "vllm-0.28", "vllm-0.29", "vllm-0.30"), pytest.mark.patch("vllm.moonvit_attn")]
+# the first lane past the window and the newest (tests/conftest.py: claimed(..., outside=...))
+pytestmark = [pytest.mark.claimed("vllm.moonvit_attn", outside=("above", "newest")),
+              pytest.mark.patch("vllm.moonvit_attn")]
 
 FINGERPRINT = textwrap.dedent("""
     import inspect, json
@@ -38,6 +39,7 @@ FINGERPRINT = textwrap.dedent("""
 """)
 
 
+
 @pytest.fixture(scope="module")
 def moonvit():
     import npu_shim
@@ -48,7 +50,7 @@ def moonvit():
     return mv.moonvit_module()
 
 
-def test_skipped_with_reason(moonvit):
+def test_skipped_with_reason(moonvit, lane_pins):
     import importlib.util
 
     import npu_shim
@@ -58,8 +60,7 @@ def test_skipped_with_reason(moonvit):
     assert row["state"] == "skipped", row
     assert row["reason"] == ("vllm %s is outside >=0.8.5,<0.14 (0.14+ runs MoonViT attention through "
                              "MMEncoderAttention)" % row["versions"]["vllm"])
-    if os.environ.get("NPU_SHIM_LANE") == "vllm-0.15":
-        assert row["versions"]["vllm"] == "0.15.0"
+    assert row["versions"] == lane_pins("vllm")
 
 
 def test_this_moonvit_has_no_dispatch_table(moonvit):
@@ -73,7 +74,7 @@ def test_this_moonvit_has_no_dispatch_table(moonvit):
 
 # Two fresh interpreters importing vLLM (16 s a lane): on the first release after the fence
 # and on the newest; the in-process tests above run on every lane.
-@pytest.mark.lanes("vllm-0.15", "vllm-0.30")
+@pytest.mark.claimed("vllm.moonvit_attn", outside=("above", "newest"))
 def test_module_imports_unchanged(moonvit, run_python, make_env):
     """Same globals, same code, with the shim (and emulated torch_npu) as with NPU_SHIM=0.
 

@@ -13,7 +13,7 @@ import os
 import pytest
 
 pytestmark = [pytest.mark.claimed("vllm.qwen2_5_vl_host_lengths"),
-              pytest.mark.lanes("vllm-0.22", "latest-vllm"),   # the patch is out there, and why,
+              pytest.mark.claimed("vllm.qwen2_5_vl_host_lengths", outside=("above", "newest")),   # the patch is out there, and why,
               pytest.mark.patch("vllm.qwen2_5_vl_host_lengths", "vllm.mm_encoder_host_lengths",
                                 "vllm.mm_encoder_attn")]
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("kimi-vl-2025", "vllm-0.13"),
+pytestmark = [pytest.mark.claimed("transformers.attn_check", "vllm.moonvit_attn"),
               pytest.mark.patch("transformers.attn_check", "vllm.moonvit_attn")]
 
 CLI = os.path.join(os.path.dirname(sys.executable), "npu-shim")

@@ -26,7 +26,7 @@ import pytest
 
 import npu_shim
 
-pytestmark = [pytest.mark.lanes("latest-sglang"), pytest.mark.patch("sglang.cp_fia_host_lengths")]
+pytestmark = [pytest.mark.claimed("sglang.cp_fia_host_lengths"), pytest.mark.patch("sglang.cp_fia_host_lengths")]
 
 from sglang_support import cp_strategy_case  # noqa: E402  (tests/lanes/conftest.py)
 

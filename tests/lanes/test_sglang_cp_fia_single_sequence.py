@@ -19,7 +19,9 @@ import importlib
 import pytest
 from npu_shim.testing import cp_case
 
-pytestmark = [pytest.mark.lanes("sglang-0.5.12"), pytest.mark.patch("sglang.cp_fia")]
+# the newest release with the single-sequence method (the subject)
+pytestmark = [pytest.mark.claimed("sglang.cp_fia", window=True, pinned={"sglang": ("0.5.12",)}),
+              pytest.mark.patch("sglang.cp_fia")]
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 

@@ -19,8 +19,7 @@ import importlib
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("sglang-0.5.12", "sglang-0.5.13", "latest-sglang", "sglang-0.5.11", "sglang-0.5.14",
-                                "sglang-0.5.15", "sglang-0.5.17", "sglang-0.5.20", "sglang-0.5.22"),
+pytestmark = [pytest.mark.claimed("sglang.cp_fia", window=True),   # every lane inside the window
               pytest.mark.patch("sglang.cp_fia")]
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"

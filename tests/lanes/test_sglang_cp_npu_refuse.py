@@ -19,9 +19,10 @@ import os
 
 import pytest
 
-ALL = ("sglang-0.5.20", "sglang-0.5.21", "sglang-0.5.22")
-APPLIES = ("sglang-0.5.21", "sglang-0.5.22")     # the family's releases; 0.5.20 refuses by itself
-pytestmark = [pytest.mark.lanes(*ALL), pytest.mark.patch("sglang.cp_npu_refuse")]
+APPLIES = pytest.mark.claimed("sglang.cp_npu_refuse")       # the family's releases
+# the release just below the window, which refuses by itself
+BELOW = pytest.mark.claimed("sglang.cp_npu_refuse", outside="below")
+pytestmark = [APPLIES, BELOW, pytest.mark.patch("sglang.cp_npu_refuse")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
@@ -113,7 +114,7 @@ def sglang_version():
     return version("sglang")
 
 
-@pytest.mark.lanes("sglang-0.5.20")
+@BELOW
 def test_skipped_where_upstream_already_refuses_npu_prefill_cp(shim):
     from npu_shim.patch import NotNeeded
     from npu_shim.patches.sglang import cp_npu_refuse as patch
@@ -129,7 +130,7 @@ def test_skipped_where_upstream_already_refuses_npu_prefill_cp(shim):
         resolve(server_args(cp=True, device="npu"), npu=True)       # upstream's own refusal
 
 
-@pytest.mark.lanes(*APPLIES)
+@APPLIES
 def test_patch_applies_and_refuses_npu_prefill_cp_at_resolution(shim):
     from npu_shim.patches.sglang import cp_npu_refuse as patch
 
@@ -167,7 +168,7 @@ print(json.dumps([row["state"], hook.validate_prefill_cp_platform.__module__ == 
 """ % HOOK
 
 
-@pytest.mark.lanes(*APPLIES)
+@APPLIES
 def test_upstream_accepts_npu_prefill_cp_and_disabled_is_upstream(run_python, make_env):
     env = make_env(NPU_SHIM_DISABLE="sglang.cp_npu_refuse",
                    PYTHONPATH=os.path.join(REPO, "tests", "placeholders"))
@@ -175,7 +176,7 @@ def test_upstream_accepts_npu_prefill_cp_and_disabled_is_upstream(run_python, ma
     assert json.loads(out) == ["disabled", True, False]
 
 
-@pytest.mark.lanes(*APPLIES)
+@APPLIES
 def test_uninstall_restores_upstream_check(run_python, make_env):
     code = UPSTREAM_CODE.replace("row = next(", "npu_shim.uninstall()\nrow = next(")
     env = make_env(PYTHONPATH=os.path.join(REPO, "tests", "placeholders"))
@@ -197,7 +198,7 @@ print(json.dumps([row["state"], row["reason"]]))
 """ % HOOK
 
 
-@pytest.mark.lanes(*APPLIES)
+@APPLIES
 @pytest.mark.parametrize("strict", ["0", "1"])
 def test_a_mismatch_inside_the_window_skips_or_raises_in_strict_mode(run_python, make_env, strict):
     env = make_env(NPU_SHIM_STRICT=strict, PYTHONPATH=os.path.join(REPO, "tests", "placeholders"))

@@ -21,7 +21,7 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("sglang-0.5.16", "sglang-0.5.19", "sglang-0.5.17"),
+pytestmark = [pytest.mark.claimed("sglang.cp_pad_gather"),
               pytest.mark.patch("sglang.cp_pad_gather")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))

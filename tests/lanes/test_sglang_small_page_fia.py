@@ -119,7 +119,7 @@ def test_applies_with_the_family_of_this_release(modules):
     assert npu_shim.stats()[NAME]["family"] == claimed_family(NAME).name
 
 
-@pytest.mark.lanes("sglang-0.5.11")
+@pytest.mark.claimed(NAME, outside="below")   # the release just below the window
 def test_skipped_on_0_5_11_whose_fia_prefill_ignores_the_kv_cache(modules):
     """0.5.11 has the qlens/FIA split, but its FIA branch attends to the new tokens only."""
     from npu_shim.testing import record_npu_calls

@@ -23,22 +23,18 @@ import os
 import pytest
 
 import npu_shim
-from npu_shim import reference
 from npu_shim.patches.sglang import vision_host_lengths as declaration
 from npu_shim.testing import claims
 
 
 NAME = declaration.NAME
 TARGET = declaration.TARGET
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# every sglang lane: those a family claims (pytest.mark.claimed) and the others, outside
-OUTSIDE = sorted(set(lane for lane, pins in reference.lane_table(REPO).items() if "sglang" in pins)
-                 - set(reference.claimed_lanes(REPO, [(declaration.PATCH, None)])[NAME]))
 LAYERS = 6
 
-pytestmark = [pytest.mark.claimed(NAME), pytest.mark.lanes(*OUTSIDE), pytest.mark.patch(NAME)]
+# every sglang lane: those a family claims and the others, outside
 inside = pytest.mark.claimed(NAME)
-outside = pytest.mark.lanes(*OUTSIDE)
+outside = pytest.mark.claimed(NAME, outside="all")
+pytestmark = [inside, outside, pytest.mark.patch(NAME)]
 
 
 @pytest.fixture(scope="module")

@@ -20,10 +20,6 @@ attention is ``npu_shim.testing.attention_f64``.
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("latest-vllm", "vllm-0.30"),
-              pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn",
-                                "vllm.qwen2_vl_host_lengths", "vllm.qwen3_omni_vision_host_lengths",
-                                "vllm.glm_ocr_host_lengths")]
 
 # |tower - float64 tower| and |tower - TORCH_SDPA tower|, relative to max |float64 tower| (no
 # floor); measured worst over the census towers (latest-vllm and vllm-0.30, benchmarks/results/
@@ -78,6 +74,14 @@ EXPECTED_BY_RELEASE = {
     # the attention runs per image without cu_seqlens (no read upstream either).
     "HunYuan-Vision": {"0.26.0": ((1, 1), (1, 1)), "0.30.0": None},
 }
+
+# the releases the census measured, where vllm.mm_encoder_host_lengths applies
+CENSUS_RELEASES = sorted({release for rows in EXPECTED_BY_RELEASE.values() for release in rows})
+pytestmark = [pytest.mark.claimed("vllm.mm_encoder_host_lengths", pinned={"vllm": CENSUS_RELEASES}),
+              pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn",
+                                "vllm.qwen2_vl_host_lengths", "vllm.qwen3_omni_vision_host_lengths",
+                                "vllm.glm_ocr_host_lengths")]
+
 # vllm.mm_encoder_attn's reads of cu_seqlens per forward, where not 0: one per tensor (PaddleOCR-VL
 # encodes each image alone: one tensor per image, 2 images then 3).
 ATTENTION_READS = {"dots.ocr": (1, 1), "Ernie4.5-VL": (1, 1), "Keye-VL": (1, 1),

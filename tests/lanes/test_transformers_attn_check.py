@@ -18,12 +18,14 @@ import pytest
 
 from npu_shim.testing import moonvit as mv
 
-pytestmark = [pytest.mark.lanes("kimi-vl-2025", "vllm-0.13"), pytest.mark.patch("transformers.attn_check")]
-SKIP_LANES = ("vllm-0.15", "latest-vllm")
+pytestmark = [pytest.mark.claimed("transformers.attn_check"), pytest.mark.patch("transformers.attn_check")]
+# the first lane past the window and the newest
+outside = pytest.mark.claimed("transformers.attn_check", outside=("above", "newest"))
 
 PATCH_NAME = "transformers.attn_check"
 TRANSFORMERS_REJECTS = 'Specified `attn_implementation="ascend_fa"` is not supported'
 NAMES = [None, "sdpa", "eager", "flash_attention_2", "flex_attention", "ascend_fa", "no_such_attention"]
+
 
 
 @pytest.fixture(scope="module")
@@ -149,7 +151,7 @@ def test_accepted_only_while_the_moonvit_patch_dispatches_it(stack, monkeypatch)
 # --------------------------------------------------------------------------- lanes without the dict
 
 
-@pytest.mark.lanes(*SKIP_LANES)
+@outside
 def test_skipped_where_no_shim_attention_name_can_be_requested(stack):
     modeling_utils, module, row = stack
     assert not hasattr(module, "VL_VISION_ATTENTION_FUNCTIONS")
@@ -160,7 +162,7 @@ def test_skipped_where_no_shim_attention_name_can_be_requested(stack):
     assert method.__code__.co_filename == modeling_utils.__file__
 
 
-@pytest.mark.lanes(*SKIP_LANES)
+@outside
 @pytest.mark.parametrize("name", NAMES)
 def test_wrapper_fits_and_is_transparent_on_this_transformers(stack, name):
     """The method shape this transformers has passes the patch's check, and the wrapper
@@ -175,11 +177,7 @@ def test_wrapper_fits_and_is_transparent_on_this_transformers(stack, name):
     assert outcome(wrapper, model, name, True) == outcome(original, model, name, True)
 
 
-@pytest.mark.lanes(*SKIP_LANES)
-def test_lane_versions(stack):
+@outside
+def test_lane_versions(stack, lane_pins):
     _, _, row = stack
-    lane = os.environ.get("NPU_SHIM_LANE")
-    if lane == "vllm-0.15":
-        assert row["versions"]["vllm"] == "0.15.0"
-    else:
-        assert row["versions"]["transformers"].startswith("5.")
+    assert row["versions"] == lane_pins("transformers", "vllm")

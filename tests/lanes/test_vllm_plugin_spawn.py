@@ -18,7 +18,9 @@ import textwrap
 
 import pytest
 
-pytestmark = [pytest.mark.lanes("kimi-vl-2025"), pytest.mark.patch("vllm.moonvit_attn")]
+# where no vllm-ascend is installed, whose own general plugins would load too
+pytestmark = [pytest.mark.claimed("vllm.moonvit_attn", pinned={"vllm-ascend": None}),
+              pytest.mark.patch("vllm.moonvit_attn")]
 
 SCRIPT = textwrap.dedent('''
     import json, os, sys
