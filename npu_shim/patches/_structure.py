@@ -21,19 +21,6 @@ def own_function(cls, name):
     return function
 
 
-def present_as(replacement, original, patch_name, what, module):
-    """Give ``replacement`` the name, qualified name and signature of ``original``, a docstring
-    naming the patch, what it does beside upstream's code (``what``) and the ``module`` that
-    explains it, and ``__wrapped_upstream__`` (where the tests and readers find upstream's)."""
-    replacement.__name__ = original.__name__
-    replacement.__qualname__ = original.__qualname__
-    replacement.__doc__ = "npu-shim (%s) replacement of %s.%s: %s; see %s." % (
-        patch_name, original.__module__, original.__qualname__, what, module)
-    replacement.__signature__ = inspect.signature(original)
-    replacement.__wrapped_upstream__ = original
-    return replacement
-
-
 def body_digest(function):
     """A hash of ``function``'s code: its source parsed, docstring and decorators dropped,
     unparsed (comments and layout do not count); TargetMismatch where there is no source.

@@ -183,6 +183,8 @@ def test_checks_refuse_another_body(stack):
     from npu_shim.patches.vllm.glm4_1v_host_lengths import families
 
     module = stack.modules[TOWER]
+    from npu_shim.patch import FamilyContext
+
     family = claimed().load()
     original = vars(module.Glm4vVisionEmbeddings)["forward"].__wrapped_upstream__
     other = type(module.Glm4vVisionEmbeddings.__name__, (), {"forward": _another_forward})
@@ -191,7 +193,7 @@ def test_checks_refuse_another_body(stack):
     with pytest.raises(TargetMismatch):
         families._check_embeddings(other)
     with pytest.raises(TargetMismatch):
-        family.check(fake)
+        family.check(fake, FamilyContext(PATCH_NAME))
     assert body_digest(original) in families.EMBEDDINGS_FORWARD
 
 

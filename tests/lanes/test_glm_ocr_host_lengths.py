@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from npu_shim.patch import FamilyContext
+
 PATCH_NAME = "vllm.glm_ocr_host_lengths"
 TOWER = "GLM-OCR"
 
@@ -158,20 +160,21 @@ def test_each_family_accepts_only_its_own_release(stack):
     upstream_forward = vars(cls)["forward"].__wrapped_upstream__
     original = type("GlmOcrVisionTransformer", (cls.__mro__[1],), {"forward": upstream_forward})
     own = claimed().load()
-    own.check(original)
+    own.check(original, FamilyContext(PATCH_NAME))
     other = families.PINNED_CAT if own is families.TENSOR_TO else families.TENSOR_TO
     with pytest.raises(TargetMismatch):
-        other.check(original)
+        other.check(original, FamilyContext(PATCH_NAME))
     source = inspect.getsource(upstream_forward)
     rebuilt = source.replace("cu_seqlens = torch.repeat_interleave(", "cu_seqlens = torch.repeat_interleave(1 + ")
     with pytest.raises(TargetMismatch):
-        own.check(type("GlmOcrVisionTransformer", (cls.__mro__[1],), {"forward": _patched(rebuilt, upstream_forward)}))
+        own.check(type("GlmOcrVisionTransformer", (cls.__mro__[1],), {"forward": _patched(rebuilt, upstream_forward)}),
+                  FamilyContext(PATCH_NAME))
     recomputed = source.replace("max_seqlen = self.compute_attn_mask_seqlen(cu_seqlens)",
                                 "max_seqlen = self.compute_attn_mask_seqlen(cu_seqlens); "
                                 "maybe_recompute_cu_seqlens")
     with pytest.raises(NotNeeded):
         own.check(type("GlmOcrVisionTransformer", (cls.__mro__[1],),
-                       {"forward": _patched(recomputed, upstream_forward)}))
+                       {"forward": _patched(recomputed, upstream_forward)}), FamilyContext(PATCH_NAME))
 
 
 def _patched(source, like):

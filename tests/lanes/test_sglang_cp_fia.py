@@ -36,6 +36,8 @@ import sys
 
 import pytest
 
+from npu_shim.patch import FamilyContext
+
 pytestmark = [pytest.mark.lanes("sglang-0.5.13"), pytest.mark.patch("sglang.cp_fia")]
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -113,11 +115,11 @@ def test_installed_build_is_skipped_as_fixed_upstream(module):
     from npu_shim.patch import NotNeeded
     from npu_shim.patches.sglang import cp_fia as sglang_cp_fia
 
-    row = next(r for r in npu_shim.status() if r["name"] == sglang_cp_fia.NAME)
+    row = next(r for r in npu_shim.status() if r["name"] == sglang_cp_fia.PATCH.name)
     assert row["versions"] == {"sglang": "0.5.13"}
     assert (row["state"], row["reason"]) == ("skipped", sglang_cp_fia.FIXED_UPSTREAM)
     with pytest.raises(NotNeeded, match="^fixed upstream$"):
-        sglang_cp_fia.check(module)
+        sglang_cp_fia.check(module, FamilyContext(sglang_cp_fia.PATCH.name))
     names = sglang_cp_fia.code_names(module.AscendAttnBackend.do_cp_attn_fia)
     assert sglang_cp_fia.FIXED_NAMES <= names and "chunk" not in names
 

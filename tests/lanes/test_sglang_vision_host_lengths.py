@@ -28,7 +28,7 @@ from npu_shim.patches.sglang import vision_host_lengths as declaration
 from npu_shim.testing import claims
 
 
-NAME = declaration.NAME
+NAME = declaration.PATCH.name
 TARGET = declaration.TARGET
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # every sglang lane: those a family claims (pytest.mark.claimed) and the others, outside

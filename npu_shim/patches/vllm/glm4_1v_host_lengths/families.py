@@ -16,10 +16,10 @@ import types
 import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
-from npu_shim.patches.vllm.glm4_1v_host_lengths import EMBEDDINGS, PATCH_NAME, TOWER
+from npu_shim.patches.vllm.glm4_1v_host_lengths import EMBEDDINGS, TOWER
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
 from npu_shim.patches.vllm.qwen2_5_vl_host_lengths.families import keep_at_next_copy
-from npu_shim.patches._structure import expect_body, own_function, present_as
+from npu_shim.patches._structure import expect_body, own_function
 
 HOST = torch.device("cpu")
 
@@ -46,12 +46,7 @@ def _host_list(lengths):
     return None
 
 
-def _mark(replacement, original, what):
-    present_as(replacement, original, PATCH_NAME, what, __name__)
-    return replacement
-
-
-def embeddings_forward(original):
+def embeddings_forward(original, context):
     """``Glm4vVisionEmbeddings.forward`` with host ``lengths`` and ``image_shapes``."""
     import torch.nn.functional as F
 
@@ -104,10 +99,10 @@ def embeddings_forward(original):
 
         return embeddings + adapted_pos_embed
 
-    return _mark(forward, original, "lengths and image shapes from the host, copies non-blocking")
+    return context.present(forward, original, "lengths and image shapes from the host, copies non-blocking")
 
 
-def tower_forward_0_18(original):
+def tower_forward_0_18(original, context):
     """0.18.0's ``Glm4vVisionTransformer.forward`` with ``seqlens`` from the host ``cu_seqlens``."""
 
     def forward(self, x, grid_thw):
@@ -149,7 +144,7 @@ def tower_forward_0_18(original):
         x = self.merger(x)
         return x
 
-    return _mark(forward, original, "seqlens from the host cu_seqlens, the host array kept on its copy")
+    return context.present(forward, original, "seqlens from the host cu_seqlens, the host array kept on its copy")
 
 
 def host_pos_embeds_interpolate(self, grid_thw):
@@ -183,7 +178,7 @@ def host_pos_embeds_interpolate(self, grid_thw):
     return torch.cat(all_embeds, dim=0).to(dtype)
 
 
-def tower_forward_with_host_shapes(original):
+def tower_forward_with_host_shapes(original, context):
     """0.26.0's ``Glm4vVisionTransformer.forward``: for the call that builds its own metadata,
     ``pos_embeds_interpolate`` is :func:`host_pos_embeds_interpolate`."""
 
@@ -199,16 +194,16 @@ def tower_forward_with_host_shapes(original):
         finally:
             own.pop("pos_embeds_interpolate", None)
 
-    return _mark(forward, original, "the image shapes of its own metadata kept on the host")
+    return context.present(forward, original, "the image shapes of its own metadata kept on the host")
 
 
-def attn_mask_seqlen_keeping_host(original):
+def attn_mask_seqlen_keeping_host(original, context):
     def compute_attn_mask_seqlen(self, cu_seqlens):
         result = original(self, cu_seqlens)
         keep_at_next_copy(cu_seqlens)
         return result
 
-    return _mark(compute_attn_mask_seqlen, original, "upstream's, then the host tensor's next copy keeps its values")
+    return context.present(compute_attn_mask_seqlen, original, "upstream's, then the host tensor's next copy keeps its values")
 
 
 def _check_embeddings(embeddings):
@@ -224,15 +219,15 @@ def _check_embeddings(embeddings):
 class _CopyThenTolist:
     """0.18.0: the tower copies ``cu_seqlens`` to the device, then reads ``seqlens`` from the copy."""
 
-    def check(self, module):
+    def check(self, module, context):
         embeddings, tower = _classes(module)
         _check_embeddings(embeddings)
         expect_body(own_function(tower, "forward"), TOWER_FORWARD_0_18, "0.18.0's tower forward")
 
-    def build(self, module):
+    def build(self, module, context):
         embeddings, tower = _classes(module)
-        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward")),
-                TOWER + ".forward": tower_forward_0_18(own_function(tower, "forward"))}
+        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward"), context),
+                TOWER + ".forward": tower_forward_0_18(own_function(tower, "forward"), context)}
 
 
 class _TowerCopy:
@@ -243,7 +238,7 @@ class _TowerCopy:
              "cu_seqlens = cu_seqlens.to(self.device, non_blocking=True)",
              "x = self.embeddings( x, seqlens, grid_thw, image_type_ids[:, 0], image_type_ids[:, 1] )")
 
-    def check(self, module):
+    def check(self, module, context):
         embeddings, tower = _classes(module)
         _check_embeddings(embeddings)
         forward = own_function(tower, "forward")
@@ -258,18 +253,18 @@ class _TowerCopy:
         if params != ("self", "cu_seqlens"):
             raise TargetMismatch("%s.compute_attn_mask_seqlen takes %s" % (TOWER, params))
 
-    def build(self, module):
+    def build(self, module, context):
         embeddings, tower = _classes(module)
-        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward")),
+        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward"), context),
                 TOWER + ".compute_attn_mask_seqlen": attn_mask_seqlen_keeping_host(
-                    own_function(tower, "compute_attn_mask_seqlen"))}
+                    own_function(tower, "compute_attn_mask_seqlen"), context)}
 
 
 class _EncoderMetadata:
     """0.26.0 .. 0.27.1: the eager forward builds its metadata with ``prepare_encoder_metadata``,
     whose ``cu_seqlens`` goes through ``maybe_recompute_cu_seqlens``."""
 
-    def check(self, module):
+    def check(self, module, context):
         embeddings, tower = _classes(module)
         _check_embeddings(embeddings)
         forward = own_function(tower, "forward")
@@ -285,10 +280,10 @@ class _EncoderMetadata:
         expect_body(own_function(tower, "pos_embeds_interpolate"), POS_EMBEDS_INTERPOLATE,
                 "the pos_embeds_interpolate replacement")
 
-    def build(self, module):
+    def build(self, module, context):
         embeddings, tower = _classes(module)
-        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward")),
-                TOWER + ".forward": tower_forward_with_host_shapes(own_function(tower, "forward"))}
+        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward"), context),
+                TOWER + ".forward": tower_forward_with_host_shapes(own_function(tower, "forward"), context)}
 
 
 COPY_THEN_TOLIST = _CopyThenTolist()

@@ -20,9 +20,8 @@ import threading
 import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
-from npu_shim.patches.vllm.glm_ocr_host_lengths import PATCH_NAME
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches._structure import own_function, present_as
+from npu_shim.patches._structure import own_function
 
 METHOD = "compute_attn_mask_seqlen"
 PARAMS = ("self", "cu_seqlens")
@@ -68,7 +67,7 @@ class _ForwardCopy:
     def __init__(self, *copy):
         self.copy = copy                            # upstream's copy statement(s), in order
 
-    def check(self, cls):
+    def check(self, cls, context):
         params = tuple(inspect.signature(_inherited(cls)).parameters)
         if params != PARAMS:
             raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
@@ -100,7 +99,7 @@ class _ForwardCopy:
         if between.count("cu_seqlens =") != 1:
             raise TargetMismatch("%s.forward assigns cu_seqlens again after its copy" % cls.__name__)
 
-    def build(self, cls):
+    def build(self, cls, context):
         inherited, forward = _inherited(cls), own_function(cls, "forward")
         local = threading.local()
 
@@ -120,10 +119,10 @@ class _ForwardCopy:
 
         what = "upstream's, and the host lengths of a host grid kept on the device cu_seqlens"
         # upstream's method, not another patch's wrapper of it (vllm.glm4_1v_host_lengths)
-        present_as(compute_attn_mask_seqlen, getattr(inherited, "__wrapped_upstream__", inherited), PATCH_NAME,
-                   what, __name__)
+        context.present(compute_attn_mask_seqlen, getattr(inherited, "__wrapped_upstream__", inherited),
+                        what)
         compute_attn_mask_seqlen.__qualname__ = "%s.%s" % (cls.__qualname__, METHOD)
-        present_as(forward_, forward, PATCH_NAME, what, __name__)
+        context.present(forward_, forward, what)
         return {METHOD: compute_attn_mask_seqlen, "forward": forward_}
 
 

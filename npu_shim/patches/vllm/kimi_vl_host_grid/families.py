@@ -18,9 +18,8 @@ import sys
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.vllm.kimi_vl_host_grid import PATCH_NAME, PROCESSOR, TOWER
+from npu_shim.patches.vllm.kimi_vl_host_grid import PROCESSOR, TOWER
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches._structure import present_as
 
 FIELD = "image_grid_hws"
 DECLARED = 'image_grid_hws=MultiModalFieldConfig.batched("image")'
@@ -61,7 +60,7 @@ class _HostGrid:
                                  % (PROCESSOR, TOWER))
         return fields, forward
 
-    def check(self, module):
+    def check(self, module, context):
         fields, forward = self._functions(module)
         fields_text = _text(fields)
         if self.fields:
@@ -88,7 +87,7 @@ class _HostGrid:
         if params[:3] != ("self", "pixel_values", "grid_hw"):
             raise TargetMismatch("%s.forward takes %s" % (TOWER, params))
 
-    def build(self, module):
+    def build(self, module, context):
         fields_original, forward_original = self._functions(module)
         from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldConfig
 
@@ -123,7 +122,7 @@ class _HostGrid:
         replaced = ((_get_mm_fields_config, fields_original),) if self.fields else ()
         replaced += ((forward, forward_original),)
         for new, original in replaced:
-            present_as(new, original, PATCH_NAME, "upstream's, with the grid's host lengths kept", __name__)
+            context.present(new, original, "upstream's, with the grid's host lengths kept")
         if not self.fields:
             return {TOWER + ".forward": forward}
         return {PROCESSOR + "._get_mm_fields_config": _get_mm_fields_config, TOWER + ".forward": forward}

@@ -15,8 +15,7 @@ import numpy as np
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.vllm.mm_encoder_host_lengths import PATCH_NAME, record
-from npu_shim.patches._structure import present_as
+from npu_shim.patches.vllm.mm_encoder_host_lengths import record
 
 METHOD = "maybe_recompute_cu_seqlens"
 PARAMS = ("cls", "attn_backend", "cu_seqlens", "hidden_size", "tp_size", "device")
@@ -46,7 +45,7 @@ class _Family:
             raise TargetMismatch("%s.%s is not a classmethod defined by the class" % (cls.__name__, METHOD))
         return descriptor.__func__
 
-    def check(self, cls):
+    def check(self, cls, context):
         function = self._function(cls)
         params = tuple(inspect.signature(function).parameters)
         if params[:len(PARAMS)] != PARAMS or params[len(PARAMS):] not in OPTIONAL_TAILS:
@@ -57,7 +56,7 @@ class _Family:
             raise TargetMismatch("%s.%s does not use %s (another copy to the device)"
                                  % (cls.__name__, METHOD, ", ".join(missing)))
 
-    def build(self, cls):
+    def build(self, cls, context):
         original = self._function(cls)
 
         def maybe_recompute_cu_seqlens(cls, attn_backend, cu_seqlens, *args, **kwargs):
@@ -65,8 +64,8 @@ class _Family:
             keep_host_copy(result, attn_backend, cu_seqlens)
             return result
 
-        present_as(maybe_recompute_cu_seqlens, original, PATCH_NAME,
-                   "upstream's, and the host array kept on the tensor it returns", __name__)
+        context.present(maybe_recompute_cu_seqlens, original,
+                        "upstream's, and the host array kept on the tensor it returns")
         return {METHOD: classmethod(maybe_recompute_cu_seqlens)}
 
 

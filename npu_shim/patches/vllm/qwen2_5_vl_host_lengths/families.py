@@ -17,8 +17,6 @@ import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches.vllm.qwen2_5_vl_host_lengths import PATCH_NAME
-from npu_shim.patches._structure import present_as
 
 METHOD = "compute_attn_mask_seqlen"
 PARAMS = ("self", "cu_seqlens")
@@ -56,7 +54,7 @@ class _TowerCopy:
             raise TargetMismatch("%s.%s is not a method defined by the class" % (cls.__name__, METHOD))
         return function
 
-    def check(self, cls):
+    def check(self, cls, context):
         function = self._function(cls)
         params = tuple(inspect.signature(function).parameters)
         if params != PARAMS:
@@ -87,7 +85,7 @@ class _TowerCopy:
                 raise TargetMismatch("%s.%s does not call %s on the host %s before copying it"
                                      % (cls.__name__, self.copier, METHOD, name))
 
-    def build(self, cls):
+    def build(self, cls, context):
         original = self._function(cls)
 
         def compute_attn_mask_seqlen(self, cu_seqlens):
@@ -95,8 +93,8 @@ class _TowerCopy:
             keep_at_next_copy(cu_seqlens)
             return result
 
-        present_as(compute_attn_mask_seqlen, original, PATCH_NAME,
-                   "upstream's, then the host tensor's next copy keeps its values", __name__)
+        context.present(compute_attn_mask_seqlen, original,
+                        "upstream's, then the host tensor's next copy keeps its values")
         return {METHOD: compute_attn_mask_seqlen}
 
 

@@ -17,8 +17,7 @@ import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches.vllm.qwen2_vl_host_lengths import PATCH_NAME
-from npu_shim.patches._structure import own_function, present_as
+from npu_shim.patches._structure import own_function
 
 METHOD = "compute_attn_mask_seqlen"
 COPIER = "prepare_encoder_metadata"
@@ -44,7 +43,7 @@ class _MetadataCopy:
         self.copy = '"cu_seqlens": ' + copy          # the entry of the dict upstream returns
         self.op = op                                # the name the copy calls
 
-    def check(self, cls):
+    def check(self, cls, context):
         params = tuple(inspect.signature(own_function(cls, METHOD)).parameters)
         if params != PARAMS:
             raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
@@ -65,7 +64,7 @@ class _MetadataCopy:
             raise TargetMismatch("%s.%s does not call %s on the host cu_seqlens before copying it"
                                  % (cls.__name__, COPIER, METHOD))
 
-    def build(self, cls):
+    def build(self, cls, context):
         compute, prepare = own_function(cls, METHOD), own_function(cls, COPIER)
         local = threading.local()
 
@@ -87,8 +86,7 @@ class _MetadataCopy:
             return metadata
 
         for new, original in ((compute_attn_mask_seqlen, compute), (prepare_encoder_metadata, prepare)):
-            present_as(new, original, PATCH_NAME, "upstream's, and the host cu_seqlens kept on the device copy",
-                       __name__)
+            context.present(new, original, "upstream's, and the host cu_seqlens kept on the device copy")
         return {METHOD: compute_attn_mask_seqlen, COPIER: prepare_encoder_metadata}
 
 

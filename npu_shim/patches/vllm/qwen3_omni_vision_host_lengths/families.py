@@ -19,8 +19,7 @@ import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches.vllm.qwen3_omni_vision_host_lengths import PATCH_NAME
-from npu_shim.patches._structure import own_function, present_as
+from npu_shim.patches._structure import own_function
 
 METHOD = "compute_attn_mask_seqlen"
 PARAMS = ("self", "cu_seqlens")
@@ -56,7 +55,7 @@ class _ForwardCopy:
         self.copy = copy                            # upstream's copy statement
         self.op = op
 
-    def check(self, cls):
+    def check(self, cls, context):
         params = tuple(inspect.signature(own_function(cls, METHOD)).parameters)
         if params != PARAMS:
             raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
@@ -83,7 +82,7 @@ class _ForwardCopy:
             raise TargetMismatch("%s.forward builds, copies and hands over cu_seqlens in another order"
                                  % cls.__name__)
 
-    def build(self, cls):
+    def build(self, cls, context):
         compute, forward = own_function(cls, METHOD), own_function(cls, "forward")
         local = threading.local()
 
@@ -102,8 +101,8 @@ class _ForwardCopy:
                 grids.pop()
 
         for new, original in ((compute_attn_mask_seqlen, compute), (forward_, forward)):
-            present_as(new, original, PATCH_NAME,
-                       "upstream's, and the host lengths of a host grid kept on the device cu_seqlens", __name__)
+            context.present(new, original,
+                            "upstream's, and the host lengths of a host grid kept on the device cu_seqlens")
         return {METHOD: compute_attn_mask_seqlen, "forward": forward_}
 
 

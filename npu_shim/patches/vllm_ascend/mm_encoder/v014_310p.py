@@ -31,7 +31,7 @@ FORWARD_PARAMS = ("self", "query", "key", "value", "cu_seqlens", "max_seqlen", "
 SEQ_LEN_DTYPE = torch.int32        # upstream: .to("cpu", dtype=torch.int32)
 
 
-def check(cls):
+def check(cls, context):
     if F.ASCEND_MAIN_CLASS not in [base.__name__ for base in cls.__mro__[1:]]:
         raise TargetMismatch("%s no longer derives from vllm-ascend's %s (the 0.14.0rc1 shape does)"
                              % (cls.__name__, F.ASCEND_MAIN_CLASS))
@@ -45,19 +45,19 @@ def check(cls):
                              % (cls.__name__, F.UNPAD))
 
 
-def build(cls):
+def build(cls, context):
     original_forward = vars(cls)["forward_oot"]
     upstream_globals = original_forward.__globals__
     make_state = F.state_maker(pads=False)
 
     def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None, **kwargs):
-        C.count(F.PATCH_NAME, "calls")
+        context.count("calls")
         state = C.layer_state(self, make_state, F.STATE_ATTR)
         if cu_seqlens is None and query.device.type != "cpu":
-            C.count(F.PATCH_NAME, "upstream_host_copies")   # upstream builds it on query.device
-        seq_len = F.host_seq_len(self, query, cu_seqlens).to(SEQ_LEN_DTYPE)
+            context.count("upstream_host_copies")   # upstream builds it on query.device
+        seq_len = F.host_seq_len(self, query, cu_seqlens, context).to(SEQ_LEN_DTYPE)
         out = F.attend(self, state, upstream_globals["torch_npu"], query, key, value, seq_len)
         bsz, q_len = query.shape[:2]
         return out.view(bsz, q_len, self.num_heads, self.head_size)
 
-    return {"forward_oot": C.wrap(forward_oot, original_forward, F.PATCH_NAME, __name__)}
+    return {"forward_oot": context.present(forward_oot, original_forward)}
