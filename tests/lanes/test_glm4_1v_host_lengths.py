@@ -179,7 +179,7 @@ def test_checks_refuse_another_body(stack):
     import types
 
     from npu_shim.patch import TargetMismatch
-    from npu_shim.patches._structure import body_digest
+    from npu_shim.patches._shared.structure import body_digest
     from npu_shim.patches.vllm.glm4_1v_host_lengths import families
 
     module = stack.modules[TOWER]

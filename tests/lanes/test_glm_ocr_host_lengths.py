@@ -87,7 +87,7 @@ def test_the_copy_is_upstreams_and_holds_the_host_array(stack, monkeypatch):
     the host lengths of the grid, equal to its own values; a device grid keeps nothing."""
     import torch
 
-    from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+    from npu_shim.patches._shared import host_record as record
     from npu_shim.testing import census, towers
 
     module = census._MODULES[TOWER]
@@ -139,7 +139,7 @@ def test_host_lengths_come_only_from_a_host_grid(stack):
     device = torch.tensor([0, 64, 112, 160], dtype=torch.int32)
     families.keep_host(device, torch.tensor([[1, 8, 8]]))          # another length: nothing kept
     families.keep_host(device.long(), torch.tensor(grid))          # another dtype: nothing kept
-    from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+    from npu_shim.patches._shared import host_record as record
 
     assert record.take(device) is None
     families.keep_host(device, torch.tensor(grid))

@@ -66,7 +66,7 @@ def _another_forward(self, *args, **kwargs):
 @pytest.mark.parametrize("name", TOWERS)
 def test_the_check_refuses_a_body_it_was_not_written_from(modules, name):
     from npu_shim.patch import TargetMismatch
-    from npu_shim.patches._structure import body_digest
+    from npu_shim.patches._shared.structure import body_digest
 
     declaration = DECLARATIONS[name]
     module = modules[name]

@@ -53,6 +53,7 @@ comments; no source text is matched):
   where the class moved).
 """
 from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
+from npu_shim.patches._shared.code import code_names
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 METHOD = "do_cp_attn_fia"
@@ -79,29 +80,6 @@ PER_SEQUENCE_FIELDS = frozenset({"actual_seq_q_prev_list", "actual_seq_q_next_li
                                  "kv_len_prev_list", "kv_len_next_list"})
 SCALAR_FIELDS = frozenset({"actual_seq_q_prev", "actual_seq_q_next", "kv_len_prev", "kv_len_next"})
 METADATA_MODULES = ("sglang.srt.layers.utils.cp_utils", "sglang.srt.layers.cp.zigzag")
-
-
-def names_in_code(code) -> frozenset:
-    """Every global/attribute name referred to by ``code`` and the code nested in it."""
-    import types
-
-    names, pending = set(), [code]
-    while pending:
-        code = pending.pop()
-        names.update(code.co_names)
-        pending.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
-    return frozenset(names)
-
-
-def code_names(function) -> frozenset:
-    """Every global/attribute name referred to by ``function``'s code, nested code included."""
-    import inspect
-
-    function = inspect.unwrap(function)
-    code = getattr(function, "__code__", None)
-    if code is None:
-        raise TargetMismatch("%s is not a Python function (%s)" % (METHOD, type(function).__name__))
-    return names_in_code(code)
 
 
 def metadata_fields():
@@ -140,7 +118,7 @@ def check(module, context) -> None:
     method = module.AscendAttnBackend.__dict__.get(METHOD)
     if method is None:
         raise TargetMismatch("AscendAttnBackend does not define %s itself" % METHOD)
-    shape = method_shape(code_names(method))
+    shape = method_shape(code_names(method, METHOD))
     if shape == "strategy":
         raise NotNeeded(STRATEGY_REWRITE)
     if shape == "fixed":

@@ -41,7 +41,7 @@ import types
 from itertools import accumulate
 
 from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
-from npu_shim.patches.sglang.cp_fia import names_in_code as code_names
+from npu_shim.patches._shared.code import names_in_code
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 METHOD = "do_cp_attn_fia"
@@ -92,7 +92,7 @@ def check_strategy_module() -> None:
     if strategy is None or metadata is None or not dataclasses.is_dataclass(metadata):
         raise TargetMismatch("%s lacks ZigzagCPStrategy or the ZigzagContextParallelMetadata dataclass"
                              % STRATEGY_MODULE)
-    passed = code_names(function_code(strategy.run_attention, "ZigzagCPStrategy.run_attention"))
+    passed = names_in_code(function_code(strategy.run_attention, "ZigzagCPStrategy.run_attention"))
     missing = PASSED_TENSORS - passed
     if missing:
         raise TargetMismatch("ZigzagCPStrategy.run_attention does not pass %s" % ", ".join(sorted(missing)))
@@ -106,13 +106,13 @@ def check(module, context) -> None:
     if method is None:
         raise TargetMismatch("AscendAttnBackend does not define %s itself" % METHOD)
     code = function_code(method, METHOD)
-    names = code_names(code)
+    names = names_in_code(code)
     if not names & STRATEGY_NAMES:
         raise NotNeeded(NO_STRATEGY)
     if not STRATEGY_NAMES <= names:
         raise TargetMismatch("%s uses %s but not both" % (METHOD, " / ".join(sorted(names & STRATEGY_NAMES))))
     closures = [c for c in nested_codes(code)
-                if c.co_argcount == CLOSURE_ARGUMENTS and CLOSURE_NAMES <= code_names(c)]
+                if c.co_argcount == CLOSURE_ARGUMENTS and CLOSURE_NAMES <= names_in_code(c)]
     if len(closures) != 1:
         raise TargetMismatch("%s has %d nested functions of %d arguments calling %s (expected 1)"
                              % (METHOD, len(closures), CLOSURE_ARGUMENTS, " and ".join(sorted(CLOSURE_NAMES))))

@@ -40,7 +40,7 @@ MESSAGE = (
 def check(module, context) -> None:
     import importlib
 
-    from npu_shim.patches.sglang.cp_fia import code_names
+    from npu_shim.patches._shared.code import code_names
 
     cp_utils = importlib.import_module(CP_UTILS)
     gather = getattr(cp_utils, "cp_all_gather_rerange_kv_cache", None)

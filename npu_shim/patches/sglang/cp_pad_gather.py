@@ -65,7 +65,7 @@ def check(module, context) -> None:
     import dataclasses
     import importlib
 
-    from npu_shim.patches.sglang.cp_fia import code_names
+    from npu_shim.patches._shared.code import code_names
 
     save_kv = getattr(module, SAVE_KV, None)
     if save_kv is None or GATHER not in code_names(save_kv):

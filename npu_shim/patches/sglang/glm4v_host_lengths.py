@@ -24,7 +24,7 @@ Remove when: sglang's GLM-4V embeddings take host lengths as host data.
 """
 
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import expect_body, module_class, own_function
+from npu_shim.patches._shared.structure import expect_body, module_class, own_function, replace_own
 
 TARGET = "sglang.srt.models.glm4v"
 EMBEDDINGS = "Glm4vVisionEmbeddings"
@@ -56,11 +56,9 @@ class _Embeddings:
             raise TargetMismatch("%s has no F.grid_sample" % TARGET)
 
     def build(self, module, context):
-        original = own_function(module_class(module, EMBEDDINGS), "forward")
-        forward = self.make_forward(module, original, context)
-        context.present(forward, original, "host lengths repeated on the host, copies non-blocking "
-                                           "(no read, no blocking copy)")
-        return {FORWARD: forward}
+        return {FORWARD: replace_own(module, EMBEDDINGS, "forward", self.make_forward, context,
+                                     "host lengths repeated on the host, copies non-blocking "
+                                     "(no read, no blocking copy)")}
 
     def make_forward(self, module, original, context):
         import torch

@@ -33,7 +33,7 @@ Remove when: sglang's Qwen2.5-VL tower keeps its bounds on the host on NPU.
 """
 
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import expect_body, module_class, own_function
+from npu_shim.patches._shared.structure import expect_body, module_class, own_function, replace_own
 
 TARGET = "sglang.srt.models.qwen2_5_vl"
 TOWER = "Qwen2_5_VisionTransformer"
@@ -72,11 +72,9 @@ class _Tower:
             raise TargetMismatch("%s lacks %s" % (TARGET, ", ".join(missing)))
 
     def build(self, module, context):
-        original = own_function(module_class(module, TOWER), "forward")
-        forward = self.make_forward(module, original, context)
-        context.present(forward, original, "window and image bounds built on the host, the window index "
-                                           "copied non-blocking (no read, no blocking copy)")
-        return {FORWARD: forward}
+        return {FORWARD: replace_own(module, TOWER, "forward", self.make_forward, context,
+                                     "window and image bounds built on the host, the window index "
+                                     "copied non-blocking (no read, no blocking copy)")}
 
     def make_forward(self, module, original, context):
         import torch

@@ -28,7 +28,7 @@ Remove when: the pinned sglang is 0.5.16 or later.
 """
 
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import expect_body, module_class, own_function
+from npu_shim.patches._shared.structure import expect_body, module_class, own_function, replace_own
 
 TARGET = "sglang.srt.models.qwen3_vl"
 TOWER = "Qwen3VLMoeVisionModel"
@@ -61,11 +61,9 @@ class _Tower:
             raise TargetMismatch("%s lacks %s" % (TARGET, ", ".join(missing + ["_is_npu"])))
 
     def build(self, module, context):
-        original = own_function(module_class(module, TOWER), "forward")
-        forward = self.make_forward(module, original, context)
-        context.present(forward, original, "the blocks take the host cu_seqlens the tower built (no read "
-                                           "back in the attention)")
-        return {FORWARD: forward}
+        return {FORWARD: replace_own(module, TOWER, "forward", self.make_forward, context,
+                                     "the blocks take the host cu_seqlens the tower built (no read "
+                                     "back in the attention)")}
 
     def make_forward(self, module, original, context):
         import torch

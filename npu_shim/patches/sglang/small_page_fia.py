@@ -65,7 +65,7 @@ import os
 import textwrap
 
 from npu_shim.patch import Family, Patch, TargetMismatch, Selftest
-from npu_shim.patches.sglang.cp_fia import code_names
+from npu_shim.patches._shared.code import code_names
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 METHOD = "forward_extend"

@@ -32,8 +32,8 @@ import threading
 import weakref
 
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import own_function
-from npu_shim.patches.sglang.cp_fia import names_in_code
+from npu_shim.patches._shared.structure import own_function
+from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches.sglang.vision_host_lengths import FIA, on_host, version_of
 
 TARGET = "sglang.srt.layers.attention.vision"

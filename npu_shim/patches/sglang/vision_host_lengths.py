@@ -51,8 +51,8 @@ it is no longer that (after ``npu_shim.uninstall()``: upstream's).
 import inspect
 
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import own_function
-from npu_shim.patches.sglang.cp_fia import names_in_code
+from npu_shim.patches._shared.structure import own_function
+from npu_shim.patches._shared.code import names_in_code
 
 TARGET = "sglang.srt.layers.attention.vision"
 METADATA = "prepare_vision_attention_metadata"

@@ -122,6 +122,8 @@ def _attn_implementation_default(init) -> str:
 
 
 def check(module, context) -> None:
+    from npu_shim.patches._shared.code import names_in_code
+
     table = module.VL_VISION_ATTENTION_FUNCTIONS
     if not isinstance(table, dict) or "sdpa" not in table:
         raise TargetMismatch("VL_VISION_ATTENTION_FUNCTIONS is not the name -> function dict with 'sdpa'")
@@ -132,7 +134,8 @@ def check(module, context) -> None:
     method = layer.__dict__.get("attention_qkvpacked")
     if method is None:
         raise TargetMismatch("MoonVitEncoderLayer.attention_qkvpacked not found")
-    if "VL_VISION_ATTENTION_FUNCTIONS" not in getattr(getattr(method, "__code__", None), "co_names", ()):
+    code = getattr(method, "__code__", None)
+    if code is None or "VL_VISION_ATTENTION_FUNCTIONS" not in names_in_code(code, nested=False):
         raise TargetMismatch("MoonVitEncoderLayer.attention_qkvpacked does not dispatch through "
                              "VL_VISION_ATTENTION_FUNCTIONS")
 

@@ -17,13 +17,14 @@ import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches.vllm.glm4_1v_host_lengths import EMBEDDINGS, TOWER
-from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches.vllm.qwen2_5_vl_host_lengths.families import keep_at_next_copy
-from npu_shim.patches._structure import expect_body, own_function
+from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.code import names_in_code, source_text
+from npu_shim.patches._shared.host_record import keep_at_next_copy
+from npu_shim.patches._shared.structure import expect_body, own_function
 
 HOST = torch.device("cpu")
 
-# Digests (npu_shim.patches._structure.body_digest) of the upstream bodies the replacements were written from.
+# Digests (npu_shim.patches._shared.structure.body_digest) of the upstream bodies the replacements were written from.
 EMBEDDINGS_FORWARD = {"090f8cdf22f6"}            # 0.18.0, 0.19.1, 0.20.2, 0.21.0, 0.22.1, 0.23.0, 0.26.0, 0.27.1
 TOWER_FORWARD_0_18 = {"531813d30257"}            # 0.18.0
 POS_EMBEDS_INTERPOLATE = {"fa612a8b4f47"}        # 0.26.0, 0.27.1
@@ -122,7 +123,7 @@ def tower_forward_0_18(original, context):
         # upstream takes .tolist() of the device copy (a read); the host tensor has the same values
         seqlens = (host_cu_seqlens[1:] - host_cu_seqlens[:-1]).tolist()
         cu_seqlens = host_cu_seqlens.to(self.device, non_blocking=True)
-        record.remember(cu_seqlens, host_cu_seqlens)
+        host_record.remember(cu_seqlens, host_cu_seqlens)
 
         max_seqlen = self.compute_attn_mask_seqlen(cu_seqlens)
         x = self.embeddings(x, seqlens, grid_thw, image_type_ids[:, 0], image_type_ids[:, 1])
@@ -208,7 +209,7 @@ def attn_mask_seqlen_keeping_host(original, context):
 
 def _check_embeddings(embeddings):
     forward = own_function(embeddings, "forward")
-    source = " ".join(inspect.getsource(forward).split())
+    source = source_text(forward)
     if all(name in source for name in FIXED_UPSTREAM):
         raise NotNeeded("%s.forward builds the target sizes on the host (np.repeat) and copies them with "
                         "async_tensor_h2d" % EMBEDDINGS)
@@ -242,10 +243,10 @@ class _TowerCopy:
         embeddings, tower = _classes(module)
         _check_embeddings(embeddings)
         forward = own_function(tower, "forward")
-        if "maybe_recompute_cu_seqlens" in forward.__code__.co_names or "prepare_encoder_metadata" in \
-                forward.__code__.co_names:
+        names = names_in_code(forward.__code__, nested=False)
+        if "maybe_recompute_cu_seqlens" in names or "prepare_encoder_metadata" in names:
             raise TargetMismatch("%s.forward builds its metadata elsewhere" % TOWER)
-        text = " ".join(inspect.getsource(forward).split())
+        text = source_text(forward)
         at = [text.find(line) for line in self.ORDER]
         if -1 in at or at != sorted(at):
             raise TargetMismatch("%s.forward does not %s, in that order" % (TOWER, "; ".join(self.ORDER)))
@@ -270,10 +271,10 @@ class _EncoderMetadata:
         forward = own_function(tower, "forward")
         if "encoder_metadata" not in inspect.signature(forward).parameters:
             raise TargetMismatch("%s.forward takes no encoder_metadata" % TOWER)
-        if "prepare_encoder_metadata" not in forward.__code__.co_names:
+        if "prepare_encoder_metadata" not in names_in_code(forward.__code__, nested=False):
             raise TargetMismatch("%s.forward does not call prepare_encoder_metadata" % TOWER)
         prepare = own_function(tower, "prepare_encoder_metadata")
-        names = prepare.__code__.co_names
+        names = names_in_code(prepare.__code__, nested=False)
         if "pos_embeds_interpolate" not in names or "maybe_recompute_cu_seqlens" not in names:
             raise TargetMismatch("%s.prepare_encoder_metadata does not call pos_embeds_interpolate and "
                                  "maybe_recompute_cu_seqlens" % TOWER)

@@ -19,7 +19,8 @@ import torch
 
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches.vllm.kimi_vl_host_grid import PROCESSOR, TOWER
-from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.code import source_text
 
 FIELD = "image_grid_hws"
 DECLARED = 'image_grid_hws=MultiModalFieldConfig.batched("image")'
@@ -31,10 +32,7 @@ HOST = torch.device("cpu")
 
 
 def _text(function):
-    try:
-        return " ".join(inspect.getsource(function).split())
-    except (OSError, TypeError):
-        raise TargetMismatch("%s: no source to read" % function.__qualname__)
+    return source_text(function, "%s: no source to read" % function.__qualname__)
 
 
 def host_cu_seqlens(grid_hw):
@@ -110,8 +108,8 @@ class _HostGrid:
                 handle.remove()                                   # the first block's call only
                 cu_seqlens = block_args[1] if len(block_args) > 1 else None
                 if (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.shape == host.shape
-                        and cu_seqlens.dtype == host.dtype and record.ATTR not in cu_seqlens.__dict__):
-                    record.remember(cu_seqlens, host)
+                        and cu_seqlens.dtype == host.dtype and host_record.ATTR not in cu_seqlens.__dict__):
+                    host_record.remember(cu_seqlens, host)
 
             handle = self.encoder.blocks[0].register_forward_pre_hook(keep)
             try:

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.code import names_in_code
 
 METHOD = "maybe_recompute_cu_seqlens"
 PARAMS = ("cls", "attn_backend", "cu_seqlens", "hidden_size", "tp_size", "device")
@@ -27,12 +28,12 @@ def keep_host_copy(result, attn_backend, cu_seqlens):
     """Keep ``cu_seqlens`` (host) on ``result`` (its device copy) where they hold the same values."""
     if getattr(attn_backend, "name", None) == RESCALED_BY or not isinstance(result, torch.Tensor):
         return
-    if record.ATTR in result.__dict__ or result.dim() != 1:
+    if host_record.ATTR in result.__dict__ or result.dim() != 1:
         return                                   # an inner call (the oot class) kept it already
     host = np.asarray(cu_seqlens)
     if host.ndim != 1 or host.shape[0] != result.shape[0]:
         return
-    record.remember(result, torch.tensor(host, dtype=result.dtype))   # a host copy, no device read
+    host_record.remember(result, torch.tensor(host, dtype=result.dtype))   # a host copy, no device read
 
 
 class _Family:
@@ -50,7 +51,7 @@ class _Family:
         params = tuple(inspect.signature(function).parameters)
         if params[:len(PARAMS)] != PARAMS or params[len(PARAMS):] not in OPTIONAL_TAILS:
             raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
-        names = set(function.__code__.co_names)
+        names = names_in_code(function.__code__, nested=False)
         missing = [n for n in self.copy_names + (RESCALED_BY,) if n not in names]
         if missing:
             raise TargetMismatch("%s.%s does not use %s (another copy to the device)"

@@ -15,6 +15,7 @@ import sys
 import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
+from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches.vllm.mm_merge_310p import FUNCTION
 
 PARAMS = ("inputs_embeds", "multimodal_embeddings", "is_multimodal")
@@ -56,7 +57,7 @@ class _BooleanMaskAssignment:
         params = tuple(inspect.signature(function).parameters)
         if params != PARAMS:
             raise TargetMismatch("%s takes %s; the family knows %s" % (FUNCTION, params, PARAMS))
-        names = set(function.__code__.co_names)
+        names = names_in_code(function.__code__, nested=False)
         if MASKED_SCATTER in names:
             raise NotNeeded("%s merges with masked_scatter_, not the boolean-mask assignment whose 310P "
                             "IndexPut kernel fails" % FUNCTION)

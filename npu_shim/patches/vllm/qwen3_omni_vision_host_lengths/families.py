@@ -18,8 +18,9 @@ import numpy as np
 import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
-from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches._structure import own_function
+from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.code import names_in_code, source_text
+from npu_shim.patches._shared.structure import own_function
 
 METHOD = "compute_attn_mask_seqlen"
 PARAMS = ("self", "cu_seqlens")
@@ -42,12 +43,7 @@ def host_lengths(grid_thw):
 
 def keep_host(device, grid_thw):
     """Keep the host lengths of ``grid_thw`` on ``device`` (its ``cu_seqlens``) where they match."""
-    if not isinstance(device, torch.Tensor) or device.dim() != 1 or device.dtype != torch.int32 \
-            or record.ATTR in device.__dict__:
-        return
-    host = host_lengths(grid_thw)
-    if host is not None and host.shape == device.shape:
-        record.remember(device, host)
+    host_record.remember_lengths(device, lambda: host_lengths(grid_thw))
 
 
 class _ForwardCopy:
@@ -63,16 +59,13 @@ class _ForwardCopy:
         params = tuple(inspect.signature(forward).parameters)
         if params != FORWARD_PARAMS:
             raise TargetMismatch("%s.forward takes %s; the family knows %s" % (cls.__name__, params, FORWARD_PARAMS))
-        names = forward.__code__.co_names
+        names = names_in_code(forward.__code__, nested=False)
         if "maybe_recompute_cu_seqlens" in names:
             raise NotNeeded("%s.forward copies cu_seqlens through MMEncoderAttention.maybe_recompute_cu_seqlens "
                             "(vllm.mm_encoder_host_lengths)" % cls.__name__)
         if METHOD not in names or self.op not in names:
             raise TargetMismatch("%s.forward does not call %s and %s" % (cls.__name__, METHOD, self.op))
-        try:
-            text = " ".join(inspect.getsource(forward).split())
-        except (OSError, TypeError):
-            raise TargetMismatch("%s.forward: no source to find its cu_seqlens copy in" % cls.__name__)
+        text = source_text(forward, "%s.forward: no source to find its cu_seqlens copy in" % cls.__name__)
         steps = (BUILT, self.copy, CALL, REBUILT)
         if not all(step in text for step in steps):
             raise TargetMismatch("%s.forward does not %s" % (cls.__name__, " then ".join(

@@ -55,8 +55,9 @@ import weakref
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches._transient import Transient
-from npu_shim.patches._structure import own_function
+from npu_shim.patches._shared.transient import Transient
+from npu_shim.patches._shared.code import names_in_code
+from npu_shim.patches._shared.structure import own_function
 
 __all__ = ["LayerState", "host_values", "vllms_host_copy", "layer_state", "own_function", "check_params",
            "pad_head_dim", "repeat_kv_to_heads", "PAD_MIN", "PAD_TO"]
@@ -107,9 +108,9 @@ def vllms_host_copy(values):
     """The host array vLLM copied into ``values`` (kept by ``vllm.mm_encoder_host_lengths``
     at the copy), taken once: the first reading of a tensor vLLM made in this forward
     costs no device read. None where there is none (another tower, that patch off)."""
-    from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+    from npu_shim.patches._shared import host_record
 
-    return record.take(values)
+    return host_record.take(values)
 
 
 # ---------------------------------------------------------------- layer state
@@ -186,5 +187,5 @@ def check_params(function, required, optional_tails, what):
 
 def calls_name(function, name):
     """Whether ``function``'s own code refers to global/attribute ``name``."""
-    return name in function.__code__.co_names
+    return name in names_in_code(function.__code__, nested=False)
 

@@ -24,6 +24,7 @@ import inspect
 import torch
 
 from npu_shim.patch import TargetMismatch
+from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 from npu_shim.patches.vllm_ascend.mm_encoder import v018_310p as F
 
@@ -39,7 +40,7 @@ def check(cls, context):
     C.check_params(forward, FORWARD_PARAMS, ((),), cls.__name__ + ".forward_oot")
     if inspect.signature(forward).parameters["kwargs"].kind is not inspect.Parameter.VAR_KEYWORD:
         raise TargetMismatch("%s.forward_oot no longer takes **kwargs" % cls.__name__)
-    names = forward.__code__.co_names
+    names = names_in_code(forward.__code__, nested=False)
     if "torch_npu" not in forward.__globals__ or F.UNPAD not in names or "diff" not in names:
         raise TargetMismatch("%s.forward_oot no longer calls torch_npu.%s with torch.diff(cu_seqlens)"
                              % (cls.__name__, F.UNPAD))

@@ -20,6 +20,7 @@ works).
 import torch
 
 from npu_shim.patch import TargetMismatch
+from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 BASE_NAME = "MMEncoderAttention"
@@ -37,7 +38,7 @@ def check_family(cls, op_name, op_owner):
                              % (cls.__name__, SEQ_LENS_HOOK))
     forward = C.own_function(cls, "forward_oot")
     C.check_params(forward, FORWARD_PARAMS, ((),), cls.__name__ + ".forward_oot")
-    names = forward.__code__.co_names
+    names = names_in_code(forward.__code__, nested=False)
     if op_owner not in forward.__globals__ or op_name not in names or op_owner not in names:
         raise TargetMismatch("%s.forward_oot no longer calls %s.%s" % (cls.__name__, op_owner, op_name))
     if "actual_seq_lengths" in names or "npu_fused_infer_attention_score" in names:

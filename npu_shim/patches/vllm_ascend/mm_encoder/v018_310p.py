@@ -32,6 +32,7 @@ The pieces every 310P family shares (``state_maker``, ``host_seq_len``,
 import torch
 
 from npu_shim.patch import TargetMismatch
+from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 # The 310P layer's state, apart from the main class's: 0.14.0rc1's 310P class derives
@@ -115,7 +116,7 @@ def check_family(cls, op_names, absent_names=()):
         raise TargetMismatch("%s derives from %s (the 0.14.0rc1 shape)" % (cls.__name__, ASCEND_MAIN_CLASS))
     forward = C.own_function(cls, "forward_oot")
     C.check_params(forward, FORWARD_PARAMS, ((),), cls.__name__ + ".forward_oot")
-    names = forward.__code__.co_names
+    names = names_in_code(forward.__code__, nested=False)
     if "torch_npu" not in forward.__globals__ or not all(op in names for op in op_names):
         raise TargetMismatch("%s.forward_oot no longer calls torch_npu.%s"
                              % (cls.__name__, " / ".join(op_names)))

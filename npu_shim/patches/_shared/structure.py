@@ -1,4 +1,4 @@
-"""What the families' checks read of a target's structure, shared by the patches."""
+"""What the families' checks read of a target's structure, and a class's own function replaced."""
 import inspect
 
 from npu_shim.patch import TargetMismatch
@@ -19,6 +19,13 @@ def own_function(cls, name):
     if not inspect.isfunction(function):
         raise TargetMismatch("%s.%s is not a function defined by the class" % (cls.__name__, name))
     return function
+
+
+def replace_own(module, class_name, name, make, context, what):
+    """The replacement of ``class_name.name`` (the class in ``module`` defines it itself):
+    ``make(module, original, context)``, presented with ``context.present`` and ``what``."""
+    original = own_function(module_class(module, class_name), name)
+    return context.present(make(module, original, context), original, what)
 
 
 def body_digest(function):
