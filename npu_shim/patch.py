@@ -229,8 +229,9 @@ class FamilyContext:
 
         replacement.__name__ = original.__name__
         replacement.__qualname__ = original.__qualname__
-        replacement.__doc__ = "npu-shim (%s) replacement of %s.%s%s; see %s." % (
-            self.patch, original.__module__, original.__qualname__, ": " + what if what else "", self.module)
+        replacement.__doc__ = "npu-shim (%s) replacement of %s.%s%s%s." % (
+            self.patch, original.__module__, original.__qualname__, ": " + what if what else "",
+            "; see " + self.module if self.module else "")
         replacement.__signature__ = inspect.signature(original)
         replacement.__wrapped_upstream__ = original
         if wrapped:
