@@ -97,10 +97,11 @@ def module():
 
 
 @pytest.fixture(scope="module")
-def replacement():
+def replacement(module):
     from npu_shim.patches.sglang import cp_fia as sglang_cp_fia
 
-    return sglang_cp_fia.make_do_cp_attn_fia()
+    return sglang_cp_fia.make_do_cp_attn_fia(module.AscendAttnBackend.__dict__["do_cp_attn_fia"],
+                                             FamilyContext(sglang_cp_fia.PATCH.name))
 
 
 @pytest.fixture(scope="module")
