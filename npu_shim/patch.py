@@ -57,13 +57,17 @@ class Family:
     ``implementation``  where ``check`` and ``build`` live, imported only once
                   the target module is: ``"package.module"`` (module-level
                   functions) or ``"package.module:attribute"`` (an object with
-                  ``check``/``build`` methods). ``check(subject)`` raises
+                  ``check``/``build`` methods). Both take the subject and a
+                  :class:`FamilyContext` (the patch's name, its counters, and the
+                  one way to present a replacement), so a family module never
+                  names its patch. ``check(subject, context)`` raises
                   :class:`TargetMismatch` (another shape) or :class:`NotNeeded`
                   (fixed upstream) unless the installed code has the shape the
                   family was written for; it looks at structure only, the fence
-                  does versions. ``build(subject)`` returns ``{attribute path
-                  relative to the subject: replacement}``, a non-empty subset of
-                  the patch's ``replaces``.
+                  does versions. ``build(subject, context)`` returns ``{attribute
+                  path relative to the subject: replacement}``, a non-empty subset
+                  of the patch's ``replaces``, each function made by it presented
+                  with ``context.present``.
     ``keeps``     the upstream op call the family keeps (shown in the reference).
     ``fence``     PEP 440 range of ``dist`` the family may apply to
                   (pre-releases count as inside); "" = the patch's own window.
@@ -178,15 +182,80 @@ class Selftest:
         return "`%s`; device→host reads expected: %s" % (call, reads)
 
 
+class FamilyContext:
+    """What the engine hands a family's ``check(subject, context)`` and ``build(subject, context)``.
+
+    ``patch``   the name of the patch the family serves (a family module never states it)
+    ``family``  the family's id (:attr:`Family.name`)
+    ``module``  the module that holds the family's code (named in replacements' docstrings)
+
+    :meth:`count` bumps the patch's counters (:mod:`npu_shim.engine.counters`) and
+    :meth:`present` is the one way to mark a replacement.
+    """
+
+    __slots__ = ("patch", "family", "module")
+
+    # The attribute that names the patch on a replacement made by :meth:`present`.
+    MARK = "__npu_shim_patch__"
+
+    def __init__(self, patch: str, family: str = "", module: str = ""):
+        self.patch, self.family, self.module = patch, family, module
+
+    @classmethod
+    def of(cls, patch: "Patch", family: "Family") -> "FamilyContext":
+        """The context of ``family`` of ``patch``."""
+        implementation = family.implementation
+        if isinstance(implementation, str):
+            module = implementation.partition(":")[0]
+        else:
+            module = getattr(implementation, "__module__", None) or type(implementation).__module__
+        return cls(patch.name, family.name, module)
+
+    def count(self, event: str, n: int = 1) -> None:
+        """Add ``n`` to the patch's counter ``event`` (``calls``, ``upstream_calls``,
+        ``host_copies``, ``upstream_host_copies``)."""
+        from npu_shim.engine import counters
+
+        counters.count(self.patch, event, n)
+
+    def present(self, replacement, original, what: str = "", wrapped: bool = False):
+        """Mark ``replacement`` as this patch's stand-in for ``original`` and return it: upstream's
+        name, qualified name and signature, a docstring naming the patch, the family's module and
+        ``what`` it does beside upstream's code, ``__wrapped_upstream__`` (where tests and readers
+        find upstream's) and :attr:`MARK` (the patch's name). ``wrapped``: also ``__wrapped__``
+        (functools' convention, which :mod:`inspect` follows to upstream's source), for the
+        replacements that always had it."""
+        import inspect
+
+        replacement.__name__ = original.__name__
+        replacement.__qualname__ = original.__qualname__
+        replacement.__doc__ = "npu-shim (%s) replacement of %s.%s%s%s." % (
+            self.patch, original.__module__, original.__qualname__, ": " + what if what else "",
+            "; see " + self.module if self.module else "")
+        replacement.__signature__ = inspect.signature(original)
+        replacement.__wrapped_upstream__ = original
+        if wrapped:
+            replacement.__wrapped__ = original
+        setattr(replacement, self.MARK, self.patch)
+        return replacement
+
+    def __repr__(self):
+        return "FamilyContext(%r, %r, %r)" % (self.patch, self.family, self.module)
+
+
 class _Inline:
-    """The family of a patch declared with ``check``/``build`` directly."""
+    """The family of a patch declared with ``check``/``build`` directly: the shorthand's
+    one-argument callables, the context dropped."""
 
     def __init__(self, check, build):
-        self._check, self.build = check, build
+        self._check, self._build = check, build
 
-    def check(self, module):
+    def check(self, module, context=None):
         if self._check is not None:
             self._check(module)
+
+    def build(self, module, context=None):
+        return self._build(module)
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ class Check:
     def __init__(self, accepts):
         self.accepts = accepts
 
-    def check(self, subject):
+    def check(self, subject, context):
         if not self.accepts(subject):
             raise TargetMismatch("another shape")
 
-    def build(self, subject):
+    def build(self, subject, context):
         return {}
 
 

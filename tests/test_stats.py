@@ -15,14 +15,14 @@ TOY_PATCH = textwrap.dedent('''
     from npu_shim.engine import counters
     from types import SimpleNamespace
     from npu_shim.patch import Family, Patch
-    def build(module):
+    def build(module, context):
         original = module.greet
         def greet():
             counters.count("toy.counted", "calls")
             counters.count("toy.counted", "upstream_calls")
             return original()
         return {{"greet": greet}}
-    family = Family(("1.0", "1.9"), SimpleNamespace(check=lambda module: None, build=build), keeps="greet")
+    family = Family(("1.0", "1.9"), SimpleNamespace(check=lambda module, context: None, build=build), keeps="greet")
     npu_shim.register(Patch(name="toy.counted", target="toy_counted", replaces=("greet",),
                             families=(family,)))
 ''')
@@ -123,14 +123,16 @@ def test_exit_summary_one_line_per_applied_patch_per_process(toy, run_python, ma
 
 def test_moonvit_patch_counts_calls_and_one_host_copy_per_cu_seqlens(monkeypatch):
     from npu_shim import emulation
+    from npu_shim.patch import FamilyContext
     from npu_shim.patches.vllm import moonvit_attn as moonvit
 
     emulation.install()
     counters.reset()
     q = torch.randn(10, 2, 16, dtype=torch.bfloat16)    # the A2 tower's dtype
     cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    ascend_fa_attention = moonvit.attention_for(FamilyContext.of(moonvit.PATCH, moonvit.PATCH.families[0]))
     for _ in range(3):   # three layers of one forward share cu_seqlens
-        moonvit.ascend_fa_attention(q, q, q, cu, cu)
+        ascend_fa_attention(q, q, q, cu, cu)
     row = counters.snapshot()["vllm.moonvit_attn"]
     assert (row["calls"], row["host_copies"]) == (3, 1)
     counters.reset()

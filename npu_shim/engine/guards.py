@@ -11,7 +11,7 @@ import importlib.util
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from npu_shim.patch import Family, NotNeeded, Patch, TargetMismatch
+from npu_shim.patch import Family, FamilyContext, NotNeeded, Patch, TargetMismatch
 
 
 def installed_version(dist: str):
@@ -152,7 +152,7 @@ def select_family(patch: Patch, module, versions: dict = None, by_structure: boo
                 continue
         implementation = family.load()
         try:
-            implementation.check(subject)
+            implementation.check(subject, FamilyContext.of(patch, family))
         except NotNeeded as exc:
             if len(patch.families) == 1:
                 raise
@@ -185,7 +185,7 @@ def _select_by_structure(patch: Patch, subject, versions: dict, unfenced: set):
                 continue
         implementation = family.load()
         try:
-            implementation.check(subject)
+            implementation.check(subject, FamilyContext.of(patch, family))
         except NotNeeded as exc:
             fixed.append("%s: not needed: %s" % (family.name, exc))
             continue
@@ -206,7 +206,7 @@ def _select_by_structure(patch: Patch, subject, versions: dict, unfenced: set):
                          % (_what(subject), builds, "; ".join(fixed + reasons)))
 
 
-def build_values(patch: Patch, implementation, subject) -> dict:
+def build_values(patch: Patch, family: Family, implementation, subject) -> dict:
     """What the family's build returns, keyed by paths relative to the target module."""
-    values = implementation.build(subject)
+    values = implementation.build(subject, FamilyContext.of(patch, family))
     return {patch.relative_path(path): value for path, value in values.items()}

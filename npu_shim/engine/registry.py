@@ -222,7 +222,7 @@ def _decide_and_apply(record: Record, module) -> None:
             _complain(settings, patch, record.reason, exc)
             return
         try:
-            values = guards.build_values(patch, implementation, subject)
+            values = guards.build_values(patch, family, implementation, subject)
             record.undo = apply_atomically(module, patch, values)
         except Exception as exc:
             record.set(FAILED, "%s: %s" % (type(exc).__name__, exc))

@@ -52,7 +52,7 @@ def checks():
     """``{patch: {"window": bool, "admitted": [family], "results": {family: outcome}}}``:
     ``outcome`` is ``accept``, ``not needed: ...``, ``mismatch: ...`` or ``error: ...``."""
     from npu_shim.engine import guards
-    from npu_shim.patch import NotNeeded, TargetMismatch
+    from npu_shim.patch import FamilyContext, NotNeeded, TargetMismatch
 
     patches, modules = _targets()
     out = {}
@@ -71,7 +71,7 @@ def checks():
             continue
         for family in patch.families:
             try:
-                family.load().check(subject)
+                family.load().check(subject, FamilyContext.of(patch, family))
                 outcome = "accept"
             except NotNeeded as exc:
                 outcome = "not needed: %s" % exc

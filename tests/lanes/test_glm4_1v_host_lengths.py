@@ -179,10 +179,12 @@ def test_checks_refuse_another_body(stack):
     import types
 
     from npu_shim.patch import TargetMismatch
-    from npu_shim.patches._structure import body_digest
+    from npu_shim.patches._shared.structure import body_digest
     from npu_shim.patches.vllm.glm4_1v_host_lengths import families
 
     module = stack.modules[TOWER]
+    from npu_shim.patch import FamilyContext
+
     family = claimed().load()
     original = vars(module.Glm4vVisionEmbeddings)["forward"].__wrapped_upstream__
     other = type(module.Glm4vVisionEmbeddings.__name__, (), {"forward": _another_forward})
@@ -191,7 +193,7 @@ def test_checks_refuse_another_body(stack):
     with pytest.raises(TargetMismatch):
         families._check_embeddings(other)
     with pytest.raises(TargetMismatch):
-        family.check(fake)
+        family.check(fake, FamilyContext(PATCH_NAME))
     assert body_digest(original) in families.EMBEDDINGS_FORWARD
 
 

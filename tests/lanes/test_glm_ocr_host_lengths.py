@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from npu_shim.patch import FamilyContext
+
 PATCH_NAME = "vllm.glm_ocr_host_lengths"
 TOWER = "GLM-OCR"
 
@@ -85,7 +87,7 @@ def test_the_copy_is_upstreams_and_holds_the_host_array(stack, monkeypatch):
     the host lengths of the grid, equal to its own values; a device grid keeps nothing."""
     import torch
 
-    from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+    from npu_shim.patches._shared import host_record as record
     from npu_shim.testing import census, towers
 
     module = census._MODULES[TOWER]
@@ -137,7 +139,7 @@ def test_host_lengths_come_only_from_a_host_grid(stack):
     device = torch.tensor([0, 64, 112, 160], dtype=torch.int32)
     families.keep_host(device, torch.tensor([[1, 8, 8]]))          # another length: nothing kept
     families.keep_host(device.long(), torch.tensor(grid))          # another dtype: nothing kept
-    from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+    from npu_shim.patches._shared import host_record as record
 
     assert record.take(device) is None
     families.keep_host(device, torch.tensor(grid))
@@ -158,20 +160,21 @@ def test_each_family_accepts_only_its_own_release(stack):
     upstream_forward = vars(cls)["forward"].__wrapped_upstream__
     original = type("GlmOcrVisionTransformer", (cls.__mro__[1],), {"forward": upstream_forward})
     own = claimed().load()
-    own.check(original)
+    own.check(original, FamilyContext(PATCH_NAME))
     other = families.PINNED_CAT if own is families.TENSOR_TO else families.TENSOR_TO
     with pytest.raises(TargetMismatch):
-        other.check(original)
+        other.check(original, FamilyContext(PATCH_NAME))
     source = inspect.getsource(upstream_forward)
     rebuilt = source.replace("cu_seqlens = torch.repeat_interleave(", "cu_seqlens = torch.repeat_interleave(1 + ")
     with pytest.raises(TargetMismatch):
-        own.check(type("GlmOcrVisionTransformer", (cls.__mro__[1],), {"forward": _patched(rebuilt, upstream_forward)}))
+        own.check(type("GlmOcrVisionTransformer", (cls.__mro__[1],), {"forward": _patched(rebuilt, upstream_forward)}),
+                  FamilyContext(PATCH_NAME))
     recomputed = source.replace("max_seqlen = self.compute_attn_mask_seqlen(cu_seqlens)",
                                 "max_seqlen = self.compute_attn_mask_seqlen(cu_seqlens); "
                                 "maybe_recompute_cu_seqlens")
     with pytest.raises(NotNeeded):
         own.check(type("GlmOcrVisionTransformer", (cls.__mro__[1],),
-                       {"forward": _patched(recomputed, upstream_forward)}))
+                       {"forward": _patched(recomputed, upstream_forward)}), FamilyContext(PATCH_NAME))
 
 
 def _patched(source, like):

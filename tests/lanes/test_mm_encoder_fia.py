@@ -162,13 +162,13 @@ def test_status_names_the_family_and_only_forward_oot_is_replaced(stack):
 
 def test_each_family_refuses_the_other_ones_code(stack):
     """Decided by structure: v022 refuses 0.23+'s class and v023 refuses 0.22.1rc1's."""
-    from npu_shim.patch import TargetMismatch
+    from npu_shim.patch import FamilyContext, TargetMismatch
     from npu_shim.patches.vllm_ascend.mm_encoder import v022, v023
 
     accepting, refusing = (v022, v023) if stack.family_module == v022.__name__ else (v023, v022)
-    accepting.check(stack.upstream)
+    accepting.check(stack.upstream, FamilyContext(PATCH_NAME))
     with pytest.raises(TargetMismatch):
-        refusing.check(stack.upstream)
+        refusing.check(stack.upstream, FamilyContext(PATCH_NAME))
 
 
 def test_structural_check_refuses_a_changed_op_call(stack):
@@ -615,13 +615,15 @@ def family_forward(stack, switch_on):
     """The installed family's ``forward_oot`` built on vllm-ascend's untouched class with the
     switch on or off (read when the family is built, as at install)."""
     from npu_shim import _config
+    from npu_shim.patch import FamilyContext
     from npu_shim.patches.vllm_ascend.mm_encoder import fia
     from npu_shim.testing import claims
 
     family = claims.claimed_family(PATCH_NAME).load()
     previous = _config.use_settings(_config.Settings({FUSION_SWITCH: "1"} if switch_on else {}))
     try:
-        return fia.build_forward(stack.upstream, family.host_lengths, family.__name__)["forward_oot"]
+        context = FamilyContext(PATCH_NAME, module=family.__name__)
+        return fia.build_forward(stack.upstream, family.host_lengths, context)["forward_oot"]
     finally:
         _config.use_settings(previous)
 

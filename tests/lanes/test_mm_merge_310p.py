@@ -224,7 +224,7 @@ def test_the_check_says_not_needed_for_masked_scatter(utils):
     """The releases before the window merge with masked_scatter_ (no IndexPut)."""
     import types
 
-    from npu_shim.patch import NotNeeded
+    from npu_shim.patch import FamilyContext, NotNeeded
     from npu_shim.patches.vllm.mm_merge_310p.families import BOOLEAN_MASK_ASSIGNMENT
 
     def _merge_multimodal_embeddings(inputs_embeds, multimodal_embeddings, is_multimodal):
@@ -236,11 +236,11 @@ def test_the_check_says_not_needed_for_masked_scatter(utils):
                                   _flatten_embeddings=utils._flatten_embeddings,
                                   _embedding_count_expression=utils._embedding_count_expression)
     with pytest.raises(NotNeeded):
-        BOOLEAN_MASK_ASSIGNMENT.check(older)
+        BOOLEAN_MASK_ASSIGNMENT.check(older, FamilyContext(NAME))
     BOOLEAN_MASK_ASSIGNMENT.check(types.SimpleNamespace(
         __name__=TARGET, _merge_multimodal_embeddings=upstream_of(utils),
         _flatten_embeddings=utils._flatten_embeddings,
-        _embedding_count_expression=utils._embedding_count_expression))
+        _embedding_count_expression=utils._embedding_count_expression), FamilyContext(NAME))
 
 
 

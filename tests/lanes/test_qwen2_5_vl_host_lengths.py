@@ -66,7 +66,7 @@ def test_the_copy_keeps_upstreams_arguments_and_leaves_the_host_tensor_clean(sta
                     % vllm_version())
     import torch
 
-    from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+    from npu_shim.patches._shared import host_record as record
     from npu_shim.patches.vllm.qwen2_5_vl_host_lengths import families
     from npu_shim.testing import count_host_syncs
     from npu_shim.testing.syncs import DEVICE

@@ -36,6 +36,8 @@ import sys
 
 import pytest
 
+from npu_shim.patch import FamilyContext
+
 # the release of the upstream fix (PR 26705), whose module the broken window is built from
 pytestmark = [pytest.mark.claimed("sglang.cp_fia", window=True, pinned={"sglang": ("0.5.13",)}),
               pytest.mark.patch("sglang.cp_fia")]
@@ -97,10 +99,11 @@ def module():
 
 
 @pytest.fixture(scope="module")
-def replacement():
+def replacement(module):
     from npu_shim.patches.sglang import cp_fia as sglang_cp_fia
 
-    return sglang_cp_fia.make_do_cp_attn_fia()
+    return sglang_cp_fia.make_do_cp_attn_fia(module.AscendAttnBackend.__dict__["do_cp_attn_fia"],
+                                             FamilyContext(sglang_cp_fia.PATCH.name))
 
 
 @pytest.fixture(scope="module")
@@ -115,11 +118,11 @@ def test_installed_build_is_skipped_as_fixed_upstream(module):
     from npu_shim.patch import NotNeeded
     from npu_shim.patches.sglang import cp_fia as sglang_cp_fia
 
-    row = next(r for r in npu_shim.status() if r["name"] == sglang_cp_fia.NAME)
+    row = next(r for r in npu_shim.status() if r["name"] == sglang_cp_fia.PATCH.name)
     assert row["versions"] == {"sglang": "0.5.13"}
     assert (row["state"], row["reason"]) == ("skipped", sglang_cp_fia.FIXED_UPSTREAM)
     with pytest.raises(NotNeeded, match="^fixed upstream$"):
-        sglang_cp_fia.check(module)
+        sglang_cp_fia.check(module, FamilyContext(sglang_cp_fia.PATCH.name))
     names = sglang_cp_fia.code_names(module.AscendAttnBackend.do_cp_attn_fia)
     assert sglang_cp_fia.FIXED_NAMES <= names and "chunk" not in names
 

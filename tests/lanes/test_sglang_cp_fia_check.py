@@ -15,8 +15,10 @@ from typing import List
 
 import pytest
 
-from npu_shim.patch import NotNeeded, TargetMismatch
+from npu_shim.patch import FamilyContext, NotNeeded, TargetMismatch
 from npu_shim.patches.sglang import cp_fia as patch
+
+CONTEXT = FamilyContext(patch.PATCH.name)
 
 pytestmark = pytest.mark.patch("sglang.cp_fia")   # lane base: no sglang
 
@@ -140,7 +142,7 @@ def test_not_a_function_mismatches():
 
 
 def test_broken_window_applies(monkeypatch):
-    assert patch.check(target_with(single_sequence, ListMetadata, monkeypatch)) is None
+    assert patch.check(target_with(single_sequence, ListMetadata, monkeypatch), CONTEXT) is None
 
 
 @pytest.mark.parametrize("method, metadata, reason", [
@@ -151,27 +153,27 @@ def test_broken_window_applies(monkeypatch):
 ])
 def test_releases_skip_with_their_reason(monkeypatch, method, metadata, reason):
     with pytest.raises(NotNeeded) as raised:
-        patch.check(target_with(method, metadata, monkeypatch))
+        patch.check(target_with(method, metadata, monkeypatch), CONTEXT)
     assert str(raised.value) == reason
 
 
 def test_partial_metadata_mismatches(monkeypatch):
     with pytest.raises(TargetMismatch, match="neither the scalar CP lengths nor all of"):
-        patch.check(target_with(single_sequence, PartialMetadata, monkeypatch))
+        patch.check(target_with(single_sequence, PartialMetadata, monkeypatch), CONTEXT)
 
 
 def test_missing_metadata_mismatches(monkeypatch):
     target = target_with(single_sequence, ListMetadata, monkeypatch)
     monkeypatch.setattr(patch, "METADATA_MODULES", ("not_a_module_xyz",))
     with pytest.raises(TargetMismatch, match="no ContextParallelMetadata"):
-        patch.check(target)
+        patch.check(target, CONTEXT)
 
 
 def test_inherited_method_mismatches(monkeypatch):
     target = target_with(single_sequence, ListMetadata, monkeypatch)
     target.AscendAttnBackend = type("AscendAttnBackend", (target.AscendAttnBackend,), {})
     with pytest.raises(TargetMismatch, match="does not define"):
-        patch.check(target)
+        patch.check(target, CONTEXT)
 
 
 def test_declaration():

@@ -19,6 +19,8 @@ import importlib
 
 import pytest
 
+from npu_shim.patch import FamilyContext
+
 pytestmark = [pytest.mark.claimed("sglang.cp_fia", window=True),   # every lane inside the window
               pytest.mark.patch("sglang.cp_fia")]
 
@@ -65,7 +67,7 @@ def test_patch_is_skipped_with_the_reason_for_this_release(module):
     from npu_shim.patch import NotNeeded
     from npu_shim.patches.sglang import cp_fia as patch
 
-    row = next(r for r in npu_shim.status() if r["name"] == patch.NAME)
+    row = next(r for r in npu_shim.status() if r["name"] == patch.PATCH.name)
     version = row["versions"]["sglang"]
     reason = expected_reason(version)
     assert (row["state"], row["reason"]) == ("skipped", reason), row
@@ -79,7 +81,7 @@ def test_patch_is_skipped_with_the_reason_for_this_release(module):
     npu_shim.uninstall()
     try:
         with pytest.raises(NotNeeded) as raised:
-            patch.check(module)
+            patch.check(module, FamilyContext(patch.PATCH.name))
     finally:
         npu_shim.install()
     assert str(raised.value) == reason
@@ -90,7 +92,7 @@ def test_the_check_reads_what_this_release_has(module):
     import npu_shim
     from npu_shim.patches.sglang import cp_fia as patch
 
-    version = next(r for r in npu_shim.status() if r["name"] == patch.NAME)["versions"]["sglang"]
+    version = next(r for r in npu_shim.status() if r["name"] == patch.PATCH.name)["versions"]["sglang"]
     names = patch.code_names(upstream_method(module))
     if version == "0.5.23":
         assert names & patch.STRATEGY_NAMES

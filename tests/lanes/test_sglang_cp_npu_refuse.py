@@ -19,6 +19,8 @@ import os
 
 import pytest
 
+from npu_shim.patch import FamilyContext
+
 APPLIES = pytest.mark.claimed("sglang.cp_npu_refuse")       # the family's releases
 # the release just below the window, which refuses by itself
 BELOW = pytest.mark.claimed("sglang.cp_npu_refuse", outside="below")
@@ -119,12 +121,12 @@ def test_skipped_where_upstream_already_refuses_npu_prefill_cp(shim):
     from npu_shim.patch import NotNeeded
     from npu_shim.patches.sglang import cp_npu_refuse as patch
 
-    row = next(r for r in shim.status() if r["name"] == patch.NAME)
+    row = next(r for r in shim.status() if r["name"] == patch.PATCH.name)
     hook = importlib.import_module(HOOK)
     assert row["state"] == "skipped" and row["reason"].startswith("sglang 0.5.20 is outside >=0.5.21"), row
     assert patch.ALREADY_REFUSED in row["reason"], row
     with pytest.raises(NotNeeded):        # the structure says the same, were the window wider
-        patch.check(hook)
+        patch.check(hook, FamilyContext(patch.PATCH.name))
     assert not hasattr(hook.validate_prefill_cp_platform, "__npu_shim_patch__")
     with pytest.raises(ValueError, match="Prefill CP on HIP/NPU/MUSA is deprecated"):
         resolve(server_args(cp=True, device="npu"), npu=True)       # upstream's own refusal
@@ -134,10 +136,10 @@ def test_skipped_where_upstream_already_refuses_npu_prefill_cp(shim):
 def test_patch_applies_and_refuses_npu_prefill_cp_at_resolution(shim):
     from npu_shim.patches.sglang import cp_npu_refuse as patch
 
-    row = next(r for r in shim.status() if r["name"] == patch.NAME)
+    row = next(r for r in shim.status() if r["name"] == patch.PATCH.name)
     hook = importlib.import_module(HOOK)
     assert row["state"] == "applied", row
-    assert hook.validate_prefill_cp_platform.__npu_shim_patch__ == patch.NAME
+    assert hook.validate_prefill_cp_platform.__npu_shim_patch__ == patch.PATCH.name
     assert hook.validate_prefill_cp_platform.__name__ == "validate_prefill_cp_platform"
     with pytest.raises(ValueError) as raised:
         resolve(server_args(cp=True, device="npu"), npu=True)

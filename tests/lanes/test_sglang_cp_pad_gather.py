@@ -177,11 +177,11 @@ def test_status_row_and_cp_fia_skip(module):
     from npu_shim.patches.sglang import cp_fia as sglang_cp_fia, cp_pad_gather as patch
 
     rows = {r["name"]: r for r in npu_shim.status()}
-    assert rows[patch.NAME]["state"] == "applied", rows[patch.NAME]
-    assert (rows[sglang_cp_fia.NAME]["state"], rows[sglang_cp_fia.NAME]["reason"]) == (
+    assert rows[patch.PATCH.name]["state"] == "applied", rows[patch.PATCH.name]
+    assert (rows[sglang_cp_fia.PATCH.name]["state"], rows[sglang_cp_fia.PATCH.name]["reason"]) == (
         "skipped", sglang_cp_fia.FIXED_UPSTREAM)
-    assert getattr(module.cp_all_gather_rerange_kv_cache, "__npu_shim_patch__", None) == patch.NAME
-    assert module.AscendAttnBackend.do_cp_attn_fia.__npu_shim_patch__ == patch.NAME
+    assert getattr(module.cp_all_gather_rerange_kv_cache, "__npu_shim_patch__", None) == patch.PATCH.name
+    assert module.AscendAttnBackend.do_cp_attn_fia.__npu_shim_patch__ == patch.PATCH.name
 
 
 def test_disabled_leaves_upstream_objects(run_python, make_env):

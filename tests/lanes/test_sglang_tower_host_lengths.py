@@ -17,6 +17,7 @@ import types
 import pytest
 
 import npu_shim
+from npu_shim.patch import FamilyContext
 from npu_shim.patches.sglang import glm4v_host_lengths as glm4v
 from npu_shim.patches.sglang import qwen2_5_vl_host_lengths as qwen2_5_vl
 from npu_shim.patches.sglang import qwen3_vl_host_lengths as qwen3_vl
@@ -24,9 +25,9 @@ from npu_shim.testing import claims
 
 DECLARATIONS = {"Qwen2.5-VL": qwen2_5_vl, "GLM-4V": glm4v, "Qwen3-VL": qwen3_vl}
 CLASS = {"Qwen2.5-VL": qwen2_5_vl.TOWER, "GLM-4V": glm4v.EMBEDDINGS, "Qwen3-VL": qwen3_vl.TOWER}
-NAMES = tuple(d.NAME for d in DECLARATIONS.values())
+NAMES = tuple(d.PATCH.name for d in DECLARATIONS.values())
 # the towers whose patch claims the installed release
-TOWERS = tuple(name for name, d in DECLARATIONS.items() if claims.claimed_family(d.NAME) is not None)
+TOWERS = tuple(name for name, d in DECLARATIONS.items() if claims.claimed_family(d.PATCH.name) is not None)
 # every body each check accepts (cleared in a fresh interpreter: "another body")
 DIGESTS = {"Qwen2.5-VL": "[declaration.FORWARD_BEFORE_METADATA, declaration.FORWARD_METADATA]",
            "GLM-4V": "[declaration.EMBEDDINGS_FORWARD]",
@@ -51,11 +52,11 @@ def _patched(modules, name):
 @pytest.mark.parametrize("name", TOWERS)
 def test_applies_with_the_claimed_family(modules, name):
     declaration = DECLARATIONS[name]
-    row = next(r for r in npu_shim.status() if r["name"] == declaration.NAME)
-    family = claims.claimed_family(declaration.NAME)
+    row = next(r for r in npu_shim.status() if r["name"] == declaration.PATCH.name)
+    family = claims.claimed_family(declaration.PATCH.name)
     assert row["state"] == "applied" and row["family"] == family.name, row
     forward = _patched(modules, name)
-    assert forward.__npu_shim_patch__ == declaration.NAME
+    assert forward.__npu_shim_patch__ == declaration.PATCH.name
 
 
 def _another_forward(self, *args, **kwargs):
@@ -65,11 +66,11 @@ def _another_forward(self, *args, **kwargs):
 @pytest.mark.parametrize("name", TOWERS)
 def test_the_check_refuses_a_body_it_was_not_written_from(modules, name):
     from npu_shim.patch import TargetMismatch
-    from npu_shim.patches._structure import body_digest
+    from npu_shim.patches._shared.structure import body_digest
 
     declaration = DECLARATIONS[name]
     module = modules[name]
-    family = claims.claimed_family(declaration.NAME).load()
+    family = claims.claimed_family(declaration.PATCH.name).load()
     upstream = _patched(modules, name).__wrapped_upstream__
     known = declaration.EMBEDDINGS_FORWARD if name == "GLM-4V" else family.digests
     assert body_digest(upstream) in known
@@ -78,7 +79,7 @@ def test_the_check_refuses_a_body_it_was_not_written_from(modules, name):
     fake = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("__")})
     setattr(fake, CLASS[name], other)
     with pytest.raises(TargetMismatch, match="not the body"):
-        family.check(fake)
+        family.check(fake, FamilyContext(declaration.PATCH.name))
 
 
 def test_qwen2_5_vl_grid_on_the_device_runs_upstreams_forward(modules):
@@ -94,12 +95,12 @@ def test_qwen2_5_vl_grid_on_the_device_runs_upstreams_forward(modules):
     x = sglang_towers.pixel_values(tower, grid)
     host_out, host_syncs, _ = sglang_towers.forward(name, tower, x, grid)
     grid_thw = torch.tensor(grid, dtype=torch.long)
-    before = npu_shim.stats()[qwen2_5_vl.NAME]["upstream_calls"]
+    before = npu_shim.stats()[qwen2_5_vl.PATCH.name]["upstream_calls"]
     with sglang_towers.npu(name), torch.inference_mode():
         with count_host_syncs(device_tensors=[x, grid_thw], device_modules=[tower], follow_placement=True) as syncs, \
                 counting_as_npu(syncs):
             out = tower(x, grid_thw=grid_thw)
-    assert npu_shim.stats()[qwen2_5_vl.NAME]["upstream_calls"] == before + 1
+    assert npu_shim.stats()[qwen2_5_vl.PATCH.name]["upstream_calls"] == before + 1
     assert host_syncs.count == 0, host_syncs.summary()
     assert syncs.count > 0, "a device grid is read back by upstream's forward"
     assert torch.equal(out, host_out)
@@ -144,7 +145,7 @@ def test_uninstall_restores_upstream(modules, name):
         assert vars(cls)["forward"] is upstream
     finally:
         npu_shim.install()
-    assert vars(cls)["forward"].__npu_shim_patch__ == DECLARATIONS[name].NAME
+    assert vars(cls)["forward"].__npu_shim_patch__ == DECLARATIONS[name].PATCH.name
 
 
 SUBPROCESS = """
@@ -155,7 +156,7 @@ if sys.argv[1] == "other-body":     # as if the installed release had another bo
     for digests in %(digests)s:
         digests.clear()
 m = importlib.import_module(declaration.TARGET)
-row = next(r for r in npu_shim.status() if r["name"] == declaration.NAME)
+row = next(r for r in npu_shim.status() if r["name"] == declaration.PATCH.name)
 f = vars(getattr(m, %(cls)r))["forward"]
 print(json.dumps([row["state"], row["reason"], hasattr(f, "__npu_shim_patch__")]))
 """
@@ -171,7 +172,7 @@ def _subprocess_code(name):
 def test_switched_off_is_upstream(modules, name, run_python, make_env):
     declaration = DECLARATIONS[name]
     off = run_python(_subprocess_code(name), args=("plain",),
-                     env=make_env(NPU_SHIM_EMULATE="1", NPU_SHIM_DISABLE=declaration.NAME, PYTHONPATH=PLACEHOLDERS),
+                     env=make_env(NPU_SHIM_EMULATE="1", NPU_SHIM_DISABLE=declaration.PATCH.name, PYTHONPATH=PLACEHOLDERS),
                      timeout=600)
     state, reason, patched = json.loads(off.stdout.strip().splitlines()[-1])
     assert [state, reason] == ["disabled", "listed in NPU_SHIM_DISABLE"] and patched is False
@@ -186,7 +187,7 @@ def test_another_body_skips_or_raises_in_strict_mode(modules, name, strict, run_
                       check=False, timeout=600)
     if strict == "1":
         assert proc.returncode != 0
-        assert "PatchError" in proc.stderr and DECLARATIONS[name].NAME in proc.stderr, proc.stderr[-2000:]
+        assert "PatchError" in proc.stderr and DECLARATIONS[name].PATCH.name in proc.stderr, proc.stderr[-2000:]
         assert "not the body" in proc.stderr, proc.stderr[-2000:]
     else:
         assert proc.returncode == 0, proc.stderr[-2000:]

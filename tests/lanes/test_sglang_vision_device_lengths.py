@@ -23,7 +23,7 @@ from npu_shim.patches.sglang import vision_device_lengths as declaration
 from npu_shim.testing import claims
 
 
-NAME = declaration.NAME
+NAME = declaration.PATCH.name
 TARGET = declaration.TARGET
 LAYERS = 6
 

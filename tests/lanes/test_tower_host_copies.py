@@ -76,7 +76,7 @@ def test_qwen2_vl_the_copy_is_upstreams_and_holds_the_host_array(stack, monkeypa
     a call that skips compute_attn_mask_seqlen (max_seqlen_override) keeps nothing."""
     import torch
 
-    from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+    from npu_shim.patches._shared import host_record as record
     from npu_shim.testing import census
 
     tower = census.build(stack, "Qwen2-VL", stack.attention["A2"])

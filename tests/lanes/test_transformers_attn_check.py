@@ -16,6 +16,7 @@ import os
 
 import pytest
 
+from npu_shim.patch import FamilyContext
 from npu_shim.testing import moonvit as mv
 
 pytestmark = [pytest.mark.claimed("transformers.attn_check"), pytest.mark.patch("transformers.attn_check")]
@@ -170,8 +171,9 @@ def test_wrapper_fits_and_is_transparent_on_this_transformers(stack, name):
     from npu_shim.patches.transformers import attn_check as patch_module
 
     modeling_utils, _, _ = stack
-    patch_module.check(modeling_utils)
-    wrapper = patch_module.build(modeling_utils)["PreTrainedModel.get_correct_attn_implementation"]
+    context = FamilyContext(patch_module.PATCH.name)
+    patch_module.check(modeling_utils, context)
+    wrapper = patch_module.build(modeling_utils, context)["PreTrainedModel.get_correct_attn_implementation"]
     original = modeling_utils.PreTrainedModel.get_correct_attn_implementation
     model = tiny_llama()
     assert outcome(wrapper, model, name, True) == outcome(original, model, name, True)

@@ -52,10 +52,9 @@ comments; no source text is matched):
   (``sglang.srt.layers.utils.cp_utils``; ``sglang.srt.layers.cp.zigzag``
   where the class moved).
 """
-from npu_shim.engine import counters
 from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
+from npu_shim.patches._shared.code import code_names
 
-NAME = "sglang.cp_fia"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 METHOD = "do_cp_attn_fia"
 
@@ -81,29 +80,6 @@ PER_SEQUENCE_FIELDS = frozenset({"actual_seq_q_prev_list", "actual_seq_q_next_li
                                  "kv_len_prev_list", "kv_len_next_list"})
 SCALAR_FIELDS = frozenset({"actual_seq_q_prev", "actual_seq_q_next", "kv_len_prev", "kv_len_next"})
 METADATA_MODULES = ("sglang.srt.layers.utils.cp_utils", "sglang.srt.layers.cp.zigzag")
-
-
-def names_in_code(code) -> frozenset:
-    """Every global/attribute name referred to by ``code`` and the code nested in it."""
-    import types
-
-    names, pending = set(), [code]
-    while pending:
-        code = pending.pop()
-        names.update(code.co_names)
-        pending.extend(const for const in code.co_consts if isinstance(const, types.CodeType))
-    return frozenset(names)
-
-
-def code_names(function) -> frozenset:
-    """Every global/attribute name referred to by ``function``'s code, nested code included."""
-    import inspect
-
-    function = inspect.unwrap(function)
-    code = getattr(function, "__code__", None)
-    if code is None:
-        raise TargetMismatch("%s is not a Python function (%s)" % (METHOD, type(function).__name__))
-    return names_in_code(code)
 
 
 def metadata_fields():
@@ -138,11 +114,11 @@ def method_shape(names: frozenset) -> str:
                          "total_q_prev_tokens + per-sequence lists, nor a CP strategy)" % METHOD)
 
 
-def check(module) -> None:
+def check(module, context) -> None:
     method = module.AscendAttnBackend.__dict__.get(METHOD)
     if method is None:
         raise TargetMismatch("AscendAttnBackend does not define %s itself" % METHOD)
-    shape = method_shape(code_names(method))
+    shape = method_shape(code_names(method, METHOD))
     if shape == "strategy":
         raise NotNeeded(STRATEGY_REWRITE)
     if shape == "fixed":
@@ -156,21 +132,21 @@ def check(module) -> None:
                          % (where, ", ".join(sorted(PER_SEQUENCE_FIELDS))))
 
 
-def make_do_cp_attn_fia():
-    """The replacement method; torch and the kernel are bound here, once."""
+def make_do_cp_attn_fia(original, context):
+    """The replacement of ``original``; torch and the kernel are bound here, once."""
     import torch
 
     from npu_shim.kernels import paged_prefill_attention
 
     def do_cp_attn_fia(self, q, k_cache, v_cache, layer, forward_batch):
-        """CP prefill attention for any batch size (npu-shim ``sglang.cp_fia``).
+        """CP prefill attention for any batch size.
 
         ``q``: this rank's tokens ``[T, tp_q_head_num * qk_head_dim]`` laid out as
         ``[all sequences' prev blocks, all sequences' next blocks]``; the KV
         caches already hold the full gathered sequences. Returns
         ``[T, tp_q_head_num * v_head_dim]`` in the same token order.
         """
-        counters.count(NAME, "calls")
+        context.count("calls")
         cp_meta = forward_batch.attn_cp_metadata
         num_heads, num_kv_heads = layer.tp_q_head_num, layer.tp_k_head_num
         q = q.reshape(-1, num_heads, layer.qk_head_dim)
@@ -200,16 +176,17 @@ def make_do_cp_attn_fia():
         ]
         return torch.cat(outputs, dim=0).view(-1, num_heads * layer.v_head_dim)
 
-    do_cp_attn_fia.__npu_shim_patch__ = NAME
-    return do_cp_attn_fia
+    return context.present(do_cp_attn_fia, original,
+                           "Q split after the prev blocks, per-sequence host lengths (any batch size)")
 
 
-def build(module):
-    return {"AscendAttnBackend.%s" % METHOD: make_do_cp_attn_fia()}
+def build(module, context):
+    original = module.AscendAttnBackend.__dict__[METHOD]
+    return {"AscendAttnBackend.%s" % METHOD: make_do_cp_attn_fia(original, context)}
 
 
 PATCH = Patch(
-    name=NAME,
+    name="sglang.cp_fia",
     target=TARGET,
     replaces=("AscendAttnBackend.%s" % METHOD,),
     requires={"sglang": ">=0.5.11"},

@@ -41,9 +41,8 @@ import types
 from itertools import accumulate
 
 from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
-from npu_shim.patches.sglang.cp_fia import names_in_code as code_names
+from npu_shim.patches._shared.code import names_in_code
 
-NAME = "sglang.cp_fia_host_lengths"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 METHOD = "do_cp_attn_fia"
 STRATEGY_MODULE = "sglang.srt.layers.cp.zigzag"
@@ -93,7 +92,7 @@ def check_strategy_module() -> None:
     if strategy is None or metadata is None or not dataclasses.is_dataclass(metadata):
         raise TargetMismatch("%s lacks ZigzagCPStrategy or the ZigzagContextParallelMetadata dataclass"
                              % STRATEGY_MODULE)
-    passed = code_names(function_code(strategy.run_attention, "ZigzagCPStrategy.run_attention"))
+    passed = names_in_code(function_code(strategy.run_attention, "ZigzagCPStrategy.run_attention"))
     missing = PASSED_TENSORS - passed
     if missing:
         raise TargetMismatch("ZigzagCPStrategy.run_attention does not pass %s" % ", ".join(sorted(missing)))
@@ -102,18 +101,18 @@ def check_strategy_module() -> None:
         raise TargetMismatch("ZigzagContextParallelMetadata has no %s" % ", ".join(sorted(missing)))
 
 
-def check(module) -> None:
+def check(module, context) -> None:
     method = module.AscendAttnBackend.__dict__.get(METHOD)
     if method is None:
         raise TargetMismatch("AscendAttnBackend does not define %s itself" % METHOD)
     code = function_code(method, METHOD)
-    names = code_names(code)
+    names = names_in_code(code)
     if not names & STRATEGY_NAMES:
         raise NotNeeded(NO_STRATEGY)
     if not STRATEGY_NAMES <= names:
         raise TargetMismatch("%s uses %s but not both" % (METHOD, " / ".join(sorted(names & STRATEGY_NAMES))))
     closures = [c for c in nested_codes(code)
-                if c.co_argcount == CLOSURE_ARGUMENTS and CLOSURE_NAMES <= code_names(c)]
+                if c.co_argcount == CLOSURE_ARGUMENTS and CLOSURE_NAMES <= names_in_code(c)]
     if len(closures) != 1:
         raise TargetMismatch("%s has %d nested functions of %d arguments calling %s (expected 1)"
                              % (METHOD, len(closures), CLOSURE_ARGUMENTS, " and ".join(sorted(CLOSURE_NAMES))))
@@ -135,25 +134,23 @@ def host_lengths(meta, cu_seqlens_q, kv_lens):
     return None
 
 
-def make_do_cp_attn_fia(module):
+def make_do_cp_attn_fia(module, context):
     """The replacement method; the names upstream's method uses are bound from its module."""
-    from npu_shim.engine import counters
-
     torch_npu = module.torch_npu
     get_cp_strategy = module.get_cp_strategy
     flash_attention = module.CPAttentionBackendKind.FLASH_ATTENTION
 
     def do_cp_attn_fia(self, q, k_cache, v_cache, layer, forward_batch):
         """CP prefill attention through the CP strategy, lengths from the metadata's host
-        lists (npu-shim ``sglang.cp_fia_host_lengths``)."""
+        lists."""
         meta = forward_batch.attn_cp_metadata
-        counters.count(NAME, "calls")
+        context.count("calls")
 
         def fia_cp_attn(q_chunk, cu_seqlens_q_cp, cache_seqlens_cp, max_seqlen_q_cp):
-            counters.count(NAME, "upstream_host_copies", 2)
+            context.count("upstream_host_copies", 2)
             lengths = host_lengths(meta, cu_seqlens_q_cp, cache_seqlens_cp)
             if lengths is None:
-                counters.count(NAME, "host_copies", 2)
+                context.count("host_copies", 2)
                 lengths = cu_seqlens_q_cp[1:].tolist(), cache_seqlens_cp.tolist()
             q_cumulative, kv_lens = lengths
             return torch_npu.npu_fused_infer_attention_score(
@@ -175,25 +172,25 @@ def make_do_cp_attn_fia(module):
 
         strategy = get_cp_strategy()
         if strategy is None:
-            raise RuntimeError("%s: CP prefill without a CP strategy (get_cp_strategy() is None)" % NAME)
+            raise RuntimeError("%s: CP prefill without a CP strategy (get_cp_strategy() is None)" % context.patch)
         q_cp = q.contiguous().view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         out = strategy.run_attention(q_cp, forward_batch, self.device, fia_cp_attn,
                                      attention_backend=flash_attention)
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
-    do_cp_attn_fia.__npu_shim_patch__ = NAME
-    return do_cp_attn_fia
+    return context.present(do_cp_attn_fia, module.AscendAttnBackend.__dict__[METHOD],
+                           "lengths from the CP metadata's host lists (no read back per chunk)")
 
 
-def build(module):
+def build(module, context):
     for name in ("torch_npu", "get_cp_strategy", "CPAttentionBackendKind"):
         if not hasattr(module, name):
             raise TargetMismatch("%s has no module-level %s" % (TARGET, name))
-    return {"AscendAttnBackend.%s" % METHOD: make_do_cp_attn_fia(module)}
+    return {"AscendAttnBackend.%s" % METHOD: make_do_cp_attn_fia(module, context)}
 
 
 PATCH = Patch(
-    name=NAME,
+    name="sglang.cp_fia_host_lengths",
     target=TARGET,
     replaces=("AscendAttnBackend.%s" % METHOD,),
     requires={"sglang": ">=0.5.23,<0.5.24"},

@@ -23,7 +23,6 @@ Remove when: no pinned sglang is in 0.5.21-0.5.22 (the window; 0.5.20 refuses by
 """
 from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
 
-NAME = "sglang.cp_npu_refuse"
 TARGET = "sglang.srt.arg_groups.parallel_hook"
 CHECK = "validate_prefill_cp_platform"
 CP_UTILS = "sglang.srt.layers.utils.cp_utils"
@@ -38,10 +37,10 @@ MESSAGE = (
 )
 
 
-def check(module) -> None:
+def check(module, context) -> None:
     import importlib
 
-    from npu_shim.patches.sglang.cp_fia import code_names
+    from npu_shim.patches._shared.code import code_names
 
     cp_utils = importlib.import_module(CP_UTILS)
     gather = getattr(cp_utils, "cp_all_gather_rerange_kv_cache", None)
@@ -61,30 +60,27 @@ def check(module) -> None:
             raise TargetMismatch("%s.%s not found" % (TARGET, helper))
 
 
-def make_validate(module, upstream):
-    from npu_shim.engine.counters import count
+def make_validate(module, upstream, context):
 
     def validate_prefill_cp_platform(server_args):
         upstream(server_args)
-        count(NAME, "calls")
+        context.count("calls")
         if module.resolving_view(server_args).enable_prefill_cp and module.get_platform().is_npu:
             from importlib.metadata import version
 
             raise ValueError(MESSAGE % version("sglang"))
 
-    validate_prefill_cp_platform.__name__ = upstream.__name__      # run_hook keys on it
-    validate_prefill_cp_platform.__qualname__ = upstream.__qualname__
-    validate_prefill_cp_platform.__doc__ = upstream.__doc__
-    validate_prefill_cp_platform.__npu_shim_patch__ = NAME
-    return validate_prefill_cp_platform
+    # upstream's __name__ kept: run_hook keys on it
+    return context.present(validate_prefill_cp_platform, upstream,
+                           "upstream's check, then NPU prefill CP refused (its KV gather is a stub)")
 
 
-def build(module):
-    return {CHECK: make_validate(module, getattr(module, CHECK))}
+def build(module, context):
+    return {CHECK: make_validate(module, getattr(module, CHECK), context)}
 
 
 PATCH = Patch(
-    name=NAME,
+    name="sglang.cp_npu_refuse",
     target=TARGET,
     replaces=(CHECK,),
     # 0.5.20's gather is the same stub, but its own start-up check refuses NPU prefill CP

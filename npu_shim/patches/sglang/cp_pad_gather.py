@@ -46,7 +46,6 @@ tree across 0.5.16-0.5.19):
 """
 from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
 
-NAME = "sglang.cp_pad_gather"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 GATHER = "cp_all_gather_rerange_kv_cache"
 INNER_GATHER = "cp_all_gather_reorganized_into_tensor_kv_cache"
@@ -62,11 +61,11 @@ INNER_GATHER_NAMES = frozenset({"max_rank_len", "per_rank_actual_token", "all_ga
 METHOD_NAMES = frozenset({"total_q_prev_tokens", "npu_fused_infer_attention_score"})
 
 
-def check(module) -> None:
+def check(module, context) -> None:
     import dataclasses
     import importlib
 
-    from npu_shim.patches.sglang.cp_fia import code_names
+    from npu_shim.patches._shared.code import code_names
 
     save_kv = getattr(module, SAVE_KV, None)
     if save_kv is None or GATHER not in code_names(save_kv):
@@ -108,59 +107,54 @@ class _BatchWithLogicalRows:
         self.attn_cp_metadata = metadata
 
 
-def make_gather(upstream_gather):
+def make_gather(upstream_gather, context):
     import copy
 
-    from npu_shim.engine.counters import count
 
     def cp_all_gather_rerange_kv_cache(input_tensor, cp_size, forward_batch, stream):
         metadata = forward_batch.attn_cp_metadata
         logical = getattr(metadata, "per_rank_logical_token", None)
         if logical is None or list(logical) == list(metadata.per_rank_actual_token):
-            count(NAME, "upstream_calls")
+            context.count("upstream_calls")
             return upstream_gather(input_tensor, cp_size, forward_batch, stream)
-        count(NAME, "calls")
+        context.count("calls")
         # Every rank sends max_rank_len (physical) rows; keep each rank's real rows.
         real_rows = copy.copy(metadata)
         real_rows.per_rank_actual_token = list(logical)
         return upstream_gather(input_tensor, cp_size, _BatchWithLogicalRows(real_rows), stream)
 
-    cp_all_gather_rerange_kv_cache.__npu_shim_patch__ = NAME
-    cp_all_gather_rerange_kv_cache.__wrapped_upstream__ = upstream_gather
-    return cp_all_gather_rerange_kv_cache
+    return context.present(cp_all_gather_rerange_kv_cache, upstream_gather,
+                           "each rank's real rows kept where the CP split pads them")
 
 
-def make_do_cp_attn_fia(upstream_method):
+def make_do_cp_attn_fia(upstream_method, context):
     import torch
 
-    from npu_shim.engine.counters import count
 
     def do_cp_attn_fia(self, q, k_cache, v_cache, layer, forward_batch):
         metadata = forward_batch.attn_cp_metadata
         real_rows = metadata.total_q_prev_tokens + metadata.total_q_next_tokens
         pad_rows = q.shape[0] - real_rows
         if pad_rows <= 0:
-            count(NAME, "upstream_calls")
+            context.count("upstream_calls")
             return upstream_method(self, q, k_cache, v_cache, layer, forward_batch)
-        count(NAME, "calls")
+        context.count("calls")
         out = upstream_method(self, q[:real_rows], k_cache, v_cache, layer, forward_batch)
         return torch.cat([out, out.new_zeros(pad_rows, *out.shape[1:])], dim=0)
 
-    do_cp_attn_fia.__npu_shim_patch__ = NAME
-    do_cp_attn_fia.__name__ = upstream_method.__name__
-    do_cp_attn_fia.__qualname__ = upstream_method.__qualname__
-    return do_cp_attn_fia
+    return context.present(do_cp_attn_fia, upstream_method,
+                           "upstream's on the real rows, the pad rows' output zero")
 
 
-def build(module):
+def build(module, context):
     return {
-        GATHER: make_gather(getattr(module, GATHER)),
-        "AscendAttnBackend.%s" % METHOD: make_do_cp_attn_fia(module.AscendAttnBackend.__dict__[METHOD]),
+        GATHER: make_gather(getattr(module, GATHER), context),
+        "AscendAttnBackend.%s" % METHOD: make_do_cp_attn_fia(module.AscendAttnBackend.__dict__[METHOD], context),
     }
 
 
 PATCH = Patch(
-    name=NAME,
+    name="sglang.cp_pad_gather",
     target=TARGET,
     replaces=(GATHER, "AscendAttnBackend.%s" % METHOD),
     requires={"sglang": ">=0.5.16,<0.5.20"},

@@ -23,11 +23,9 @@ Upstream fix: none (0.5.23). (vLLM fixed its own copy of this code in 0.28.0, ho
 Remove when: sglang's GLM-4V embeddings take host lengths as host data.
 """
 
-from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import expect_body, module_class, own_function, present_as
+from npu_shim.patches._shared.structure import expect_body, module_class, own_function, replace_own
 
-NAME = "sglang.glm4v_host_lengths"
 TARGET = "sglang.srt.models.glm4v"
 EMBEDDINGS = "Glm4vVisionEmbeddings"
 FORWARD = EMBEDDINGS + ".forward"
@@ -51,27 +49,25 @@ def host_lengths(lengths):
 
 
 class _Embeddings:
-    def check(self, module):
+    def check(self, module, context):
         expect_body(own_function(module_class(module, EMBEDDINGS), "forward"), EMBEDDINGS_FORWARD,
-                    "the %s replacement" % NAME)
+                    "the %s replacement" % context.patch)
         if not hasattr(getattr(module, "F", None), "grid_sample"):
             raise TargetMismatch("%s has no F.grid_sample" % TARGET)
 
-    def build(self, module):
-        original = own_function(module_class(module, EMBEDDINGS), "forward")
-        forward = self.make_forward(module, original)
-        present_as(forward, original, NAME, "host lengths repeated on the host, copies non-blocking "
-                                            "(no read, no blocking copy)", __name__)
-        return {FORWARD: forward}
+    def build(self, module, context):
+        return {FORWARD: replace_own(module, EMBEDDINGS, "forward", self.make_forward, context,
+                                     "host lengths repeated on the host, copies non-blocking "
+                                     "(no read, no blocking copy)")}
 
-    def make_forward(self, module, original):
+    def make_forward(self, module, original, context):
         import torch
 
         def forward(self, embeddings, lengths, image_shapes, h_coords, w_coords):
-            counters.count(NAME, "calls")
+            context.count("calls")
             counts = host_lengths(lengths)
             if counts is None:
-                counters.count(NAME, "upstream_calls")
+                context.count("upstream_calls")
                 return original(self, embeddings, lengths, image_shapes, h_coords, w_coords)
             F = module.F
             pos_embed_weight = self.position_embedding.weight
@@ -85,7 +81,7 @@ class _Embeddings:
             if total_seq == 0:
                 adapted_pos_embed = torch.empty(0, hidden_size, device=device, dtype=pos_embed_weight.dtype)
             else:
-                counters.count(NAME, "upstream_host_copies")    # upstream: 2 reads per length here
+                context.count("upstream_host_copies")    # upstream: 2 reads per length here
                 if not isinstance(image_shapes, torch.Tensor):
                     # upstream makes this a device tensor (a blocking copy) only to index it per length
                     image_shapes = torch.tensor(image_shapes, dtype=torch.long)
@@ -119,14 +115,13 @@ class _Embeddings:
             embeddings = embeddings + adapted_pos_embed
             return embeddings
 
-        forward.__npu_shim_patch__ = NAME
         return forward
 
 
 EMBEDDINGS_HOST_LENGTHS = _Embeddings()
 
 PATCH = Patch(
-    name=NAME,
+    name="sglang.glm4v_host_lengths",
     target=TARGET,
     replaces=(FORWARD,),
     requires={"sglang": ">=0.5.11,<0.5.24"},

@@ -32,11 +32,9 @@ Upstream fix: none (0.5.23).
 Remove when: sglang's Qwen2.5-VL tower keeps its bounds on the host on NPU.
 """
 
-from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import expect_body, module_class, own_function, present_as
+from npu_shim.patches._shared.structure import expect_body, module_class, own_function, replace_own
 
-NAME = "sglang.qwen2_5_vl_host_lengths"
 TARGET = "sglang.srt.models.qwen2_5_vl"
 TOWER = "Qwen2_5_VisionTransformer"
 FORWARD = TOWER + ".forward"
@@ -64,33 +62,31 @@ class _Tower:
     def __init__(self, digests, metadata):
         self.digests, self.metadata = digests, metadata
 
-    def check(self, module):
+    def check(self, module, context):
         tower = module_class(module, TOWER)
-        expect_body(own_function(tower, "forward"), self.digests, "the %s replacement" % NAME)
-        expect_body(own_function(tower, "get_window_index"), GET_WINDOW_INDEX, "the %s replacement" % NAME)
+        expect_body(own_function(tower, "forward"), self.digests, "the %s replacement" % context.patch)
+        expect_body(own_function(tower, "get_window_index"), GET_WINDOW_INDEX, "the %s replacement" % context.patch)
         names = MODULE_NAMES + (("prepare_vision_attention_metadata",) if self.metadata else ())
         missing = [name for name in names if not callable(getattr(module, name, None))]
         if missing:
             raise TargetMismatch("%s lacks %s" % (TARGET, ", ".join(missing)))
 
-    def build(self, module):
-        original = own_function(module_class(module, TOWER), "forward")
-        forward = self.make_forward(module, original)
-        present_as(forward, original, NAME, "window and image bounds built on the host, the window index "
-                                            "copied non-blocking (no read, no blocking copy)", __name__)
-        return {FORWARD: forward}
+    def build(self, module, context):
+        return {FORWARD: replace_own(module, TOWER, "forward", self.make_forward, context,
+                                     "window and image bounds built on the host, the window index "
+                                     "copied non-blocking (no read, no blocking copy)")}
 
-    def make_forward(self, module, original):
+    def make_forward(self, module, original, context):
         import torch
 
         metadata = self.metadata
 
         def forward(self, x, grid_thw):
-            counters.count(NAME, "calls")
+            context.count("calls")
             if self.enable_cg or not host_grid(grid_thw) or not module.is_npu():
-                counters.count(NAME, "upstream_calls")
+                context.count("upstream_calls")
                 return original(self, x, grid_thw)
-            counters.count(NAME, "upstream_host_copies")    # upstream: 3 reads here
+            context.count("upstream_host_copies")    # upstream: 3 reads here
             x = x.to(device=self.device, dtype=self.dtype)
             x = self.patch_embed(x)
 
@@ -150,7 +146,6 @@ class _Tower:
             x = x[reverse_indices, :]
             return x
 
-        forward.__npu_shim_patch__ = NAME
         return forward
 
 
@@ -158,7 +153,7 @@ BEFORE_METADATA = _Tower(FORWARD_BEFORE_METADATA, metadata=False)
 METADATA = _Tower(FORWARD_METADATA, metadata=True)
 
 PATCH = Patch(
-    name=NAME,
+    name="sglang.qwen2_5_vl_host_lengths",
     target=TARGET,
     replaces=(FORWARD,),
     requires={"sglang": ">=0.5.11,<0.5.24"},

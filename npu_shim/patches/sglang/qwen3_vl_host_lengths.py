@@ -27,11 +27,9 @@ Upstream fix: 0.5.16 (the metadata takes the host ``cu_seqlens``; its own reads 
 Remove when: the pinned sglang is 0.5.16 or later.
 """
 
-from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import expect_body, module_class, own_function, present_as
+from npu_shim.patches._shared.structure import expect_body, module_class, own_function, replace_own
 
-NAME = "sglang.qwen3_vl_host_lengths"
 TARGET = "sglang.srt.models.qwen3_vl"
 TOWER = "Qwen3VLMoeVisionModel"
 FORWARD = TOWER + ".forward"
@@ -55,31 +53,29 @@ class _Tower:
     def __init__(self, digests, x_non_blocking, vectorized):
         self.digests, self.x_non_blocking, self.vectorized = digests, x_non_blocking, vectorized
 
-    def check(self, module):
+    def check(self, module, context):
         tower = module_class(module, TOWER)
-        expect_body(own_function(tower, "forward"), self.digests, "the %s replacement" % NAME)
+        expect_body(own_function(tower, "forward"), self.digests, "the %s replacement" % context.patch)
         missing = [name for name in MODULE_NAMES if not hasattr(module, name)]
         if missing or "_is_npu" not in vars(module):
             raise TargetMismatch("%s lacks %s" % (TARGET, ", ".join(missing + ["_is_npu"])))
 
-    def build(self, module):
-        original = own_function(module_class(module, TOWER), "forward")
-        forward = self.make_forward(module, original)
-        present_as(forward, original, NAME, "the blocks take the host cu_seqlens the tower built (no read "
-                                            "back in the attention)", __name__)
-        return {FORWARD: forward}
+    def build(self, module, context):
+        return {FORWARD: replace_own(module, TOWER, "forward", self.make_forward, context,
+                                     "the blocks take the host cu_seqlens the tower built (no read "
+                                     "back in the attention)")}
 
-    def make_forward(self, module, original):
+    def make_forward(self, module, original, context):
         import torch
 
         x_copy = {"non_blocking": True} if self.x_non_blocking else {}
         vectorized = self.vectorized
 
         def forward(self, x, grid_thw):
-            counters.count(NAME, "calls")
+            context.count("calls")
             if (module.envs.SGLANG_VIT_ENABLE_CUDA_GRAPH.get() or not module._is_npu or not host_grid(grid_thw)
                     or module.get_global_server_args().mm_attention_backend == "flashinfer_cudnn"):
-                counters.count(NAME, "upstream_calls")
+                context.count("upstream_calls")
                 return original(self, x, grid_thw)
             np = module.np
             x = x.to(device=self.device, dtype=self.dtype, **x_copy)
@@ -105,7 +101,7 @@ class _Tower:
             token_cu_seqlens = np.concatenate([np.zeros(1, dtype=np.int32), token_cu_seqlens])
             # upstream: on NPU moved to "cpu", then copied to the device for the blocks, whose
             # attention reads it back in every layer; the blocks get the host tensor
-            counters.count(NAME, "upstream_host_copies")
+            context.count("upstream_host_copies")
             cu_seqlens = torch.from_numpy(token_cu_seqlens)
 
             x = x.unsqueeze(1)
@@ -123,7 +119,6 @@ class _Tower:
             hidden_states = torch.cat([x] + deepstack_feature_lists, dim=1)
             return hidden_states
 
-        forward.__npu_shim_patch__ = NAME
         return forward
 
 
@@ -139,7 +134,7 @@ VECTORIZED_POS_EMBED = _Tower(FORWARD_0_5_15, x_non_blocking=True, vectorized=Tr
 KEEPS = "upstream's tower ops in upstream's order; the attention's op call on host lengths (upstream's path)"
 
 PATCH = Patch(
-    name=NAME,
+    name="sglang.qwen3_vl_host_lengths",
     target=TARGET,
     replaces=(FORWARD,),
     requires={"sglang": ">=0.5.11,<0.5.16"},

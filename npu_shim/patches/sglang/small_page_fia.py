@@ -65,9 +65,8 @@ import os
 import textwrap
 
 from npu_shim.patch import Family, Patch, TargetMismatch, Selftest
-from npu_shim.patches.sglang.cp_fia import code_names
+from npu_shim.patches._shared.code import code_names
 
-NAME = "sglang.small_page_fia"
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 METHOD = "forward_extend"
 SGLANG_FIA_SWITCH = "ASCEND_USE_FIA"
@@ -111,13 +110,13 @@ class GateFamily:
     def matches(self, conditions):
         return self.gates <= conditions and not self.absent & conditions
 
-    def check(self, module):
+    def check(self, module, context):
         if not self.matches(gate_conditions(module)):
             raise TargetMismatch("the gates of %s before the qlens call are not this family's" % METHOD)
 
-    def build(self, module):
+    def build(self, module, context):
         original = module.AscendAttnBackend.__dict__[METHOD]
-        return {"AscendAttnBackend.%s" % METHOD: make_forward_extend(original, self)}
+        return {"AscendAttnBackend.%s" % METHOD: make_forward_extend(original, self, context)}
 
     def speculative(self, mode):
         return mode.is_target_verify() or mode.is_draft_extend() or mode.is_draft_extend_v2()
@@ -219,48 +218,44 @@ class FiaPrefillView:
     release that starts to would fail loudly instead of losing state.
     """
 
-    __slots__ = ("_backend",)
+    __slots__ = ("_backend", "_patch")
     use_fia = True
 
-    def __init__(self, backend):
+    def __init__(self, backend, patch):
         object.__setattr__(self, "_backend", backend)
+        object.__setattr__(self, "_patch", patch)
 
     def __getattr__(self, name):
         return getattr(self._backend, name)
 
     def __setattr__(self, name, value):
         raise AttributeError("%s: forward_extend set %s on the backend through the FIA view"
-                             % (NAME, name))
+                             % (self._patch, name))
 
 
 def sglang_fia_explicit(environ=os.environ) -> bool:
     return environ.get(SGLANG_FIA_SWITCH, "").strip() != ""
 
 
-def make_forward_extend(original, family):
-    import functools
-
-    from npu_shim.engine import counters
-
-    @functools.wraps(original)
+def make_forward_extend(original, family, context):
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None,
                        k_rope=None, topk_indices=None, sinks=None, *args, **kwargs):
         if (self.page_size < SMALLEST_SAFE_PAGE and not self.use_fia and not sglang_fia_explicit()
                 and family.reaches_qlens(self, layer, forward_batch, topk_indices, sinks)):
-            counters.count(NAME, "calls")
-            backend = FiaPrefillView(self)
+            context.count("calls")
+            backend = FiaPrefillView(self, context.patch)
         else:
-            counters.count(NAME, "upstream_calls")
+            context.count("upstream_calls")
             backend = self
         return original(backend, q, k, v, layer, forward_batch, save_kv_cache, q_rope, k_rope,
                         topk_indices, sinks, *args, **kwargs)
 
-    forward_extend.__npu_shim_patch__ = NAME
-    return forward_extend
+    return context.present(forward_extend, original, "the FIA path where a small page reaches the qlens call",
+                           wrapped=True)
 
 
 PATCH = Patch(
-    name=NAME,
+    name="sglang.small_page_fia",
     target=TARGET,
     replaces=("AscendAttnBackend.%s" % METHOD,),
     requires={"sglang": ">=0.5.12,<0.5.24"},

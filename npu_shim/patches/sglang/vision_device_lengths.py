@@ -31,13 +31,11 @@ import inspect
 import threading
 import weakref
 
-from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import own_function, present_as
-from npu_shim.patches.sglang.cp_fia import names_in_code
+from npu_shim.patches._shared.structure import own_function
+from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches.sglang.vision_host_lengths import FIA, on_host, version_of
 
-NAME = "sglang.vision_device_lengths"
 TARGET = "sglang.srt.layers.attention.vision"
 FORWARD = "VisionAscendAttention.forward"
 METADATA = "prepare_vision_attention_metadata"
@@ -72,7 +70,7 @@ class _BeforeMetadata:
     def __init__(self, op):
         self.op = op
 
-    def check(self, module):
+    def check(self, module, context):
         cls = getattr(module, "VisionAscendAttention", None)
         if cls is None:
             raise TargetMismatch("%s lacks VisionAscendAttention" % TARGET)
@@ -90,34 +88,33 @@ class _BeforeMetadata:
         if not hasattr(getattr(module, "envs", None), "SGLANG_VIT_ENABLE_CUDA_GRAPH"):
             raise TargetMismatch("%s has no envs.SGLANG_VIT_ENABLE_CUDA_GRAPH" % TARGET)
 
-    def build(self, module):
+    def build(self, module, context):
         upstream = own_function(module.VisionAscendAttention, "forward")
-        forward = self.make_forward(module, upstream)
-        present_as(forward, upstream, NAME,
-                   "a device cu_seqlens read back once per tower forward, not once per layer", __name__)
+        forward = self.make_forward(module, upstream, context)
+        context.present(forward, upstream,
+                        "a device cu_seqlens read back once per tower forward, not once per layer")
         return {FORWARD: forward}
 
-    def make_forward(self, module, upstream):
+    def make_forward(self, module, upstream, context):
         copies = _HostCopy()
 
         def forward(self, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=None, **kwargs):
             import torch
 
-            counters.count(NAME, "calls")
+            context.count("calls")
             if (not isinstance(cu_seqlens, torch.Tensor) or on_host(cu_seqlens)
                     or module.envs.SGLANG_VIT_ENABLE_CUDA_GRAPH.get()):
                 # host lengths (0 reads upstream too), None / SingletonCache, or graph mode
-                counters.count(NAME, "upstream_calls")
+                context.count("upstream_calls")
                 return upstream(self, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=softmax_scale, **kwargs)
-            counters.count(NAME, "upstream_host_copies")
+            context.count("upstream_host_copies")
             host = copies.get(cu_seqlens)
             if host is None:
-                counters.count(NAME, "host_copies")     # upstream's read, once per device tensor
+                context.count("host_copies")     # upstream's read, once per device tensor
                 host = cu_seqlens.to("cpu")
                 copies.put(cu_seqlens, host)
             return upstream(self, q, k, v, host, bsz, seq_len, softmax_scale=softmax_scale, **kwargs)
 
-        forward.__npu_shim_patch__ = NAME
         return forward
 
 
@@ -127,7 +124,7 @@ BEFORE_METADATA_FIA = _BeforeMetadata(FIA)
 
 
 PATCH = Patch(
-    name=NAME,
+    name="sglang.vision_device_lengths",
     target=TARGET,
     replaces=(FORWARD,),
     requires={"sglang": ">=0.5.11,<0.5.16"},

@@ -50,12 +50,10 @@ it is no longer that (after ``npu_shim.uninstall()``: upstream's).
 """
 import inspect
 
-from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._structure import own_function, present_as
-from npu_shim.patches.sglang.cp_fia import names_in_code
+from npu_shim.patches._shared.structure import own_function
+from npu_shim.patches._shared.code import names_in_code
 
-NAME = "sglang.vision_host_lengths"
 TARGET = "sglang.srt.layers.attention.vision"
 METADATA = "prepare_vision_attention_metadata"
 FORWARD = "VisionAscendAttention.forward"
@@ -180,7 +178,7 @@ class _Family:
         self.metadata_max, self.fallback, self.padded, self.reads = metadata_max, fallback, padded, reads
 
     # -- structure ---------------------------------------------------------------------------
-    def check(self, module):
+    def check(self, module, context):
         import dataclasses
 
         cls = getattr(module, "VisionAscendAttention", None)
@@ -216,39 +214,39 @@ class _Family:
             raise TargetMismatch("VisionAscendAttention.forward has attention_mask but no sdpa_fallback")
 
     # -- replacements ------------------------------------------------------------------------
-    def build(self, module):
+    def build(self, module, context):
         upstream_prepare = getattr(module, METADATA)
         upstream_forward = own_function(module.VisionAscendAttention, "forward")
-        prepare = self.make_prepare(module, upstream_prepare)
-        forward = self.make_forward(module, upstream_forward)
-        present_as(prepare, upstream_prepare, NAME,
-                   "a host cu_seqlens keeps its values on the metadata, whose max_seqlen comes from them "
-                   "(no .item())", __name__)
-        present_as(forward, upstream_forward, NAME,
-                   "cumulative lengths from the metadata's host values (no .to('cpu'))", __name__)
+        prepare = self.make_prepare(module, upstream_prepare, context)
+        forward = self.make_forward(module, upstream_forward, context)
+        context.present(prepare, upstream_prepare,
+                        "a host cu_seqlens keeps its values on the metadata, whose max_seqlen comes from them "
+                        "(no .item())")
+        context.present(forward, upstream_forward,
+                        "cumulative lengths from the metadata's host values (no .to('cpu'))")
         return {METADATA: prepare, FORWARD: forward}
 
-    def make_prepare(self, module, upstream):
+    def make_prepare(self, module, upstream, context):
         metadata_max = self.metadata_max
 
         def prepare_vision_attention_metadata(cu_seqlens, device, **kwargs):
             current = module.__dict__.get(METADATA)
             if current is not prepare_vision_attention_metadata:
                 return current(cu_seqlens, device, **kwargs)     # bound by name before uninstall
-            counters.count(NAME, "calls")
+            context.count("calls")
             found = host_values(cu_seqlens)
             if found is None:
-                counters.count(NAME, "upstream_calls")
+                context.count("upstream_calls")
                 return upstream(cu_seqlens, device, **kwargs)
             values, widest = found
             if metadata_max:
                 if kwargs.get("max_seqlen") is None:
-                    counters.count(NAME, "upstream_host_copies")
+                    context.count("upstream_host_copies")
                     kwargs["max_seqlen"] = widest
                 return keep(upstream(cu_seqlens, device, **kwargs), values)
             import torch
 
-            counters.count(NAME, "upstream_host_copies")
+            context.count("upstream_host_copies")
             on_device = cu_seqlens.to(device=device, dtype=torch.int32, non_blocking=True)
             return keep(module.VisionAttentionMetadata(
                 cu_seqlens=on_device, seq_lens=on_device[1:] - on_device[:-1], max_seqlen=widest,
@@ -256,25 +254,25 @@ class _Family:
 
         return prepare_vision_attention_metadata
 
-    def make_forward(self, module, upstream):
+    def make_forward(self, module, upstream, context):
         family = self
 
         def forward(self, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=None, forward_metadata=None,
                     attention_mask=None, **kwargs):
-            counters.count(NAME, "calls")
+            context.count("calls")
             if not family.fallback and attention_mask is not None:
                 kwargs["attention_mask"], attention_mask = attention_mask, None   # 0.5.16 ignores it
             if forward_metadata is None or attention_mask is not None:
-                counters.count(NAME, "upstream_calls")
+                context.count("upstream_calls")
                 if family.fallback:
                     kwargs["attention_mask"] = attention_mask
                 return upstream(self, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=softmax_scale,
                                 forward_metadata=forward_metadata, **kwargs)
-            counters.count(NAME, "upstream_host_copies")
+            context.count("upstream_host_copies")
             values = host_cumulative(forward_metadata)
             if values is None:
                 if family.fallback:                          # upstream's read, upstream's code
-                    counters.count(NAME, "upstream_calls")
+                    context.count("upstream_calls")
                     return upstream(self, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=softmax_scale,
                                     forward_metadata=forward_metadata, attention_mask=attention_mask,
                                     **kwargs)
@@ -282,7 +280,7 @@ class _Family:
 
                 # 0.5.16's own branch reads seq_lens back and is wrong for two images or more:
                 # read cu_seqlens once instead, as 0.5.17 does.
-                counters.count(NAME, "host_copies")
+                context.count("host_copies")
                 values = forward_metadata.cu_seqlens.to("cpu").to(torch.int32).tolist()
             cumulative = values[1:]
             torch_npu = npu_ops(module)
@@ -290,7 +288,6 @@ class _Family:
                 return padded_fia(torch_npu, q, k, v, cumulative, softmax_scale)
             return fia(torch_npu, q, k, v, cumulative, softmax_scale)
 
-        forward.__npu_shim_patch__ = NAME
         return forward
 
 
@@ -301,7 +298,7 @@ CU_SEQLENS_PADDED = _Family(metadata_max=True, fallback=True, padded=True, reads
 KEEPS = "torch_npu.npu_fused_infer_attention_score, input_layout TND, upstream's arguments"
 
 PATCH = Patch(
-    name=NAME,
+    name="sglang.vision_host_lengths",
     target=TARGET,
     replaces=(METADATA, FORWARD),
     requires={"sglang": ">=0.5.16,<0.5.24"},

@@ -36,10 +36,8 @@ Window: the method exists from transformers 4.55.0 through 5.23.0 with the
 Upstream fix: none (transformers has no hook for names served by another library).
 Remove when: no supported vLLM dispatches MoonViT attention by name.
 """
-from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, TargetMismatch, Selftest
 
-NAME = "transformers.attn_check"
 METHOD = "get_correct_attn_implementation"
 
 # name the shim provides -> model classes that can dispatch it:
@@ -80,7 +78,7 @@ def _requested_name(args, kwargs):
     return None
 
 
-def check(module) -> None:
+def check(module, context) -> None:
     import inspect
 
     method = module.PreTrainedModel.__dict__.get(METHOD)
@@ -91,26 +89,23 @@ def check(module) -> None:
         raise TargetMismatch("PreTrainedModel.%s%s does not take the requested name first" % (METHOD, params))
 
 
-def build(module):
-    import functools
-
+def build(module, context):
     original = module.PreTrainedModel.__dict__[METHOD]
 
-    @functools.wraps(original)
     def get_correct_attn_implementation(self, *args, **kwargs):
-        counters.count(NAME, "calls")
+        context.count("calls")
         requested = _requested_name(args, kwargs)
         if isinstance(requested, str) and can_dispatch(type(self), requested):
             return requested
-        counters.count(NAME, "upstream_calls")
+        context.count("upstream_calls")
         return original(self, *args, **kwargs)
 
-    get_correct_attn_implementation.__npu_shim_wraps__ = original
-    return {"PreTrainedModel.%s" % METHOD: get_correct_attn_implementation}
+    return {"PreTrainedModel.%s" % METHOD: context.present(
+        get_correct_attn_implementation, original, "names another library dispatches accepted", wrapped=True)}
 
 
 PATCH = Patch(
-    name=NAME,
+    name="transformers.attn_check",
     target="transformers.modeling_utils",
     replaces=("PreTrainedModel.%s" % METHOD,),
     requires={"transformers": ">=4.55,<6", "vllm": ">=0.8.5,<0.14"},

@@ -43,10 +43,7 @@ Remove when: the pinned vLLM is 0.14 or later.
 import contextvars
 
 from npu_shim import _config
-from npu_shim.engine import counters
 from npu_shim.patch import Family, Patch, TargetMismatch, Selftest
-
-NAME = "vllm.moonvit_attn"
 
 ATTENTION_NAME = "ascend_fa"
 LAYER_KERNEL_ATTR = "npu_shim_attention"
@@ -77,37 +74,42 @@ def choose_implementation(requested, upstream_choice, choice) -> str:
     return upstream_choice
 
 
-def ascend_fa_attention(q, k, v, q_cu_seqlens=None, k_cu_seqlens=None):
-    """Block-diagonal (per image) attention, upstream's calling convention.
+def attention_for(context):
+    """``ascend_fa_attention``, counting for ``context``'s patch."""
 
-    ``q, k, v``: ``(T, N, D)`` packed over the images; ``q_cu_seqlens`` /
-    ``k_cu_seqlens``: cumulative lengths with a leading 0 (MoonViT passes the
-    same tensor for both; ``None`` means one sequence). Returns ``(T, N*Dv)``.
-    """
-    import torch
+    def ascend_fa_attention(q, k, v, q_cu_seqlens=None, k_cu_seqlens=None):
+        """Block-diagonal (per image) attention, upstream's calling convention.
 
-    from npu_shim.kernels import VarlenAttention, host_cu_seqlens
-    from npu_shim.kernels.seqlens import is_cached
+        ``q, k, v``: ``(T, N, D)`` packed over the images; ``q_cu_seqlens`` /
+        ``k_cu_seqlens``: cumulative lengths with a leading 0 (MoonViT passes the
+        same tensor for both; ``None`` means one sequence). Returns ``(T, N*Dv)``.
+        """
+        import torch
 
-    counters.count(NAME, "calls")
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError("ascend_fa expects packed q, k, v of shape (T, N, D); got %s, %s, %s"
-                         % (tuple(q.shape), tuple(k.shape), tuple(v.shape)))
-    cu_seqlens = q_cu_seqlens
-    if cu_seqlens is None:
-        cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
-    elif isinstance(cu_seqlens, torch.Tensor) and not is_cached(cu_seqlens):
-        counters.count(NAME, "host_copies")   # the one read of this tensor's values
-    if k_cu_seqlens is not None and k_cu_seqlens is not cu_seqlens:
-        if host_cu_seqlens(k_cu_seqlens) != host_cu_seqlens(cu_seqlens):
-            raise ValueError("ascend_fa serves self-attention: q_cu_seqlens and k_cu_seqlens must be equal")
-    kernel = _current_kernel.get()
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    if kernel is None or (kernel.num_heads, kernel.head_dim) != (num_heads, head_dim):
-        # Called outside a patched layer: decide the kernel for this call only.
-        kernel = VarlenAttention(num_heads, head_dim)
-    out = kernel(q, k, v, cu_seqlens)
-    return out.reshape(q.shape[0], -1)
+        from npu_shim.kernels import VarlenAttention, host_cu_seqlens
+        from npu_shim.kernels.seqlens import is_cached
+
+        context.count("calls")
+        if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+            raise ValueError("ascend_fa expects packed q, k, v of shape (T, N, D); got %s, %s, %s"
+                             % (tuple(q.shape), tuple(k.shape), tuple(v.shape)))
+        cu_seqlens = q_cu_seqlens
+        if cu_seqlens is None:
+            cu_seqlens = torch.tensor([0, q.shape[0]], dtype=torch.int32, device=q.device)
+        elif isinstance(cu_seqlens, torch.Tensor) and not is_cached(cu_seqlens):
+            context.count("host_copies")   # the one read of this tensor's values
+        if k_cu_seqlens is not None and k_cu_seqlens is not cu_seqlens:
+            if host_cu_seqlens(k_cu_seqlens) != host_cu_seqlens(cu_seqlens):
+                raise ValueError("ascend_fa serves self-attention: q_cu_seqlens and k_cu_seqlens must be equal")
+        kernel = _current_kernel.get()
+        num_heads, head_dim = q.shape[1], q.shape[2]
+        if kernel is None or (kernel.num_heads, kernel.head_dim) != (num_heads, head_dim):
+            # Called outside a patched layer: decide the kernel for this call only.
+            kernel = VarlenAttention(num_heads, head_dim)
+        out = kernel(q, k, v, cu_seqlens)
+        return out.reshape(q.shape[0], -1)
+
+    return ascend_fa_attention
 
 
 def _attn_implementation_default(init) -> str:
@@ -119,7 +121,9 @@ def _attn_implementation_default(init) -> str:
     return param.default
 
 
-def check(module) -> None:
+def check(module, context) -> None:
+    from npu_shim.patches._shared.code import names_in_code
+
     table = module.VL_VISION_ATTENTION_FUNCTIONS
     if not isinstance(table, dict) or "sdpa" not in table:
         raise TargetMismatch("VL_VISION_ATTENTION_FUNCTIONS is not the name -> function dict with 'sdpa'")
@@ -130,20 +134,18 @@ def check(module) -> None:
     method = layer.__dict__.get("attention_qkvpacked")
     if method is None:
         raise TargetMismatch("MoonVitEncoderLayer.attention_qkvpacked not found")
-    if "VL_VISION_ATTENTION_FUNCTIONS" not in getattr(getattr(method, "__code__", None), "co_names", ()):
+    code = getattr(method, "__code__", None)
+    if code is None or "VL_VISION_ATTENTION_FUNCTIONS" not in names_in_code(code, nested=False):
         raise TargetMismatch("MoonVitEncoderLayer.attention_qkvpacked does not dispatch through "
                              "VL_VISION_ATTENTION_FUNCTIONS")
 
 
-def build(module):
-    import functools
-
+def build(module, context):
     layer_class = module.MoonVitEncoderLayer
     original_init = layer_class.__dict__["__init__"]
     original_attention = layer_class.__dict__["attention_qkvpacked"]
     default_requested = _attn_implementation_default(original_init)
 
-    @functools.wraps(original_init)
     def __init__(self, *args, **kwargs):
         choice = selected_choice()
         original_init(self, *args, **kwargs)
@@ -157,7 +159,6 @@ def build(module):
         # A plain attribute (VarlenAttention is no nn.Module): no parameters, no state_dict keys.
         setattr(self, LAYER_KERNEL_ATTR, kernel)
 
-    @functools.wraps(original_attention)
     def attention_qkvpacked(self, *args, **kwargs):
         token = _current_kernel.set(getattr(self, LAYER_KERNEL_ATTR, None))
         try:
@@ -166,14 +167,16 @@ def build(module):
             _current_kernel.reset(token)
 
     return {
-        "VL_VISION_ATTENTION_FUNCTIONS['%s']" % ATTENTION_NAME: ascend_fa_attention,
-        "MoonVitEncoderLayer.__init__": __init__,
-        "MoonVitEncoderLayer.attention_qkvpacked": attention_qkvpacked,
+        "VL_VISION_ATTENTION_FUNCTIONS['%s']" % ATTENTION_NAME: attention_for(context),
+        "MoonVitEncoderLayer.__init__": context.present(
+            __init__, original_init, "the layer's attention name chosen by NPU_SHIM_MOONVIT_ATTN", wrapped=True),
+        "MoonVitEncoderLayer.attention_qkvpacked": context.present(
+            attention_qkvpacked, original_attention, "upstream's, with the layer's kernel current", wrapped=True),
     }
 
 
 PATCH = Patch(
-    name=NAME,
+    name="vllm.moonvit_attn",
     target="vllm.model_executor.models.moonvit",
     replaces=(
         "VL_VISION_ATTENTION_FUNCTIONS['%s']" % ATTENTION_NAME,

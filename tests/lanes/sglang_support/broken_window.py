@@ -142,10 +142,10 @@ def main(wheel_path):
 
     from npu_shim.patches.sglang import cp_fia as sglang_cp_fia
 
-    row = next(r for r in npu_shim.status() if r["name"] == sglang_cp_fia.NAME)
+    row = next(r for r in npu_shim.status() if r["name"] == sglang_cp_fia.PATCH.name)
     result = {"state": row["state"], "reason": row["reason"], "origin": module.__file__}
     patched = module.AscendAttnBackend.__dict__["do_cp_attn_fia"]
-    result["patched_is_shim"] = getattr(patched, "__npu_shim_patch__", None) == sglang_cp_fia.NAME
+    result["patched_is_shim"] = getattr(patched, "__npu_shim_patch__", None) == sglang_cp_fia.PATCH.name
 
     cp_case.set_cpu_server_args()
     specs = [

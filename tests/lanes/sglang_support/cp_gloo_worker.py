@@ -66,10 +66,10 @@ def main(rank, world, port, wheel, spec_json, out_path):
     from npu_shim.patches.sglang import cp_fia as sglang_cp_fia
     from sglang.srt.layers.utils.cp_utils import cp_split_and_rebuild_data
 
-    row = next(r for r in npu_shim.status() if r["name"] == sglang_cp_fia.NAME)
+    row = next(r for r in npu_shim.status() if r["name"] == sglang_cp_fia.PATCH.name)
     method = module.AscendAttnBackend.do_cp_attn_fia
     result = {"rank": rank, "state": row["state"], "reason": row["reason"],
-              "patched_is_shim": getattr(method, "__npu_shim_patch__", None) == sglang_cp_fia.NAME}
+              "patched_is_shim": getattr(method, "__npu_shim_patch__", None) == sglang_cp_fia.PATCH.name}
 
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))

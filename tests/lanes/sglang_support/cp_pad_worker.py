@@ -179,7 +179,7 @@ def main(rank, world, port, cases_json, out_path):
     from sglang.srt.layers.utils import cp_utils
     from sglang.srt.runtime_context import get_context, get_parallel
 
-    row = next(r for r in npu_shim.status() if r["name"] == patch.NAME)
+    row = next(r for r in npu_shim.status() if r["name"] == patch.PATCH.name)
     report = {"rank": rank, "state": row["state"], "reason": row["reason"], "cases": []}
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:%d" % port, rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=120))

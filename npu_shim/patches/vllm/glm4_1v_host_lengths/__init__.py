@@ -23,7 +23,7 @@ How: every number is already on the host; the families change only where the
   * 0.18.0: ``Glm4vVisionTransformer.forward`` takes ``seqlens`` from the
     host ``cu_seqlens`` before copying it (0.19.0's order) and keeps the host
     array on the copy
-    (:func:`npu_shim.patches.vllm.mm_encoder_host_lengths.record.remember`).
+    (:func:`npu_shim.patches._shared.host_record.remember`).
   * 0.19.1 .. 0.23.0: ``compute_attn_mask_seqlen`` is wrapped as
     ``vllm.qwen2_5_vl_host_lengths`` wraps Qwen2.5-VL's: the host
     ``cu_seqlens`` it is handed keeps its values on the tensor its next

@@ -16,14 +16,15 @@ import types
 import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
-from npu_shim.patches.vllm.glm4_1v_host_lengths import EMBEDDINGS, PATCH_NAME, TOWER
-from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches.vllm.qwen2_5_vl_host_lengths.families import keep_at_next_copy
-from npu_shim.patches._structure import expect_body, own_function, present_as
+from npu_shim.patches.vllm.glm4_1v_host_lengths import EMBEDDINGS, TOWER
+from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.code import names_in_code, source_text
+from npu_shim.patches._shared.host_record import keep_at_next_copy
+from npu_shim.patches._shared.structure import expect_body, own_function
 
 HOST = torch.device("cpu")
 
-# Digests (npu_shim.patches._structure.body_digest) of the upstream bodies the replacements were written from.
+# Digests (npu_shim.patches._shared.structure.body_digest) of the upstream bodies the replacements were written from.
 EMBEDDINGS_FORWARD = {"090f8cdf22f6"}            # 0.18.0, 0.19.1, 0.20.2, 0.21.0, 0.22.1, 0.23.0, 0.26.0, 0.27.1
 TOWER_FORWARD_0_18 = {"531813d30257"}            # 0.18.0
 POS_EMBEDS_INTERPOLATE = {"fa612a8b4f47"}        # 0.26.0, 0.27.1
@@ -46,12 +47,7 @@ def _host_list(lengths):
     return None
 
 
-def _mark(replacement, original, what):
-    present_as(replacement, original, PATCH_NAME, what, __name__)
-    return replacement
-
-
-def embeddings_forward(original):
+def embeddings_forward(original, context):
     """``Glm4vVisionEmbeddings.forward`` with host ``lengths`` and ``image_shapes``."""
     import torch.nn.functional as F
 
@@ -104,10 +100,10 @@ def embeddings_forward(original):
 
         return embeddings + adapted_pos_embed
 
-    return _mark(forward, original, "lengths and image shapes from the host, copies non-blocking")
+    return context.present(forward, original, "lengths and image shapes from the host, copies non-blocking")
 
 
-def tower_forward_0_18(original):
+def tower_forward_0_18(original, context):
     """0.18.0's ``Glm4vVisionTransformer.forward`` with ``seqlens`` from the host ``cu_seqlens``."""
 
     def forward(self, x, grid_thw):
@@ -127,7 +123,7 @@ def tower_forward_0_18(original):
         # upstream takes .tolist() of the device copy (a read); the host tensor has the same values
         seqlens = (host_cu_seqlens[1:] - host_cu_seqlens[:-1]).tolist()
         cu_seqlens = host_cu_seqlens.to(self.device, non_blocking=True)
-        record.remember(cu_seqlens, host_cu_seqlens)
+        host_record.remember(cu_seqlens, host_cu_seqlens)
 
         max_seqlen = self.compute_attn_mask_seqlen(cu_seqlens)
         x = self.embeddings(x, seqlens, grid_thw, image_type_ids[:, 0], image_type_ids[:, 1])
@@ -149,7 +145,7 @@ def tower_forward_0_18(original):
         x = self.merger(x)
         return x
 
-    return _mark(forward, original, "seqlens from the host cu_seqlens, the host array kept on its copy")
+    return context.present(forward, original, "seqlens from the host cu_seqlens, the host array kept on its copy")
 
 
 def host_pos_embeds_interpolate(self, grid_thw):
@@ -183,7 +179,7 @@ def host_pos_embeds_interpolate(self, grid_thw):
     return torch.cat(all_embeds, dim=0).to(dtype)
 
 
-def tower_forward_with_host_shapes(original):
+def tower_forward_with_host_shapes(original, context):
     """0.26.0's ``Glm4vVisionTransformer.forward``: for the call that builds its own metadata,
     ``pos_embeds_interpolate`` is :func:`host_pos_embeds_interpolate`."""
 
@@ -199,21 +195,21 @@ def tower_forward_with_host_shapes(original):
         finally:
             own.pop("pos_embeds_interpolate", None)
 
-    return _mark(forward, original, "the image shapes of its own metadata kept on the host")
+    return context.present(forward, original, "the image shapes of its own metadata kept on the host")
 
 
-def attn_mask_seqlen_keeping_host(original):
+def attn_mask_seqlen_keeping_host(original, context):
     def compute_attn_mask_seqlen(self, cu_seqlens):
         result = original(self, cu_seqlens)
         keep_at_next_copy(cu_seqlens)
         return result
 
-    return _mark(compute_attn_mask_seqlen, original, "upstream's, then the host tensor's next copy keeps its values")
+    return context.present(compute_attn_mask_seqlen, original, "upstream's, then the host tensor's next copy keeps its values")
 
 
 def _check_embeddings(embeddings):
     forward = own_function(embeddings, "forward")
-    source = " ".join(inspect.getsource(forward).split())
+    source = source_text(forward)
     if all(name in source for name in FIXED_UPSTREAM):
         raise NotNeeded("%s.forward builds the target sizes on the host (np.repeat) and copies them with "
                         "async_tensor_h2d" % EMBEDDINGS)
@@ -224,15 +220,15 @@ def _check_embeddings(embeddings):
 class _CopyThenTolist:
     """0.18.0: the tower copies ``cu_seqlens`` to the device, then reads ``seqlens`` from the copy."""
 
-    def check(self, module):
+    def check(self, module, context):
         embeddings, tower = _classes(module)
         _check_embeddings(embeddings)
         expect_body(own_function(tower, "forward"), TOWER_FORWARD_0_18, "0.18.0's tower forward")
 
-    def build(self, module):
+    def build(self, module, context):
         embeddings, tower = _classes(module)
-        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward")),
-                TOWER + ".forward": tower_forward_0_18(own_function(tower, "forward"))}
+        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward"), context),
+                TOWER + ".forward": tower_forward_0_18(own_function(tower, "forward"), context)}
 
 
 class _TowerCopy:
@@ -243,14 +239,14 @@ class _TowerCopy:
              "cu_seqlens = cu_seqlens.to(self.device, non_blocking=True)",
              "x = self.embeddings( x, seqlens, grid_thw, image_type_ids[:, 0], image_type_ids[:, 1] )")
 
-    def check(self, module):
+    def check(self, module, context):
         embeddings, tower = _classes(module)
         _check_embeddings(embeddings)
         forward = own_function(tower, "forward")
-        if "maybe_recompute_cu_seqlens" in forward.__code__.co_names or "prepare_encoder_metadata" in \
-                forward.__code__.co_names:
+        names = names_in_code(forward.__code__, nested=False)
+        if "maybe_recompute_cu_seqlens" in names or "prepare_encoder_metadata" in names:
             raise TargetMismatch("%s.forward builds its metadata elsewhere" % TOWER)
-        text = " ".join(inspect.getsource(forward).split())
+        text = source_text(forward)
         at = [text.find(line) for line in self.ORDER]
         if -1 in at or at != sorted(at):
             raise TargetMismatch("%s.forward does not %s, in that order" % (TOWER, "; ".join(self.ORDER)))
@@ -258,37 +254,37 @@ class _TowerCopy:
         if params != ("self", "cu_seqlens"):
             raise TargetMismatch("%s.compute_attn_mask_seqlen takes %s" % (TOWER, params))
 
-    def build(self, module):
+    def build(self, module, context):
         embeddings, tower = _classes(module)
-        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward")),
+        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward"), context),
                 TOWER + ".compute_attn_mask_seqlen": attn_mask_seqlen_keeping_host(
-                    own_function(tower, "compute_attn_mask_seqlen"))}
+                    own_function(tower, "compute_attn_mask_seqlen"), context)}
 
 
 class _EncoderMetadata:
     """0.26.0 .. 0.27.1: the eager forward builds its metadata with ``prepare_encoder_metadata``,
     whose ``cu_seqlens`` goes through ``maybe_recompute_cu_seqlens``."""
 
-    def check(self, module):
+    def check(self, module, context):
         embeddings, tower = _classes(module)
         _check_embeddings(embeddings)
         forward = own_function(tower, "forward")
         if "encoder_metadata" not in inspect.signature(forward).parameters:
             raise TargetMismatch("%s.forward takes no encoder_metadata" % TOWER)
-        if "prepare_encoder_metadata" not in forward.__code__.co_names:
+        if "prepare_encoder_metadata" not in names_in_code(forward.__code__, nested=False):
             raise TargetMismatch("%s.forward does not call prepare_encoder_metadata" % TOWER)
         prepare = own_function(tower, "prepare_encoder_metadata")
-        names = prepare.__code__.co_names
+        names = names_in_code(prepare.__code__, nested=False)
         if "pos_embeds_interpolate" not in names or "maybe_recompute_cu_seqlens" not in names:
             raise TargetMismatch("%s.prepare_encoder_metadata does not call pos_embeds_interpolate and "
                                  "maybe_recompute_cu_seqlens" % TOWER)
         expect_body(own_function(tower, "pos_embeds_interpolate"), POS_EMBEDS_INTERPOLATE,
                 "the pos_embeds_interpolate replacement")
 
-    def build(self, module):
+    def build(self, module, context):
         embeddings, tower = _classes(module)
-        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward")),
-                TOWER + ".forward": tower_forward_with_host_shapes(own_function(tower, "forward"))}
+        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward"), context),
+                TOWER + ".forward": tower_forward_with_host_shapes(own_function(tower, "forward"), context)}
 
 
 COPY_THEN_TOLIST = _CopyThenTolist()

@@ -22,7 +22,7 @@ How: ``forward`` and ``compute_attn_mask_seqlen`` (inherited from GLM-4.1V's
   from that grid with the tower's own ops (``repeat_interleave``, ``cumsum``
   in int32, a 0 in front) and, where length and dtype (int32) match the
   device tensor, keeps them on it with
-  :func:`npu_shim.patches.vllm.mm_encoder_host_lengths.record.remember`; the
+  :func:`npu_shim.patches._shared.host_record.remember`; the
   attention's host read takes them once instead of reading back. A grid
   already on the device keeps upstream's read.
   Counted on vLLM's own tower (:mod:`npu_shim.testing.census`, 3 layers, two

@@ -20,9 +20,9 @@ import threading
 import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
-from npu_shim.patches.vllm.glm_ocr_host_lengths import PATCH_NAME
-from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches._structure import own_function, present_as
+from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.code import names_in_code, source_text
+from npu_shim.patches._shared.structure import own_function
 
 METHOD = "compute_attn_mask_seqlen"
 PARAMS = ("self", "cu_seqlens")
@@ -48,12 +48,7 @@ def host_lengths(grid_thw):
 
 def keep_host(device, grid_thw):
     """Keep the host lengths of ``grid_thw`` on ``device`` (its ``cu_seqlens``) where they match."""
-    if not isinstance(device, torch.Tensor) or device.dim() != 1 or device.dtype != torch.int32 \
-            or record.ATTR in device.__dict__:
-        return
-    host = host_lengths(grid_thw)
-    if host is not None and host.shape == device.shape:
-        record.remember(device, host)
+    host_record.remember_lengths(device, lambda: host_lengths(grid_thw))
 
 
 def _inherited(cls):
@@ -68,7 +63,7 @@ class _ForwardCopy:
     def __init__(self, *copy):
         self.copy = copy                            # upstream's copy statement(s), in order
 
-    def check(self, cls):
+    def check(self, cls, context):
         params = tuple(inspect.signature(_inherited(cls)).parameters)
         if params != PARAMS:
             raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
@@ -77,16 +72,13 @@ class _ForwardCopy:
         if params not in FORWARD_PARAMS:
             raise TargetMismatch("%s.forward takes %s; the family knows %s" % (
                 cls.__name__, params, " or ".join(map(str, FORWARD_PARAMS))))
-        names = forward.__code__.co_names
+        names = names_in_code(forward.__code__, nested=False)
         if "maybe_recompute_cu_seqlens" in names:
             raise NotNeeded("%s.forward copies cu_seqlens through MMEncoderAttention.maybe_recompute_cu_seqlens "
                             "(vllm.mm_encoder_host_lengths)" % cls.__name__)
         if METHOD not in names or "to" not in names:
             raise TargetMismatch("%s.forward does not call %s and to" % (cls.__name__, METHOD))
-        try:
-            text = " ".join(inspect.getsource(forward).split())
-        except (OSError, TypeError):
-            raise TargetMismatch("%s.forward: no source to find its cu_seqlens copy in" % cls.__name__)
+        text = source_text(forward, "%s.forward: no source to find its cu_seqlens copy in" % cls.__name__)
         steps = (LISTED, BUILT) + self.copy + (CALL, HANDED)
         missing = [step for step in steps if step not in text]
         if missing:
@@ -100,7 +92,7 @@ class _ForwardCopy:
         if between.count("cu_seqlens =") != 1:
             raise TargetMismatch("%s.forward assigns cu_seqlens again after its copy" % cls.__name__)
 
-    def build(self, cls):
+    def build(self, cls, context):
         inherited, forward = _inherited(cls), own_function(cls, "forward")
         local = threading.local()
 
@@ -120,10 +112,10 @@ class _ForwardCopy:
 
         what = "upstream's, and the host lengths of a host grid kept on the device cu_seqlens"
         # upstream's method, not another patch's wrapper of it (vllm.glm4_1v_host_lengths)
-        present_as(compute_attn_mask_seqlen, getattr(inherited, "__wrapped_upstream__", inherited), PATCH_NAME,
-                   what, __name__)
+        context.present(compute_attn_mask_seqlen, getattr(inherited, "__wrapped_upstream__", inherited),
+                        what)
         compute_attn_mask_seqlen.__qualname__ = "%s.%s" % (cls.__qualname__, METHOD)
-        present_as(forward_, forward, PATCH_NAME, what, __name__)
+        context.present(forward_, forward, what)
         return {METHOD: compute_attn_mask_seqlen, "forward": forward_}
 
 

@@ -24,7 +24,7 @@ How: two replacements (one from 0.29.0), each family's check reading the shapes:
     (its ``(h*w).to(device)`` copy and device ``cumsum`` included), and the
     host array is kept on the device ``cu_seqlens`` the encoder hands its
     first block (a forward pre-hook for that one call,
-    :func:`npu_shim.patches.vllm.mm_encoder_host_lengths.record.remember`);
+    :func:`npu_shim.patches._shared.host_record.remember`);
     the attention's host read takes it instead of reading back. A device
     grid (this patch's field config off) runs upstream's path unchanged.
   Cost: with a host grid, the encoder's ``(grid_hw[:, 0] * grid_hw[:, 1])

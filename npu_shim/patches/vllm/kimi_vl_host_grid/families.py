@@ -18,9 +18,9 @@ import sys
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.vllm.kimi_vl_host_grid import PATCH_NAME, PROCESSOR, TOWER
-from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches._structure import present_as
+from npu_shim.patches.vllm.kimi_vl_host_grid import PROCESSOR, TOWER
+from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.code import source_text
 
 FIELD = "image_grid_hws"
 DECLARED = 'image_grid_hws=MultiModalFieldConfig.batched("image")'
@@ -32,10 +32,7 @@ HOST = torch.device("cpu")
 
 
 def _text(function):
-    try:
-        return " ".join(inspect.getsource(function).split())
-    except (OSError, TypeError):
-        raise TargetMismatch("%s: no source to read" % function.__qualname__)
+    return source_text(function, "%s: no source to read" % function.__qualname__)
 
 
 def host_cu_seqlens(grid_hw):
@@ -61,7 +58,7 @@ class _HostGrid:
                                  % (PROCESSOR, TOWER))
         return fields, forward
 
-    def check(self, module):
+    def check(self, module, context):
         fields, forward = self._functions(module)
         fields_text = _text(fields)
         if self.fields:
@@ -88,7 +85,7 @@ class _HostGrid:
         if params[:3] != ("self", "pixel_values", "grid_hw"):
             raise TargetMismatch("%s.forward takes %s" % (TOWER, params))
 
-    def build(self, module):
+    def build(self, module, context):
         fields_original, forward_original = self._functions(module)
         from vllm.multimodal.inputs import MultiModalBatchedField, MultiModalFieldConfig
 
@@ -111,8 +108,8 @@ class _HostGrid:
                 handle.remove()                                   # the first block's call only
                 cu_seqlens = block_args[1] if len(block_args) > 1 else None
                 if (isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.shape == host.shape
-                        and cu_seqlens.dtype == host.dtype and record.ATTR not in cu_seqlens.__dict__):
-                    record.remember(cu_seqlens, host)
+                        and cu_seqlens.dtype == host.dtype and host_record.ATTR not in cu_seqlens.__dict__):
+                    host_record.remember(cu_seqlens, host)
 
             handle = self.encoder.blocks[0].register_forward_pre_hook(keep)
             try:
@@ -123,7 +120,7 @@ class _HostGrid:
         replaced = ((_get_mm_fields_config, fields_original),) if self.fields else ()
         replaced += ((forward, forward_original),)
         for new, original in replaced:
-            present_as(new, original, PATCH_NAME, "upstream's, with the grid's host lengths kept", __name__)
+            context.present(new, original, "upstream's, with the grid's host lengths kept")
         if not self.fields:
             return {TOWER + ".forward": forward}
         return {PROCESSOR + "._get_mm_fields_config": _get_mm_fields_config, TOWER + ".forward": forward}

@@ -17,8 +17,8 @@ How: ``maybe_recompute_cu_seqlens`` is wrapped: upstream's body runs
   never pickled or deep-copied), with the tensor's storage pointer, version
   and length. ``vllm.mm_encoder_attn``'s per-forward host read
   (:func:`npu_shim.patches.vllm_ascend.mm_encoder.common.host_values`) takes
-  it (:func:`.record.take`) the first time a layer reads that tensor, instead
-  of the device read; the record is taken once, so a tensor reused for
+  it (:func:`npu_shim.patches._shared.host_record.take`) the first time a
+  layer reads that tensor, instead of the device read; the record is taken once, so a tensor reused for
   another forward (an encoder graph buffer refilled with ``copy_``) is read
   from the device as before. Without ``vllm.mm_encoder_attn`` (or
   vllm-ascend) the record is unused.

@@ -15,8 +15,8 @@ import numpy as np
 import torch
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches.vllm.mm_encoder_host_lengths import PATCH_NAME, record
-from npu_shim.patches._structure import present_as
+from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.code import names_in_code
 
 METHOD = "maybe_recompute_cu_seqlens"
 PARAMS = ("cls", "attn_backend", "cu_seqlens", "hidden_size", "tp_size", "device")
@@ -28,12 +28,12 @@ def keep_host_copy(result, attn_backend, cu_seqlens):
     """Keep ``cu_seqlens`` (host) on ``result`` (its device copy) where they hold the same values."""
     if getattr(attn_backend, "name", None) == RESCALED_BY or not isinstance(result, torch.Tensor):
         return
-    if record.ATTR in result.__dict__ or result.dim() != 1:
+    if host_record.ATTR in result.__dict__ or result.dim() != 1:
         return                                   # an inner call (the oot class) kept it already
     host = np.asarray(cu_seqlens)
     if host.ndim != 1 or host.shape[0] != result.shape[0]:
         return
-    record.remember(result, torch.tensor(host, dtype=result.dtype))   # a host copy, no device read
+    host_record.remember(result, torch.tensor(host, dtype=result.dtype))   # a host copy, no device read
 
 
 class _Family:
@@ -46,18 +46,18 @@ class _Family:
             raise TargetMismatch("%s.%s is not a classmethod defined by the class" % (cls.__name__, METHOD))
         return descriptor.__func__
 
-    def check(self, cls):
+    def check(self, cls, context):
         function = self._function(cls)
         params = tuple(inspect.signature(function).parameters)
         if params[:len(PARAMS)] != PARAMS or params[len(PARAMS):] not in OPTIONAL_TAILS:
             raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
-        names = set(function.__code__.co_names)
+        names = names_in_code(function.__code__, nested=False)
         missing = [n for n in self.copy_names + (RESCALED_BY,) if n not in names]
         if missing:
             raise TargetMismatch("%s.%s does not use %s (another copy to the device)"
                                  % (cls.__name__, METHOD, ", ".join(missing)))
 
-    def build(self, cls):
+    def build(self, cls, context):
         original = self._function(cls)
 
         def maybe_recompute_cu_seqlens(cls, attn_backend, cu_seqlens, *args, **kwargs):
@@ -65,8 +65,8 @@ class _Family:
             keep_host_copy(result, attn_backend, cu_seqlens)
             return result
 
-        present_as(maybe_recompute_cu_seqlens, original, PATCH_NAME,
-                   "upstream's, and the host array kept on the tensor it returns", __name__)
+        context.present(maybe_recompute_cu_seqlens, original,
+                        "upstream's, and the host array kept on the tensor it returns")
         return {METHOD: classmethod(maybe_recompute_cu_seqlens)}
 
 

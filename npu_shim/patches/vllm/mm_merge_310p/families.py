@@ -15,8 +15,8 @@ import sys
 import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
-from npu_shim.patches._structure import present_as
-from npu_shim.patches.vllm.mm_merge_310p import FUNCTION, NAME
+from npu_shim.patches._shared.code import names_in_code
+from npu_shim.patches.vllm.mm_merge_310p import FUNCTION
 
 PARAMS = ("inputs_embeds", "multimodal_embeddings", "is_multimodal")
 HELPERS = ("_flatten_embeddings", "_embedding_count_expression")
@@ -52,12 +52,12 @@ def _stores_subscript(function):
 
 
 class _BooleanMaskAssignment:
-    def check(self, module):
+    def check(self, module, context):
         function = _function(module)
         params = tuple(inspect.signature(function).parameters)
         if params != PARAMS:
             raise TargetMismatch("%s takes %s; the family knows %s" % (FUNCTION, params, PARAMS))
-        names = set(function.__code__.co_names)
+        names = names_in_code(function.__code__, nested=False)
         if MASKED_SCATTER in names:
             raise NotNeeded("%s merges with masked_scatter_, not the boolean-mask assignment whose 310P "
                             "IndexPut kernel fails" % FUNCTION)
@@ -67,9 +67,7 @@ class _BooleanMaskAssignment:
         if not _stores_subscript(function):
             raise TargetMismatch("%s does not assign through a subscript" % FUNCTION)
 
-    def build(self, module):
-        from npu_shim.engine.counters import count
-
+    def build(self, module, context):
         upstream = _function(module)
 
         def merge(inputs_embeds, multimodal_embeddings, is_multimodal):
@@ -80,15 +78,15 @@ class _BooleanMaskAssignment:
                 # upstream's function, or the replacement now in place.
                 return current(inputs_embeds, multimodal_embeddings, is_multimodal)
             if not (on_310p() and _plain_mask(inputs_embeds, is_multimodal)):
-                count(NAME, "upstream_calls")
+                context.count("upstream_calls")
                 return upstream(inputs_embeds, multimodal_embeddings, is_multimodal)
-            count(NAME, "calls")
+            context.count("calls")
             if len(multimodal_embeddings) == 0:
                 return inputs_embeds
             flat = module._flatten_embeddings(multimodal_embeddings)
             if is_multimodal.device.type != "cpu":
-                count(NAME, "host_copies")          # nonzero of a device mask: its size is read back
-                count(NAME, "upstream_host_copies")  # upstream's index_put_ makes the same read
+                context.count("host_copies")          # nonzero of a device mask: its size is read back
+                context.count("upstream_host_copies")  # upstream's index_put_ makes the same read
             positions = torch.nonzero(is_multimodal, as_tuple=True)[0].to(inputs_embeds.device,
                                                                            non_blocking=True)
             try:
@@ -104,9 +102,9 @@ class _BooleanMaskAssignment:
                 raise ValueError(INDEX_PUT_FAILED) from exc
             return inputs_embeds
 
-        present_as(merge, upstream, NAME,
-                   "on 310P, torch.nonzero + index_copy_ instead of the boolean-mask assignment; "
-                   "elsewhere upstream's", __name__)
+        context.present(merge, upstream,
+                        "on 310P, torch.nonzero + index_copy_ instead of the boolean-mask assignment; "
+                        "elsewhere upstream's")
         return {FUNCTION: merge}
 
 

@@ -15,7 +15,7 @@ How: ``Qwen2_5_VisionTransformer.compute_attn_mask_seqlen`` is wrapped. The
   ``torch.Tensor.to`` with upstream's arguments (``non_blocking=True`` kept)
   and keeps the host array on the tensor it returns, exactly as
   ``vllm.mm_encoder_host_lengths`` does after its copy
-  (:func:`npu_shim.patches.vllm.mm_encoder_host_lengths.record.remember`);
+  (:func:`npu_shim.patches._shared.host_record.remember`);
   the attention's host read takes it once instead of reading back. A copy
   made without that call (0.21.0's encoder-graph path, which passes
   ``max_seqlen_override``) keeps upstream's read.

@@ -11,38 +11,14 @@ family's method (and says "not needed" where ``forward`` copies through
 next ``.to`` keeps its values on the tensor the copy returns.
 """
 import inspect
-import weakref
-
-import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
-from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches.vllm.qwen2_5_vl_host_lengths import PATCH_NAME
-from npu_shim.patches._structure import present_as
+from npu_shim.patches._shared.code import names_in_code, source_text
+from npu_shim.patches._shared.host_record import keep_at_next_copy
 
 METHOD = "compute_attn_mask_seqlen"
 PARAMS = ("self", "cu_seqlens")
 COPY = "{0} = {0}.to(device={1}, non_blocking=True)"
-HOOK = "to"                       # the instance attribute that answers the tensor's next .to
-
-
-def _to_keeping_host(host_ref):
-    def to(*args, **kwargs):
-        host = host_ref()
-        host.__dict__.pop(HOOK, None)
-        result = torch.Tensor.to(host, *args, **kwargs)            # upstream's copy, its arguments
-        if (isinstance(result, torch.Tensor) and result.dtype == host.dtype and result.shape == host.shape
-                and record.ATTR not in result.__dict__):
-            record.remember(result, host)
-        return result
-    return to
-
-
-def keep_at_next_copy(host):
-    """``host`` (a 1-D CPU tensor): its next ``.to(...)`` keeps it on the tensor returned."""
-    if isinstance(host, torch.Tensor) and host.device.type == "cpu" and host.dim() == 1 \
-            and HOOK not in host.__dict__:
-        host.__dict__[HOOK] = _to_keeping_host(weakref.ref(host))
 
 
 class _TowerCopy:
@@ -56,29 +32,25 @@ class _TowerCopy:
             raise TargetMismatch("%s.%s is not a method defined by the class" % (cls.__name__, METHOD))
         return function
 
-    def check(self, cls):
+    def check(self, cls, context):
         function = self._function(cls)
         params = tuple(inspect.signature(function).parameters)
         if params != PARAMS:
             raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
         forward = vars(cls).get("forward")
-        if inspect.isfunction(forward) and "maybe_recompute_cu_seqlens" in forward.__code__.co_names:
+        if inspect.isfunction(forward) and "maybe_recompute_cu_seqlens" in names_in_code(forward.__code__, False):
             raise NotNeeded("%s.forward copies cu_seqlens through MMEncoderAttention.maybe_recompute_cu_seqlens "
                             "(vllm.mm_encoder_host_lengths)" % cls.__name__)
         copier = vars(cls).get(self.copier)
         if not inspect.isfunction(copier):
             raise TargetMismatch("%s.%s is not a function defined by the class" % (cls.__name__, self.copier))
-        names = copier.__code__.co_names
+        names = names_in_code(copier.__code__, nested=False)
         if "maybe_recompute_cu_seqlens" in names:
             raise NotNeeded("%s.%s copies cu_seqlens through MMEncoderAttention.maybe_recompute_cu_seqlens "
                             "(vllm.mm_encoder_host_lengths)" % (cls.__name__, self.copier))
         if METHOD not in names:
             raise TargetMismatch("%s.%s does not call %s" % (cls.__name__, self.copier, METHOD))
-        try:
-            source = inspect.getsource(copier)
-        except (OSError, TypeError):
-            raise TargetMismatch("%s.%s: no source to find its cu_seqlens copies in" % (cls.__name__, self.copier))
-        text = " ".join(source.split())
+        text = source_text(copier, "%s.%s: no source to find its cu_seqlens copies in" % (cls.__name__, self.copier))
         for name, copy in zip(("cu_seqlens", "cu_window_seqlens"), self.copies):
             call = "self.%s(%s)" % (METHOD, name)
             if copy not in text:
@@ -87,7 +59,7 @@ class _TowerCopy:
                 raise TargetMismatch("%s.%s does not call %s on the host %s before copying it"
                                      % (cls.__name__, self.copier, METHOD, name))
 
-    def build(self, cls):
+    def build(self, cls, context):
         original = self._function(cls)
 
         def compute_attn_mask_seqlen(self, cu_seqlens):
@@ -95,8 +67,8 @@ class _TowerCopy:
             keep_at_next_copy(cu_seqlens)
             return result
 
-        present_as(compute_attn_mask_seqlen, original, PATCH_NAME,
-                   "upstream's, then the host tensor's next copy keeps its values", __name__)
+        context.present(compute_attn_mask_seqlen, original,
+                        "upstream's, then the host tensor's next copy keeps its values")
         return {METHOD: compute_attn_mask_seqlen}
 
 

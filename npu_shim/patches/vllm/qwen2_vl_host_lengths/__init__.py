@@ -15,7 +15,7 @@ How: ``prepare_encoder_metadata`` and ``compute_attn_mask_seqlen`` are
   running ``prepare_encoder_metadata`` call (thread-local), which, once
   upstream's body has returned, keeps that host tensor on the device tensor
   it returns under ``"cu_seqlens"`` (same length and dtype) with
-  :func:`npu_shim.patches.vllm.mm_encoder_host_lengths.record.remember`.
+  :func:`npu_shim.patches._shared.host_record.remember`.
   The attention's host read takes it once instead of reading back. A call
   that skips ``compute_attn_mask_seqlen`` (the encoder-graph path, which
   passes ``max_seqlen_override``) keeps upstream's read.

@@ -16,9 +16,9 @@ import threading
 import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
-from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches.vllm.qwen2_vl_host_lengths import PATCH_NAME
-from npu_shim.patches._structure import own_function, present_as
+from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.code import names_in_code, source_text
+from npu_shim.patches._shared.structure import own_function
 
 METHOD = "compute_attn_mask_seqlen"
 COPIER = "prepare_encoder_metadata"
@@ -34,9 +34,9 @@ def keep_host(metadata, seen):
     if not (isinstance(host, torch.Tensor) and isinstance(device, torch.Tensor)):
         return
     if (host.device.type != "cpu" or host.dim() != 1 or device.shape != host.shape
-            or device.dtype != host.dtype or record.ATTR in device.__dict__):
+            or device.dtype != host.dtype or host_record.ATTR in device.__dict__):
         return
-    record.remember(device, host)
+    host_record.remember(device, host)
 
 
 class _MetadataCopy:
@@ -44,28 +44,25 @@ class _MetadataCopy:
         self.copy = '"cu_seqlens": ' + copy          # the entry of the dict upstream returns
         self.op = op                                # the name the copy calls
 
-    def check(self, cls):
+    def check(self, cls, context):
         params = tuple(inspect.signature(own_function(cls, METHOD)).parameters)
         if params != PARAMS:
             raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
         copier = own_function(cls, COPIER)
-        names = copier.__code__.co_names
+        names = names_in_code(copier.__code__, nested=False)
         if "maybe_recompute_cu_seqlens" in names:
             raise NotNeeded("%s.%s copies cu_seqlens through MMEncoderAttention.maybe_recompute_cu_seqlens "
                             "(vllm.mm_encoder_host_lengths)" % (cls.__name__, COPIER))
         if METHOD not in names or self.op not in names:
             raise TargetMismatch("%s.%s does not call %s and %s" % (cls.__name__, COPIER, METHOD, self.op))
-        try:
-            text = " ".join(inspect.getsource(copier).split())
-        except (OSError, TypeError):
-            raise TargetMismatch("%s.%s: no source to find its cu_seqlens copy in" % (cls.__name__, COPIER))
+        text = source_text(copier, "%s.%s: no source to find its cu_seqlens copy in" % (cls.__name__, COPIER))
         if self.copy not in text:
             raise TargetMismatch("%s.%s does not return %s" % (cls.__name__, COPIER, self.copy))
         if CALL not in text or text.index(CALL) > text.index(self.copy):
             raise TargetMismatch("%s.%s does not call %s on the host cu_seqlens before copying it"
                                  % (cls.__name__, COPIER, METHOD))
 
-    def build(self, cls):
+    def build(self, cls, context):
         compute, prepare = own_function(cls, METHOD), own_function(cls, COPIER)
         local = threading.local()
 
@@ -87,8 +84,7 @@ class _MetadataCopy:
             return metadata
 
         for new, original in ((compute_attn_mask_seqlen, compute), (prepare_encoder_metadata, prepare)):
-            present_as(new, original, PATCH_NAME, "upstream's, and the host cu_seqlens kept on the device copy",
-                       __name__)
+            context.present(new, original, "upstream's, and the host cu_seqlens kept on the device copy")
         return {METHOD: compute_attn_mask_seqlen, COPIER: prepare_encoder_metadata}
 
 

@@ -19,7 +19,7 @@ How: ``forward`` and ``compute_attn_mask_seqlen`` are wrapped; both upstream
   grid exactly as the tower's own next lines build ``cu_seqlens_np``
   (``np.repeat(h * w, t).cumsum(int32)`` behind a 0) and, where length and
   dtype (int32) match the device tensor, keeps them on it with
-  :func:`npu_shim.patches.vllm.mm_encoder_host_lengths.record.remember`; the
+  :func:`npu_shim.patches._shared.host_record.remember`; the
   attention's host read takes them once instead of reading back. A
   ``grid_thw`` already on the device keeps upstream's read (the tower reads
   the grid back itself there).

@@ -18,9 +18,9 @@ import numpy as np
 import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
-from npu_shim.patches.vllm.mm_encoder_host_lengths import record
-from npu_shim.patches.vllm.qwen3_omni_vision_host_lengths import PATCH_NAME
-from npu_shim.patches._structure import own_function, present_as
+from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.code import names_in_code, source_text
+from npu_shim.patches._shared.structure import own_function
 
 METHOD = "compute_attn_mask_seqlen"
 PARAMS = ("self", "cu_seqlens")
@@ -43,12 +43,7 @@ def host_lengths(grid_thw):
 
 def keep_host(device, grid_thw):
     """Keep the host lengths of ``grid_thw`` on ``device`` (its ``cu_seqlens``) where they match."""
-    if not isinstance(device, torch.Tensor) or device.dim() != 1 or device.dtype != torch.int32 \
-            or record.ATTR in device.__dict__:
-        return
-    host = host_lengths(grid_thw)
-    if host is not None and host.shape == device.shape:
-        record.remember(device, host)
+    host_record.remember_lengths(device, lambda: host_lengths(grid_thw))
 
 
 class _ForwardCopy:
@@ -56,7 +51,7 @@ class _ForwardCopy:
         self.copy = copy                            # upstream's copy statement
         self.op = op
 
-    def check(self, cls):
+    def check(self, cls, context):
         params = tuple(inspect.signature(own_function(cls, METHOD)).parameters)
         if params != PARAMS:
             raise TargetMismatch("%s.%s takes %s; the family knows %s" % (cls.__name__, METHOD, params, PARAMS))
@@ -64,16 +59,13 @@ class _ForwardCopy:
         params = tuple(inspect.signature(forward).parameters)
         if params != FORWARD_PARAMS:
             raise TargetMismatch("%s.forward takes %s; the family knows %s" % (cls.__name__, params, FORWARD_PARAMS))
-        names = forward.__code__.co_names
+        names = names_in_code(forward.__code__, nested=False)
         if "maybe_recompute_cu_seqlens" in names:
             raise NotNeeded("%s.forward copies cu_seqlens through MMEncoderAttention.maybe_recompute_cu_seqlens "
                             "(vllm.mm_encoder_host_lengths)" % cls.__name__)
         if METHOD not in names or self.op not in names:
             raise TargetMismatch("%s.forward does not call %s and %s" % (cls.__name__, METHOD, self.op))
-        try:
-            text = " ".join(inspect.getsource(forward).split())
-        except (OSError, TypeError):
-            raise TargetMismatch("%s.forward: no source to find its cu_seqlens copy in" % cls.__name__)
+        text = source_text(forward, "%s.forward: no source to find its cu_seqlens copy in" % cls.__name__)
         steps = (BUILT, self.copy, CALL, REBUILT)
         if not all(step in text for step in steps):
             raise TargetMismatch("%s.forward does not %s" % (cls.__name__, " then ".join(
@@ -83,7 +75,7 @@ class _ForwardCopy:
             raise TargetMismatch("%s.forward builds, copies and hands over cu_seqlens in another order"
                                  % cls.__name__)
 
-    def build(self, cls):
+    def build(self, cls, context):
         compute, forward = own_function(cls, METHOD), own_function(cls, "forward")
         local = threading.local()
 
@@ -102,8 +94,8 @@ class _ForwardCopy:
                 grids.pop()
 
         for new, original in ((compute_attn_mask_seqlen, compute), (forward_, forward)):
-            present_as(new, original, PATCH_NAME,
-                       "upstream's, and the host lengths of a host grid kept on the device cu_seqlens", __name__)
+            context.present(new, original,
+                            "upstream's, and the host lengths of a host grid kept on the device cu_seqlens")
         return {METHOD: compute_attn_mask_seqlen, "forward": forward_}
 
 

@@ -44,32 +44,27 @@ Lazy layer state
   the shim was installed or unpickled works. The state is never pickled or
   deep-copied (it comes back as "not built yet").
 
-Counters and wrappers
-  :func:`count` reports to :mod:`npu_shim.engine.counters`; :func:`wrap` gives a
-  replacement upstream's name, qualname and signature.
+Counters and replacements
+  The families count with ``context.count`` and present their replacements with
+  ``context.present`` (:class:`npu_shim.patch.FamilyContext`, handed to their
+  ``check`` and ``build``); :func:`host_values` takes that context too.
 """
 import inspect
 import weakref
 
 import torch
 
-from npu_shim.engine import counters
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches._transient import Transient
-from npu_shim.patches._structure import own_function
+from npu_shim.patches._shared.transient import Transient
+from npu_shim.patches._shared.code import names_in_code
+from npu_shim.patches._shared.structure import own_function
 
-__all__ = ["LayerState", "count", "host_values", "vllms_host_copy", "layer_state", "own_function", "check_params",
-           "pad_head_dim", "repeat_kv_to_heads", "wrap", "PAD_MIN", "PAD_TO"]
+__all__ = ["LayerState", "host_values", "vllms_host_copy", "layer_state", "own_function", "check_params",
+           "pad_head_dim", "repeat_kv_to_heads", "PAD_MIN", "PAD_TO"]
 
 PAD_MIN, PAD_TO = 64, 128      # vllm-ascend pads head dims 64 < D < 128 to 128
 HOST_ATTR = "_npu_shim_host_copy"
 STATE_ATTR = "_npu_shim_mm_encoder_state"
-
-
-# ------------------------------------------------------------------ counters
-
-def count(patch_name, event, n=1):
-    counters.count(patch_name, event, n)
 
 
 # ------------------------------------------------------- per-forward host copy
@@ -84,12 +79,12 @@ class _HostCopy(Transient):
         self.readers = weakref.WeakSet()     # the layers that used this reading
 
 
-def host_values(layer, values, patch_name):
+def host_values(layer, values, context):
     """``values`` (1-D: ``cu_seqlens`` or ``sequence_lengths``) as a CPU tensor.
 
     A tensor is read (``.cpu()``) once per encoder forward, see the module
     docstring: a device tensor costs one device->host copy per forward
-    (counted as ``host_copies`` of ``patch_name``), a CPU tensor none
+    (counted as ``host_copies`` of ``context``'s patch), a CPU tensor none
     (``.cpu()`` returns it). A list/tuple/NumPy array becomes a CPU tensor.
     """
     if not isinstance(values, torch.Tensor):
@@ -102,7 +97,7 @@ def host_values(layer, values, patch_name):
         if host is None:
             host = values.cpu()                                     # the one read per forward
             if values.device.type != "cpu":
-                counters.count(patch_name, "host_copies")
+                context.count("host_copies")
         copy = _HostCopy(host, values.data_ptr(), version)
         setattr(values, HOST_ATTR, copy)
     copy.readers.add(layer)
@@ -113,9 +108,9 @@ def vllms_host_copy(values):
     """The host array vLLM copied into ``values`` (kept by ``vllm.mm_encoder_host_lengths``
     at the copy), taken once: the first reading of a tensor vLLM made in this forward
     costs no device read. None where there is none (another tower, that patch off)."""
-    from npu_shim.patches.vllm.mm_encoder_host_lengths import record
+    from npu_shim.patches._shared import host_record
 
-    return record.take(values)
+    return host_record.take(values)
 
 
 # ---------------------------------------------------------------- layer state
@@ -181,7 +176,7 @@ def to_upstream_shape(out, query, head_size, num_heads):
     return out.reshape(bsz, q_len, num_heads * head_size).contiguous()
 
 
-# -------------------------------------------------- structure and wrappers
+# ---------------------------------------------------------------- structure
 
 def check_params(function, required, optional_tails, what):
     params = tuple(inspect.signature(function).parameters)
@@ -192,15 +187,5 @@ def check_params(function, required, optional_tails, what):
 
 def calls_name(function, name):
     """Whether ``function``'s own code refers to global/attribute ``name``."""
-    return name in function.__code__.co_names
+    return name in names_in_code(function.__code__, nested=False)
 
-
-def wrap(replacement, original, patch_name, family_module):
-    """Give ``replacement`` upstream's name, qualname and signature."""
-    replacement.__name__ = original.__name__
-    replacement.__qualname__ = original.__qualname__
-    replacement.__doc__ = ("npu-shim (%s) replacement of %s.%s; see %s."
-                           % (patch_name, original.__module__, original.__qualname__, family_module))
-    replacement.__signature__ = inspect.signature(original)
-    replacement.__wrapped_upstream__ = original
-    return replacement

@@ -52,7 +52,6 @@ from npu_shim.patches.vllm_ascend.mm_encoder import v018
 
 FUSION_SWITCH = _config.MM_ENCODER_FUSION_SWITCH
 
-PATCH_NAME = "vllm.mm_encoder_attn"
 BASE_NAME = "MMEncoderAttention"
 UPSTREAM_OP = "npu_fused_infer_attention_score"
 CAPTURE_CONTEXT = "get_encoder_forward_context"
@@ -96,9 +95,9 @@ def make_state(layer):
     return C.LayerState(C.default_scale(layer), C.PAD_TO if pad else layer.head_size)
 
 
-def build_forward(cls, host_lengths, family_module):
+def build_forward(cls, host_lengths, context):
     """``{"forward_oot": f}`` around ``host_lengths(layer, upstream_globals, query,
-    tokens_q, tokens_kv, cu_seqlens, sequence_lengths) -> (lengths_q, lengths_kv)``."""
+    tokens_q, tokens_kv, cu_seqlens, sequence_lengths, context) -> (lengths_q, lengths_kv)``."""
     original_forward = vars(cls)["forward_oot"]
     upstream_globals = original_forward.__globals__
     block_size, no_band = (upstream_globals[name] for name in CONSTANTS)
@@ -109,15 +108,15 @@ def build_forward(cls, host_lengths, family_module):
     def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None, sequence_lengths=None):
         # Looked up per call, as upstream's forward_oot does (tests may replace it).
         if upstream_globals[CAPTURE_CONTEXT]().capturing:
-            C.count(PATCH_NAME, "upstream_calls")
+            context.count("upstream_calls")
             return original_forward(self, query, key, value, cu_seqlens=cu_seqlens,
                                     max_seqlen=max_seqlen, sequence_lengths=sequence_lengths)
-        C.count(PATCH_NAME, "calls")
+        context.count("calls")
         state = C.layer_state(self, make_state)
         heads = self.num_heads
         q, k, v = C.repeat_kv_to_heads(query, key, value, heads, self.num_kv_heads, self.head_size)
         lengths_q, lengths_kv = host_lengths(self, upstream_globals, query, q.shape[0], k.shape[0],
-                                             cu_seqlens, sequence_lengths)
+                                             cu_seqlens, sequence_lengths, context)
         q, k, v = (C.pad_head_dim(x, state.pad_to) for x in (q, k, v))
         if fusion:
             out = fusion_attention(upstream_globals, q, k, v, lengths_q, lengths_kv, heads, state.scale)
@@ -131,7 +130,7 @@ def build_forward(cls, host_lengths, family_module):
             pre_tokens=no_band, next_tokens=no_band)
         return C.to_upstream_shape(out, query, self.head_size, heads)
 
-    return {"forward_oot": C.wrap(forward_oot, original_forward, PATCH_NAME, family_module)}
+    return {"forward_oot": context.present(forward_oot, original_forward)}
 
 
 def fusion_attention(upstream_globals, q, k, v, lengths_q, lengths_kv, heads, scale):
@@ -146,12 +145,12 @@ def fusion_attention(upstream_globals, q, k, v, lengths_q, lengths_kv, heads, sc
     return v018.attend(upstream_globals, q, k, v, seq_lens, heads, scale)
 
 
-def host_tensor(layer, values):
+def host_tensor(layer, values, context):
     """``values`` on the host, read at most once per encoder forward; counts the copy
     upstream would have made in this layer."""
     if values.device.type != "cpu":
-        C.count(PATCH_NAME, "upstream_host_copies")
-    return C.host_values(layer, values, PATCH_NAME)
+        context.count("upstream_host_copies")
+    return C.host_values(layer, values, context)
 
 
 def uniform_lengths(query):

@@ -31,7 +31,6 @@ from npu_shim import _config
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
-PATCH_NAME = "vllm.mm_encoder_attn"
 BASE_NAME = "MMEncoderAttention"
 FIXED_UPSTREAM_HOOK = "maybe_compute_seq_lens"   # vllm-ascend 0.18.0+: another family
 UPSTREAM_OP = "_npu_flash_attention_unpad"
@@ -43,7 +42,7 @@ INIT_PARAMS = ("self", "num_heads", "head_size", "scale", "num_kv_heads", "prefi
 INIT_OPTIONAL = ((), ("multimodal_config",))      # 0.13.0 / 0.14.0rc1
 
 
-def check(cls):
+def check(cls, context):
     if FIXED_UPSTREAM_HOOK in vars(cls):
         raise TargetMismatch("%s defines %s (the 0.18.0+ shape)" % (cls.__name__, FIXED_UPSTREAM_HOOK))
     if not any(base.__name__ == BASE_NAME for base in cls.__mro__[1:]):
@@ -55,7 +54,7 @@ def check(cls):
         raise TargetMismatch("%s.forward_oot no longer calls torch_npu.%s" % (cls.__name__, UPSTREAM_OP))
 
 
-def build(cls):
+def build(cls, context):
     original_init = vars(cls)["__init__"]
     original_forward = vars(cls)["forward_oot"]
     upstream_globals = original_forward.__globals__
@@ -92,18 +91,18 @@ def build(cls):
         self.enable_pad = state.pad_to != self.head_size
 
     def forward(layer, query, key, value, cu_seqlens):
-        C.count(PATCH_NAME, "calls")
+        context.count("calls")
         state = C.layer_state(layer, make_state)
         bsz, q_len = query.shape[:2]
         if cu_seqlens is None:
             # bsz sequences of q_len tokens, as upstream assumes: built on the host, no copy.
             seq_len = torch.full((bsz,), q_len, dtype=torch.int32)
             uniform_copy = upstream_copies_uniform and query.device.type != "cpu"
-            C.count(PATCH_NAME, "upstream_host_copies", int(uniform_copy))
+            context.count("upstream_host_copies", int(uniform_copy))
         else:
             if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
-                C.count(PATCH_NAME, "upstream_host_copies")
-            seq_len = torch.diff(C.host_values(layer, cu_seqlens, PATCH_NAME))
+                context.count("upstream_host_copies")
+            seq_len = torch.diff(C.host_values(layer, cu_seqlens, context))
         if state.kernel is not None:
             return _tnd_forward(layer, state.kernel, query, key, value, seq_len)
         heads = layer.num_heads
@@ -124,8 +123,8 @@ def build(cls):
         def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None):
             return forward(self, query, key, value, cu_seqlens)
 
-    return {"__init__": C.wrap(__init__, original_init, PATCH_NAME, __name__),
-            "forward_oot": C.wrap(forward_oot, original_forward, PATCH_NAME, __name__)}
+    return {"__init__": context.present(__init__, original_init),
+            "forward_oot": context.present(forward_oot, original_forward)}
 
 
 def _builds_uniform_on_query_device(forward):

@@ -24,6 +24,7 @@ import inspect
 import torch
 
 from npu_shim.patch import TargetMismatch
+from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 from npu_shim.patches.vllm_ascend.mm_encoder import v018_310p as F
 
@@ -31,7 +32,7 @@ FORWARD_PARAMS = ("self", "query", "key", "value", "cu_seqlens", "max_seqlen", "
 SEQ_LEN_DTYPE = torch.int32        # upstream: .to("cpu", dtype=torch.int32)
 
 
-def check(cls):
+def check(cls, context):
     if F.ASCEND_MAIN_CLASS not in [base.__name__ for base in cls.__mro__[1:]]:
         raise TargetMismatch("%s no longer derives from vllm-ascend's %s (the 0.14.0rc1 shape does)"
                              % (cls.__name__, F.ASCEND_MAIN_CLASS))
@@ -39,25 +40,25 @@ def check(cls):
     C.check_params(forward, FORWARD_PARAMS, ((),), cls.__name__ + ".forward_oot")
     if inspect.signature(forward).parameters["kwargs"].kind is not inspect.Parameter.VAR_KEYWORD:
         raise TargetMismatch("%s.forward_oot no longer takes **kwargs" % cls.__name__)
-    names = forward.__code__.co_names
+    names = names_in_code(forward.__code__, nested=False)
     if "torch_npu" not in forward.__globals__ or F.UNPAD not in names or "diff" not in names:
         raise TargetMismatch("%s.forward_oot no longer calls torch_npu.%s with torch.diff(cu_seqlens)"
                              % (cls.__name__, F.UNPAD))
 
 
-def build(cls):
+def build(cls, context):
     original_forward = vars(cls)["forward_oot"]
     upstream_globals = original_forward.__globals__
     make_state = F.state_maker(pads=False)
 
     def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None, **kwargs):
-        C.count(F.PATCH_NAME, "calls")
+        context.count("calls")
         state = C.layer_state(self, make_state, F.STATE_ATTR)
         if cu_seqlens is None and query.device.type != "cpu":
-            C.count(F.PATCH_NAME, "upstream_host_copies")   # upstream builds it on query.device
-        seq_len = F.host_seq_len(self, query, cu_seqlens).to(SEQ_LEN_DTYPE)
+            context.count("upstream_host_copies")   # upstream builds it on query.device
+        seq_len = F.host_seq_len(self, query, cu_seqlens, context).to(SEQ_LEN_DTYPE)
         out = F.attend(self, state, upstream_globals["torch_npu"], query, key, value, seq_len)
         bsz, q_len = query.shape[:2]
         return out.view(bsz, q_len, self.num_heads, self.head_size)
 
-    return {"forward_oot": C.wrap(forward_oot, original_forward, F.PATCH_NAME, __name__)}
+    return {"forward_oot": context.present(forward_oot, original_forward)}

@@ -17,14 +17,12 @@ model's ``scale``. ``__init__`` stays upstream's (it parses nothing);
 ``enable_pad`` / ``scale_value`` are not needed (a layer made with ``__new__``
 works).
 """
-import inspect
-
 import torch
 
 from npu_shim.patch import TargetMismatch
+from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
-PATCH_NAME = "vllm.mm_encoder_attn"
 BASE_NAME = "MMEncoderAttention"
 SEQ_LENS_HOOK = "maybe_compute_seq_lens"
 UPSTREAM_OP = "npu_fusion_attention"
@@ -40,14 +38,14 @@ def check_family(cls, op_name, op_owner):
                              % (cls.__name__, SEQ_LENS_HOOK))
     forward = C.own_function(cls, "forward_oot")
     C.check_params(forward, FORWARD_PARAMS, ((),), cls.__name__ + ".forward_oot")
-    names = forward.__code__.co_names
+    names = names_in_code(forward.__code__, nested=False)
     if op_owner not in forward.__globals__ or op_name not in names or op_owner not in names:
         raise TargetMismatch("%s.forward_oot no longer calls %s.%s" % (cls.__name__, op_owner, op_name))
     if "actual_seq_lengths" in names or "npu_fused_infer_attention_score" in names:
         raise TargetMismatch("%s.forward_oot is the 0.22.1rc1+ fused-infer shape" % cls.__name__)
 
 
-def host_seq_lens(layer, query, cu_seqlens, sequence_lengths):
+def host_seq_lens(layer, query, cu_seqlens, sequence_lengths, context):
     """Per-segment lengths as a host tensor, read at most once per forward."""
     if sequence_lengths is not None:
         values = sequence_lengths
@@ -58,8 +56,8 @@ def host_seq_lens(layer, query, cu_seqlens, sequence_lengths):
         bsz, q_len = query.shape[:2]
         return torch.full((bsz,), q_len, dtype=torch.int32)
     if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        C.count(PATCH_NAME, "upstream_host_copies")   # upstream: .to("cpu") in every layer
-    host = C.host_values(layer, values, PATCH_NAME)
+        context.count("upstream_host_copies")   # upstream: .to("cpu") in every layer
+    host = C.host_values(layer, values, context)
     return host if sequence_lengths is not None else torch.diff(host)
 
 
@@ -68,22 +66,22 @@ def make_state(layer):
     return C.LayerState(C.default_scale(layer), C.PAD_TO if pad else layer.head_size)
 
 
-def build_family(cls, attend):
+def build_family(cls, attend, context):
     """``forward_oot`` of the 0.18.0 .. 0.21.0rc1 family around ``attend(globals, q, k, v, seq_lens, heads, scale)``."""
     original_forward = vars(cls)["forward_oot"]
     upstream_globals = original_forward.__globals__
 
     def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None, sequence_lengths=None):
-        C.count(PATCH_NAME, "calls")
+        context.count("calls")
         state = C.layer_state(self, make_state)
-        seq_lens = host_seq_lens(self, query, cu_seqlens, sequence_lengths)
+        seq_lens = host_seq_lens(self, query, cu_seqlens, sequence_lengths, context)
         heads = self.num_heads
         q, k, v = C.repeat_kv_to_heads(query, key, value, heads, self.num_kv_heads, self.head_size)
         q, k, v = (C.pad_head_dim(x, state.pad_to) for x in (q, k, v))
         out = attend(upstream_globals, q, k, v, seq_lens, heads, state.scale)
         return C.to_upstream_shape(out, query, self.head_size, heads)
 
-    return {"forward_oot": C.wrap(forward_oot, original_forward, PATCH_NAME, inspect.getmodule(attend).__name__)}
+    return {"forward_oot": context.present(forward_oot, original_forward)}
 
 
 def attend(upstream_globals, q, k, v, seq_lens, heads, scale):
@@ -93,9 +91,9 @@ def attend(upstream_globals, q, k, v, seq_lens, heads, scale):
         head_num=heads, scale=scale, input_layout="TND")[0]
 
 
-def check(cls):
+def check(cls, context):
     check_family(cls, UPSTREAM_OP, "torch_npu")
 
 
-def build(cls):
-    return build_family(cls, attend)
+def build(cls, context):
+    return build_family(cls, attend, context)

@@ -32,9 +32,9 @@ The pieces every 310P family shares (``state_maker``, ``host_seq_len``,
 import torch
 
 from npu_shim.patch import TargetMismatch
+from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
-PATCH_NAME = "vllm.mm_encoder_attn_310p"
 # The 310P layer's state, apart from the main class's: 0.14.0rc1's 310P class derives
 # from AscendMMEncoderAttention, which vllm.mm_encoder_attn may have patched too.
 STATE_ATTR = "_npu_shim_mm_encoder_310p_state"
@@ -83,15 +83,15 @@ def state_maker(pads, choose_op=None):
     return make
 
 
-def host_seq_len(layer, query, cu_seqlens):
+def host_seq_len(layer, query, cu_seqlens, context):
     """Per-segment lengths on the host in ``cu_seqlens``' dtype, read once per forward."""
     if cu_seqlens is None:
         # bsz sequences of q_len tokens, as upstream's host arange (int32) gives them.
         bsz, q_len = query.shape[:2]
         return torch.full((bsz,), q_len, dtype=torch.int32)
     if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
-        C.count(PATCH_NAME, "upstream_host_copies")   # upstream: .to("cpu") in every layer
-    return torch.diff(C.host_values(layer, cu_seqlens, PATCH_NAME))
+        context.count("upstream_host_copies")   # upstream: .to("cpu") in every layer
+    return torch.diff(C.host_values(layer, cu_seqlens, context))
 
 
 def attend(layer, state, torch_npu, query, key, value, seq_len):
@@ -116,7 +116,7 @@ def check_family(cls, op_names, absent_names=()):
         raise TargetMismatch("%s derives from %s (the 0.14.0rc1 shape)" % (cls.__name__, ASCEND_MAIN_CLASS))
     forward = C.own_function(cls, "forward_oot")
     C.check_params(forward, FORWARD_PARAMS, ((),), cls.__name__ + ".forward_oot")
-    names = forward.__code__.co_names
+    names = names_in_code(forward.__code__, nested=False)
     if "torch_npu" not in forward.__globals__ or not all(op in names for op in op_names):
         raise TargetMismatch("%s.forward_oot no longer calls torch_npu.%s"
                              % (cls.__name__, " / ".join(op_names)))
@@ -129,24 +129,24 @@ def check_family(cls, op_names, absent_names=()):
                              % (cls.__name__, ", ".join(present)))
 
 
-def build_family(cls, make_state, family_module):
+def build_family(cls, make_state, context):
     """``forward_oot`` of the 0.18.0rc1+ 310P shape: upstream's op call (the layer's
     :class:`OpCall`) with host lengths read once per forward and the model's scale."""
     original_forward = vars(cls)["forward_oot"]
     upstream_globals = original_forward.__globals__
 
     def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None, sequence_lengths=None):
-        C.count(PATCH_NAME, "calls")
+        context.count("calls")
         state = C.layer_state(self, make_state, STATE_ATTR)
-        seq_len = host_seq_len(self, query, cu_seqlens)
+        seq_len = host_seq_len(self, query, cu_seqlens, context)
         return attend(self, state, upstream_globals["torch_npu"], query, key, value, seq_len)
 
-    return {"forward_oot": C.wrap(forward_oot, original_forward, PATCH_NAME, family_module)}
+    return {"forward_oot": context.present(forward_oot, original_forward)}
 
 
-def check(cls):
+def check(cls, context):
     check_family(cls, (UNPAD,), absent_names=(UNPAD_V2,))
 
 
-def build(cls):
-    return build_family(cls, state_maker(pads=True), __name__)
+def build(cls, context):
+    return build_family(cls, state_maker(pads=True), context)

@@ -24,9 +24,9 @@ def attend(upstream_globals, q, k, v, seq_lens, heads, scale):
         num_kv_heads=k.shape[1])
 
 
-def check(cls):
+def check(cls, context):
     v018.check_family(cls, UPSTREAM_OP, OP_OWNER)
 
 
-def build(cls):
-    return v018.build_family(cls, attend)
+def build(cls, context):
+    return v018.build_family(cls, attend, context)

@@ -23,22 +23,22 @@ SEQ_LENS_HOOK = "maybe_compute_seq_lens"
 LENGTHS_METHOD = "_maybe_compute_actual_seq_lengths"
 
 
-def host_lengths(layer, upstream_globals, query, tokens_q, tokens_kv, cu_seqlens, sequence_lengths):
+def host_lengths(layer, upstream_globals, query, tokens_q, tokens_kv, cu_seqlens, sequence_lengths, context):
     if sequence_lengths is not None:
-        lengths = fia.host_tensor(layer, sequence_lengths).cumsum(0).to(torch.int64).tolist()
+        lengths = fia.host_tensor(layer, sequence_lengths, context).cumsum(0).to(torch.int64).tolist()
     elif cu_seqlens is not None:
-        lengths = fia.host_tensor(layer, cu_seqlens)[1:].to(torch.int64).tolist()
+        lengths = fia.host_tensor(layer, cu_seqlens, context)[1:].to(torch.int64).tolist()
     else:
         lengths = fia.uniform_lengths(query)
     return lengths, lengths
 
 
-def check(cls):
+def check(cls, context):
     fia.check_family(cls, eager_uses=(LENGTHS_METHOD,), fia_uses=("scale_value",))
     for name in (SEQ_LENS_HOOK, LENGTHS_METHOD):
         if name not in vars(cls):
             raise TargetMismatch("%s has no %s (the 0.22.1rc1 shape has)" % (cls.__name__, name))
 
 
-def build(cls):
-    return fia.build_forward(cls, host_lengths, __name__)
+def build(cls, context):
+    return fia.build_forward(cls, host_lengths, context)

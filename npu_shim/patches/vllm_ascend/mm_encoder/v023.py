@@ -28,7 +28,7 @@ LENGTHS_FUNCTION = "maybe_compute_actual_seq_lengths"
 CU_METHOD = "_maybe_compute_cu_seqlens"
 
 
-def host_lengths(layer, upstream_globals, query, tokens_q, tokens_kv, cu_seqlens, sequence_lengths):
+def host_lengths(layer, upstream_globals, query, tokens_q, tokens_kv, cu_seqlens, sequence_lengths, context):
     # sequence_lengths is ignored, as upstream does (see the module docstring).
     if cu_seqlens is None:
         lengths = fia.uniform_lengths(query)
@@ -36,16 +36,16 @@ def host_lengths(layer, upstream_globals, query, tokens_q, tokens_kv, cu_seqlens
             return lengths, lengths
         host = torch.tensor([0] + lengths, dtype=torch.int32)   # upstream's helper scales the KV list
     else:
-        host = fia.host_tensor(layer, cu_seqlens)
+        host = fia.host_tensor(layer, cu_seqlens, context)
     return upstream_globals[LENGTHS_FUNCTION](host, tokens_q, tokens_kv, cudagraph_mm_encoder=False)
 
 
-def check(cls):
+def check(cls, context):
     fia.check_family(cls, eager_uses=(LENGTHS_FUNCTION, CU_METHOD), fia_uses=("scale",),
                      fia_avoids=("scale_value",))
     if LENGTHS_FUNCTION not in vars(cls)["forward_oot"].__globals__:
         raise TargetMismatch("%s has no module-level %s" % (cls.__module__, LENGTHS_FUNCTION))
 
 
-def build(cls):
-    return fia.build_forward(cls, host_lengths, __name__)
+def build(cls, context):
+    return fia.build_forward(cls, host_lengths, context)

@@ -31,13 +31,13 @@ CAPABILITY_PROBE = "is_approximate_calculation_supported"
 UNPAD_V2_CALL = F.OpCall(F.UNPAD_V2, kernel_type=APPROXIMATE_EXP_KERNEL)
 
 
-def check(cls):
+def check(cls, context):
     F.check_family(cls, (F.UNPAD, F.UNPAD_V2, CAPABILITY_ATTR))
     if not callable(vars(cls)["forward_oot"].__globals__.get(CAPABILITY_PROBE)):
         raise TargetMismatch("%s's module no longer defines %s()" % (cls.__name__, CAPABILITY_PROBE))
 
 
-def build(cls):
+def build(cls, context):
     module_globals = vars(cls)["forward_oot"].__globals__
 
     def choose_op(layer):
@@ -46,4 +46,4 @@ def build(cls):
             supported = module_globals[CAPABILITY_PROBE]()
         return UNPAD_V2_CALL if supported else F.UNPAD_CALL
 
-    return F.build_family(cls, F.state_maker(pads=True, choose_op=choose_op), __name__)
+    return F.build_family(cls, F.state_maker(pads=True, choose_op=choose_op), context)

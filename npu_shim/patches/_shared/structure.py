@@ -1,4 +1,4 @@
-"""What the families' checks read of a target's structure, shared by the patches."""
+"""What the families' checks read of a target's structure, and a class's own function replaced."""
 import inspect
 
 from npu_shim.patch import TargetMismatch
@@ -21,17 +21,11 @@ def own_function(cls, name):
     return function
 
 
-def present_as(replacement, original, patch_name, what, module):
-    """Give ``replacement`` the name, qualified name and signature of ``original``, a docstring
-    naming the patch, what it does beside upstream's code (``what``) and the ``module`` that
-    explains it, and ``__wrapped_upstream__`` (where the tests and readers find upstream's)."""
-    replacement.__name__ = original.__name__
-    replacement.__qualname__ = original.__qualname__
-    replacement.__doc__ = "npu-shim (%s) replacement of %s.%s: %s; see %s." % (
-        patch_name, original.__module__, original.__qualname__, what, module)
-    replacement.__signature__ = inspect.signature(original)
-    replacement.__wrapped_upstream__ = original
-    return replacement
+def replace_own(module, class_name, name, make, context, what):
+    """The replacement of ``class_name.name`` (the class in ``module`` defines it itself):
+    ``make(module, original, context)``, presented with ``context.present`` and ``what``."""
+    original = own_function(module_class(module, class_name), name)
+    return context.present(make(module, original, context), original, what)
 
 
 def body_digest(function):
