@@ -109,7 +109,11 @@ def test_whole_tower_forward_reads_nothing_back(stack, device_class):
         print("GLM-4.1V vllm %s %s forward %d: upstream %s -> shim %s" % (
             vllm_minor(), device_class, forward, up_syncs.summary(), syncs.summary()))
         assert syncs.count == 0, [str(e) for e in syncs.events]
-        assert syncs.h2d_count == 0, [str(e) for e in syncs.h2d_events]
+        # The blocking copies left are upstream's own rot_pos_emb (vLLM 0.18: the device cos/sin
+        # tables indexed by position ids built on the host, the index copied over first), the
+        # same upstream and shim; the patch adds none.
+        assert [str(e) for e in syncs.h2d_events if not e.location.endswith(" in rot_pos_emb")] == []
+        assert syncs.h2d_count == sum(e.location.endswith(" in rot_pos_emb") for e in up_syncs.h2d_events)
         assert up_syncs.count > 0, up_syncs.summary()              # the attention's read(s), at least
         if applies():
             tolist = int(claimed().load() is families.COPY_THEN_TOLIST)   # 0.18.0's tolist of the device cu_seqlens

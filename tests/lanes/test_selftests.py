@@ -59,7 +59,16 @@ def rows():
         return {row["name"]: row for row in _startup.engine().status(import_targets=True)}
 
 
-@pytest.mark.parametrize("name", [_case(name) for name, _ in BUILTIN_PATCHES])
+def _released(name):
+    """Whether a family of the patch serves a release. ``sglang.cp_fia``'s serves only builds
+    between releases (a broken window no release shipped): no lane claims it, and its selftest
+    runs in the broken-window build tests/lanes/test_sglang_cp_fia.py makes."""
+    import importlib
+
+    return any(family.releases for family in importlib.import_module(dict(BUILTIN_PATCHES)[name]).PATCH.families)
+
+
+@pytest.mark.parametrize("name", [_case(name) for name, _ in BUILTIN_PATCHES if _released(name)])
 def test_the_declared_selftest_passes_with_the_declared_reads(rows, name):
     from npu_shim.selftest import run_one
     from npu_shim.testing.claims import declaration
