@@ -78,12 +78,17 @@ def test_every_check_accepts_only_its_own_releases_code(matrix):
 
 
 # The shadow tests start interpreters that import every target (about 40 s a lane); the
-# choice they test is the engine's, the same on every release, so they run on two lanes
-# (0.26.0rc1 and the newest, 0.30.0rc2), and the matrix above on every lane.
-SHADOW_LANES = ("latest-vllm", "vllm-0.30")
+# choice they test is the engine's, the same on every release, so they run on two lanes:
+# vllm-ascend 0.26.0rc1's (whose code a development image reported as 0.19.1rc2.dev1265
+# carried) and the newest lane of the open-ended encoder family; the matrix above runs on
+# every lane.
+SHADOW = [pytest.mark.claimed("vllm.mm_encoder_attn", pinned={"vllm-ascend": ("0.26.0rc1",)}),
+          pytest.mark.claimed("vllm.mm_encoder_attn", per_family=True,
+                              implemented_in="npu_shim.patches.vllm_ascend.mm_encoder.v023")]
 
 
-@pytest.mark.lanes(*SHADOW_LANES)
+@SHADOW[0]
+@SHADOW[1]
 def test_a_development_version_gets_the_releases_family(tmp_path):
     (tmp_path / "release").mkdir()
     (tmp_path / "dev").mkdir()
@@ -99,7 +104,8 @@ def test_a_development_version_gets_the_releases_family(tmp_path):
         assert "chosen by structure" not in released[name]["reason"], released[name]
 
 
-@pytest.mark.lanes(*SHADOW_LANES)
+@SHADOW[0]
+@SHADOW[1]
 def test_the_switch_reads_a_development_version_as_a_release(tmp_path):
     (tmp_path / "dev").mkdir()
     shadowed = fresh("status", tmp_path / "dev", shadow=("vllm-ascend", DEV_VERSION), NPU_SHIM_EMULATE="1",
