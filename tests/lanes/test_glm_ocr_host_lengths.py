@@ -77,7 +77,11 @@ def test_whole_tower_forward_reads_nothing_back(stack, device_class):
               % (TOWER, release(), device_class, run.index, up_syncs.summary(), syncs.summary()))
         assert (up_syncs.count, syncs.count) == (UPSTREAM_READS, 0), \
             (up_syncs.summary(), [str(e) for e in syncs.events])
-        assert syncs.h2d_count == up_syncs.h2d_count == 0
+        # Blocking copies: only upstream's own rot_pos_emb (vLLM 0.19 - 0.25: GLM-4.1V's cos/sin
+        # tables, on the device, indexed by position ids built on the host), the same upstream
+        # and shim; counted since the counter's correction.
+        assert [str(e) for e in syncs.h2d_events if not e.location.endswith(" in rot_pos_emb")] == []
+        assert syncs.h2d_count == up_syncs.h2d_count
         census.assert_matches_references(stack, TOWER, run, TOWER_TOL)
 
 
