@@ -440,8 +440,8 @@ def probe(session):
     Makes a throwaway venv (.nox/probe) with that release (its wheel, else the wheel its sdist's
     own build makes, lanes/sdist.py) and its framework (vllm-ascend: the vLLM its own versioning policy names,
     unless given), plus the other pins of the nearest lane (the lane standing for the newest
-    release not newer than it); prints ``npu-shim status --import`` (which adapter of each patch
-    applies, or every adapter's reason), then runs that lane's tests (NPU_SHIM_LANE=<lane>)."""
+    release not newer than it); prints ``npu-shim status --import`` (which family of each patch
+    applies, or every family's reason), then runs that lane's tests (NPU_SHIM_LANE=<lane>)."""
     if not session.posargs:
         session.error("usage: nox -s probe -- vllm-ascend==<version> [vllm==<version>] | sglang==<version>")
     pins = dict(arg.split("==", 1) for arg in session.posargs)
