@@ -76,16 +76,10 @@ def run_pytest(junit_path, pytest_args, env):
 # registered with its real __path__ but without running that __init__; the real
 # ``vllm_ascend.ops.mm_encoder_attention`` file is then imported by the shim as usual.
 STATUS_SNIPPET = """
-import contextlib, importlib.util, json, sys, traceback
-if importlib.util.find_spec("vllm_ascend") is not None:
-    from npu_shim.testing.isolation import import_vllm_ascend_ops_module
-    import_vllm_ascend_ops_module()
-placeholder = contextlib.nullcontext()
-if importlib.util.find_spec("vllm") is not None:
-    from npu_shim.testing.towers import placeholder_torchvision
-    placeholder = placeholder_torchvision()
+import contextlib, json, sys, traceback
+from npu_shim.testing.towers import targets_importable
 from npu_shim.cli import main
-with placeholder:
+with targets_importable():
     status = main(["status", "--json", "--import"])
 sys.stdout.flush()
 if len(sys.argv) > 1:

@@ -113,6 +113,23 @@ TOWERS = {
 
 
 @contextlib.contextmanager
+def targets_importable():
+    """Every installed target importable off the NPU, as the lane gate imports them: where
+    vllm-ascend is installed, its ops package registered without its ``__init__``
+    (:func:`npu_shim.testing.isolation.import_vllm_ascend_ops_module`); where vLLM is,
+    torchvision's import-only placeholder (:func:`placeholder_torchvision`) held inside the block."""
+    if importlib.util.find_spec("vllm_ascend") is not None:
+        from npu_shim.testing.isolation import import_vllm_ascend_ops_module
+
+        import_vllm_ascend_ops_module()
+    if importlib.util.find_spec("vllm") is None:
+        yield
+        return
+    with placeholder_torchvision():
+        yield
+
+
+@contextlib.contextmanager
 def placeholder_torchvision():
     """Import-only placeholders for ``torchvision`` (and the transforms modules vLLM's GLM-4.1V
     and Qwen processors import at module top) while the block runs, where torchvision is not

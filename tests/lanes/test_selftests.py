@@ -14,9 +14,6 @@ topology must not find: they run after the lane's other tests (``keeps_process_s
 tests/conftest.py). The context-parallel selftests state their simulated rank's groups as
 absent (``cp_case.simulated_rank``), so a one-rank group built before them does not matter.
 """
-import contextlib
-import importlib.util
-
 import pytest
 
 from npu_shim.patches import BUILTIN_PATCHES
@@ -43,19 +40,11 @@ def rows():
     ``__init__``, torchvision's placeholder where vLLM needs one)."""
     import npu_shim
     from npu_shim import _startup, emulation
+    from npu_shim.testing.towers import targets_importable
 
     emulation.install()
     npu_shim.install()
-    placeholder = contextlib.nullcontext()
-    if importlib.util.find_spec("vllm_ascend") is not None:
-        from npu_shim.testing.isolation import import_vllm_ascend_ops_module
-
-        import_vllm_ascend_ops_module()
-    if importlib.util.find_spec("vllm") is not None:
-        from npu_shim.testing.towers import placeholder_torchvision
-
-        placeholder = placeholder_torchvision()
-    with placeholder:
+    with targets_importable():
         return {row["name"]: row for row in _startup.engine().status(import_targets=True)}
 
 
