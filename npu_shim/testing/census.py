@@ -298,8 +298,8 @@ def setup():
                 try:
                     _MODULES[name] = importlib.import_module(spec.module)
                 except ImportError as exc:
-                    # e.g. vLLM 0.22's HunYuan-Vision registers an image processor that needs
-                    # torchvision at import, which the lanes do not install
+                    # none known since the registry placeholder (vLLM 0.19 - 0.25's HunYuan-Vision
+                    # registered its image processor with a torchvision-gated AutoImageProcessor)
                     UNIMPORTABLE[name] = "%s: %s" % (type(exc).__name__, str(exc).strip().splitlines()[0])
         for module in (torch_utils, *_MODULES.values()):
             if getattr(module, "PIN_MEMORY", False):
@@ -343,14 +343,15 @@ def pixel_values(name, tower, grid, seed=0):
 
 
 class Forward(types.SimpleNamespace):
-    """One forward of a census tower on three sides: ``out``/``syncs`` (the shim's attention),
-    ``up``/``up_syncs`` (vllm-ascend's untouched class), ``sdpa`` (vLLM's TORCH_SDPA); the
-    ``grid`` and pixels ``x`` they all ran on."""
+    """One forward of a census tower on three sides: ``out``/``syncs`` (the shim),
+    ``up``/``up_syncs`` (vLLM's tower code, vllm-ascend's untouched class), ``sdpa`` (vLLM's
+    TORCH_SDPA); the ``grid`` and pixels ``x`` they all ran on."""
 
 
 def side_by_side(stack, name, device_class="A2", forwards=2):
     """The three towers of ``name`` (one seed), each run over the same inputs for ``forwards``
-    grids (:func:`grids`): a list of :class:`Forward`."""
+    grids (:func:`grids`): a list of :class:`Forward`. Upstream runs vLLM's own code of the
+    tower's module (:func:`towers.upstream_methods`: what a tower patch replaced, put back)."""
     attention, untouched = stack.attention[device_class], stack.upstream[device_class]
     dtype = towers.hardware_dtype(device_class)
     patched = build(stack, name, attention, dtype=dtype)
@@ -361,7 +362,8 @@ def side_by_side(stack, name, device_class="A2", forwards=2):
         grid = grids(forward, name)
         x = pixel_values(name, patched, grid, seed=forward)
         out, syncs = call(name, patched, attention, x, grid)
-        up, up_syncs = call(name, upstream, untouched, x, grid)
+        with towers.upstream_methods(_MODULES[name]):
+            up, up_syncs = call(name, upstream, untouched, x, grid)
         sd, _ = call(name, sdpa, None, x, grid)
         runs.append(Forward(index=forward, grid=grid, x=x, out=out, syncs=syncs, up=up, up_syncs=up_syncs,
                             sdpa=sd))

@@ -41,7 +41,7 @@ import types
 
 __all__ = ["DEVICE_CLASSES", "MOONVIT", "MOONVIT_GRIDS", "TOWERS", "Stack", "assert_near_references", "build_moonvit", "build_tower",
            "grids", "hardware_dtype", "moonvit_pixel_values", "moonvit_reference_forward", "pixel_values", "reference_forward",
-           "registered", "setup", "upstream_code"]
+           "registered", "setup", "upstream_code", "upstream_methods"]
 
 DEVICE_CLASSES = {
     "A2": ("vllm_ascend.ops.mm_encoder_attention", "AscendMMEncoderAttention"),
@@ -133,8 +133,9 @@ def targets_importable():
 def placeholder_torchvision():
     """Import-only placeholders for ``torchvision`` (and the transforms modules vLLM's GLM-4.1V
     and Qwen processors import at module top) while the block runs, where torchvision is not
-    installed (it has no CPU build on the lanes' index; the towers never call it). Any use of
-    one raises RuntimeError naming it."""
+    installed (it has no CPU build on the lanes' index; the towers never call it), and for the
+    ``AutoImageProcessor`` registry transformers gates on torchvision
+    (:class:`_ImageProcessorRegistryPlaceholder`). Any use of one raises RuntimeError naming it."""
     if importlib.util.find_spec("torchvision") is not None:
         yield
         return
@@ -159,11 +160,42 @@ def placeholder_torchvision():
         parent, _, child = name.rpartition(".")
         if parent:
             setattr(sys.modules[parent], child, module)
+    registry = _placeholder_image_processor_registry()
     try:
         yield
     finally:
         for name in names:
             sys.modules.pop(name, None)
+        if registry is not None:
+            import transformers
+
+            transformers.AutoImageProcessor = registry
+
+
+class _ImageProcessorRegistryPlaceholder:
+    """Import-only stand-in for transformers' ``AutoImageProcessor`` where transformers (5.x
+    before 5.14) makes it a torchvision-gated dummy: vLLM 0.19 - 0.25's HunYuan-Vision processor
+    module registers its image processor with it at import. Registering does nothing; any other
+    use raises."""
+
+    @staticmethod
+    def register(*args, **kwargs):
+        pass
+
+    def __getattr__(self, attr):
+        raise RuntimeError("AutoImageProcessor.%s: an import-only placeholder (npu_shim.testing.towers)" % attr)
+
+
+def _placeholder_image_processor_registry():
+    """Put the placeholder registry in place of a torchvision-gated ``AutoImageProcessor``;
+    the dummy it replaced (to restore), or None where transformers' own class is there."""
+    import transformers
+
+    auto = transformers.AutoImageProcessor
+    if type(auto).__name__ != "DummyObject" or "torchvision" not in getattr(auto, "_backends", ()):
+        return None
+    transformers.AutoImageProcessor = _ImageProcessorRegistryPlaceholder()
+    return auto
 
 
 def _no_pinned_memory():
@@ -254,12 +286,16 @@ def registered(cls):
             registry["MMEncoderAttention"] = saved
 
 
-@contextlib.contextmanager
 def upstream_code(stack, name):
-    """vLLM's own code for tower ``name`` in the block: every method of the classes its
-    module defines that a patch replaced (the replacement names it in
-    ``__wrapped_upstream__``) is put back, and the replacement restored after."""
-    module = stack.modules[name]
+    """vLLM's own code for tower ``name`` in the block (:func:`upstream_methods` of its module)."""
+    return upstream_methods(stack.modules[name])
+
+
+@contextlib.contextmanager
+def upstream_methods(module):
+    """vLLM's own code of ``module`` in the block: every method of the classes it defines that
+    a patch replaced (the replacement names it in ``__wrapped_upstream__``) is put back, and the
+    replacement restored after."""
     saved = []
     for cls in vars(module).values():
         if not isinstance(cls, type) or cls.__module__ != module.__name__:
