@@ -68,11 +68,11 @@ WHY = {
                     "once; 0.26.0 also reads the rotary table's `pids.max() + 1` and copies with a blocking "
                     "`.to` (3 per image). Measured: `encode_image` per image, without the projector "
                     "(`mlp_AR`) `_process_image_input` applies after it. The grid read sets the floor.",
-    "HunYuan-Vision": "the attention runs per image with no cu_seqlens (no read, upstream or shim); the "
-                      "tower copies its host cu_seqlens to the device and then `.tolist()`s the "
-                      "differences to split its output: 1 read of numbers the host built a few lines "
-                      "above (`split_lengths`). Only a patch of the tower's `forward` removes it. "
-                      "vLLM 0.30.0 has no `hunyuan_vision` module.",
+    "HunYuan-Vision": "the attention runs per image with no cu_seqlens (no read, upstream or shim); "
+                      "upstream copies its host cu_seqlens to the device and then `.tolist()`s the "
+                      "differences of the copy to split its output (1 read of numbers the host built); "
+                      "`vllm.hunyuan_vision_host_lengths` splits by the host tensor's differences (the copy "
+                      "is kept). vLLM 0.30.0 has no `hunyuan_vision` module.",
 }
 
 

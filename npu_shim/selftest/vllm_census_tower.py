@@ -21,7 +21,7 @@ def run_tower(name, patch_name, device=None):
     family = next(r for r in status() if r["name"] == patch_name)["family"]
     attention = stack.attention["A2"]
     tower = census.build(stack, name, attention, dtype=torch.bfloat16)
-    grid = census.grids(0)
+    grid = census.grids(0, name)
     x = census.pixel_values(name, tower, grid)
     tower.to(device)
     x_on_device = x.to(device)
@@ -35,6 +35,7 @@ def run_tower(name, patch_name, device=None):
     seconds = time.perf_counter() - started
     tower.to("cpu")
     ref = census.reference_forward(stack, name, x, grid)
+    blocks = getattr(tower, "blocks", None) or tower.layers
     err = (out.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
     from npu_shim.testing.errors import within
 
@@ -45,18 +46,18 @@ def run_tower(name, patch_name, device=None):
         "host_syncs": syncs.count,
         "seconds": seconds,
         "detail": "vLLM %s vision tower (%d blocks), grid %s, bfloat16 on %s, family %s; error relative "
-                  "to max |reference|" % (name, len(tower.blocks), grid, device, family),
+                  "to max |reference|" % (name, len(blocks), grid, device, family),
     }
 
 
 def run(device=None, tower=None, patch=None):
     """The selftest of a patch serving census tower ``tower`` (``Selftest(..., arguments=
     {"tower": ...})``): vLLM's own tower from a tiny random config with vllm-ascend's
-    ``AscendMMEncoderAttention`` (patched by ``vllm.mm_encoder_attn``), one forward over an image
-    and a two-frame video in ``torch.inference_mode()``: the largest deviation from the same
-    tower in float64 with the reference attention, the device->host reads of the forward (0 where
-    the attention takes the host lengths kept on the tower's own copy of ``cu_seqlens``), the
-    time, and the family that applied."""
+    ``AscendMMEncoderAttention`` (patched by ``vllm.mm_encoder_attn``), one forward over the tower's
+    first census grid (an image and a two-frame video; two images for a tower of images only)
+    in ``torch.inference_mode()``: the largest deviation from the same tower in float64 with the
+    reference attention, the device->host reads of the forward (0 where the patch leaves none),
+    the time, and the family that applied."""
     from npu_shim.selftest import applied_target
 
     applied_target(patch)

@@ -1,5 +1,5 @@
 """A census of vLLM vision towers beyond Qwen2.5-VL, Qwen3-VL, Kimi-VL and
-GLM-4.1V, and the device->host reads one whole forward makes, upstream (vllm-ascend's
+GLM-4.1V, and the device->host reads one whole forward makes, upstream (vLLM's tower code, vllm-ascend's
 untouched ``AscendMMEncoderAttention``) -> with ``vllm.mm_encoder_host_lengths`` +
 ``vllm.mm_encoder_attn``.
 
@@ -8,7 +8,8 @@ Towers, stand-ins and how each is called: :mod:`npu_shim.testing.census`. A2, in
 multi-frame item. The attention change reaches the ``cu_seqlens`` vLLM copies
 through ``MMEncoderAttention.maybe_recompute_cu_seqlens``, and the copies Qwen2-VL
 Qwen3-Omni's and GLM-OCR's vision towers make themselves (``vllm.qwen2_vl_host_lengths``,
-``vllm.qwen3_omni_vision_host_lengths``, ``vllm.glm_ocr_host_lengths``); where a tower builds ``cu_seqlens`` on
+``vllm.qwen3_omni_vision_host_lengths``, ``vllm.glm_ocr_host_lengths``), and HunYuan-Vision's
+split of its output (``vllm.hunyuan_vision_host_lengths``); where a tower builds ``cu_seqlens`` on
 the device, vllm.mm_encoder_attn's one read per tensor per forward stays, and
 the counts below say so.
 
@@ -70,9 +71,10 @@ EXPECTED_BY_RELEASE = {
     # Per image: encode_image reads the device grid row (.tolist()) and the attention reads the
     # per-image cu_seqlens once; 0.26 also reads max(position ids) for the rotary table.
     "PaddleOCR-VL": {"0.26.0": ((10, 6), (15, 9)), "0.30.0": ((8, 4), (12, 6))},
-    # 1 left, the tower's own: (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() of the copy it just made;
-    # the attention runs per image without cu_seqlens (no read upstream either).
-    "HunYuan-Vision": {"0.26.0": ((1, 1), (1, 1)), "0.30.0": None},
+    # Upstream's 1, the tower's own: (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() of the copy it just
+    # made; vllm.hunyuan_vision_host_lengths splits by the host tensor's (0). The attention runs per
+    # image without cu_seqlens (no read upstream either).
+    "HunYuan-Vision": {"0.26.0": ((1, 0), (1, 0)), "0.30.0": None},
 }
 
 # the releases the census measured, where vllm.mm_encoder_host_lengths applies
@@ -80,7 +82,7 @@ CENSUS_RELEASES = sorted({release for rows in EXPECTED_BY_RELEASE.values() for r
 pytestmark = [pytest.mark.claimed("vllm.mm_encoder_host_lengths", pinned={"vllm": CENSUS_RELEASES}),
               pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn",
                                 "vllm.qwen2_vl_host_lengths", "vllm.qwen3_omni_vision_host_lengths",
-                                "vllm.glm_ocr_host_lengths")]
+                                "vllm.glm_ocr_host_lengths", "vllm.hunyuan_vision_host_lengths")]
 
 # vllm.mm_encoder_attn's reads of cu_seqlens per forward, where not 0: one per tensor (PaddleOCR-VL
 # encodes each image alone: one tensor per image, 2 images then 3).

@@ -1,0 +1,239 @@
+"""Patch ``vllm.hunyuan_vision_host_lengths``: HunYuan-Vision's tower splits its output by the
+host ``cu_seqlens`` it built, not by a read-back of its device copy.
+
+Towers, stand-ins and calls: :mod:`npu_shim.testing.census` (vLLM's own
+``HunYuanVisionTransformer`` from a tiny random config, 3 layers; CPU with emulated torch_npu
+ops and a stand-in device; two images per forward, as the tower takes images only). Here, for
+both device classes: 0 device->host reads per whole tower forward with the shim, upstream's
+1 beside it (vLLM's tower code, ``towers.upstream_methods``), output ``torch.equal`` to
+upstream's and close to vLLM's TORCH_SDPA tower and a float64 copy
+(``npu_shim.testing.attention_f64``); the copy to the device is upstream's (same op, same
+arguments); a grid on the device goes to upstream's forward; the family's check accepts only
+the body the replacement was written from; the disable switch brings the read back with the
+same output; strict mode raises on a body the family does not know.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from npu_shim.patch import FamilyContext
+
+PATCH_NAME = "vllm.hunyuan_vision_host_lengths"
+TOWER = "HunYuan-Vision"
+
+pytestmark = [pytest.mark.claimed(PATCH_NAME), pytest.mark.patch(PATCH_NAME)]
+
+# |tower - float64 tower| and |tower - TORCH_SDPA tower|, relative to max |float64 tower| (no
+# floor); measured worst over the census towers (latest-vllm and vllm-0.30, benchmarks/results/
+# census-*.json): bfloat16 1.6e-2, float16 2.0e-3
+TOWER_TOL = {"bfloat16": 1e-1, "float16": 8e-3}
+UPSTREAM_READS = 1        # the tower's own .tolist() of its device cu_seqlens' differences
+
+
+def release():
+    from importlib.metadata import version
+
+    return version("vllm")
+
+
+@pytest.fixture(scope="module")
+def stack():
+    from npu_shim.testing import census
+
+    return census.setup()
+
+
+def row():
+    import npu_shim
+
+    return next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)
+
+
+def tower_class():
+    from npu_shim.testing import census
+
+    return census._MODULES[TOWER].HunYuanVisionTransformer
+
+
+def test_status_names_the_family(stack):
+    from npu_shim.testing import claims
+
+    found = row()
+    assert found["state"] == "applied" and [found["family"]] == found["admitted"], found
+    assert found["family"] == claims.claimed_family(PATCH_NAME).name
+
+
+def test_whole_tower_forward_reads_nothing_back(stack, device_class):
+    from npu_shim.testing import census
+
+    runs = census.side_by_side(stack, TOWER, device_class)
+    assert len(runs) == 2
+    for run in runs:
+        syncs, up_syncs = run.syncs, run.up_syncs
+        print("%s vllm %s %s forward %d: upstream %s -> shim %s"
+              % (TOWER, release(), device_class, run.index, up_syncs.summary(), syncs.summary()))
+        assert (up_syncs.count, syncs.count) == (UPSTREAM_READS, 0), \
+            (up_syncs.summary(), [str(e) for e in syncs.events])
+        assert [e.kind for e in up_syncs.events] == ["tolist"], up_syncs.summary()
+        assert syncs.h2d_count == up_syncs.h2d_count == 0
+        census.assert_matches_references(stack, TOWER, run, TOWER_TOL)
+
+
+def _copies_in_forward(stack, monkeypatch, grid_arg=None):
+    """The int32 copies to a device one forward makes, as (args, kwargs), and the output."""
+    import torch
+
+    from npu_shim.testing import census, towers
+
+    tower = census.build(stack, TOWER, stack.attention["A2"])
+    grid = census.grids(0, TOWER)
+    x = census.pixel_values(TOWER, tower, grid)
+    copies = []
+    real_to = torch.Tensor.to
+
+    def spy_to(self, *args, **kwargs):
+        to_device = "device" in kwargs or any(isinstance(a, (torch.device, str)) for a in args)
+        if self.dtype == torch.int32 and self.dim() == 1 and to_device:
+            copies.append((args, kwargs))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy_to)
+    with torch.inference_mode(), towers.registered(stack.attention["A2"]):
+        out = tower(x, grid_thw=grid_arg(grid) if grid_arg else census.CENSUS[TOWER].grid_arg(grid))
+    monkeypatch.undo()
+    return tower, copies, out
+
+
+def test_the_copy_is_upstreams(stack, monkeypatch):
+    """The tower copies its int32 cu_seqlens to the device once, as upstream does."""
+    from npu_shim.testing import census, towers
+
+    tower, copies, _ = _copies_in_forward(stack, monkeypatch)
+    assert copies == [((), {"device": tower.device, "non_blocking": True})], copies
+    with towers.upstream_methods(census._MODULES[TOWER]):
+        _, upstream_copies, _ = _copies_in_forward(stack, monkeypatch)
+    assert upstream_copies == copies
+
+
+def test_a_device_grid_goes_to_upstreams_forward(stack):
+    import torch
+
+    from npu_shim.patches.vllm import hunyuan_vision_host_lengths as patch
+
+    assert patch.host_grid([[1, 8, 8], [1, 4, 12]])
+    assert patch.host_grid(torch.tensor([[1, 8, 8]]))
+    assert patch.host_grid([torch.tensor([1, 8, 8])])
+    on_device = torch.empty(1, 3, dtype=torch.long, device="meta")
+    assert not patch.host_grid(on_device)
+    assert not patch.host_grid([on_device[0]])
+
+    import npu_shim
+
+    before = dict(npu_shim.stats().get(PATCH_NAME, {}))
+    calls = []
+    upstream = vars(tower_class())["forward"].__wrapped_upstream__
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        # upstream's forward, spied on where the replacement finds it (its closure)
+        replacement = vars(tower_class())["forward"]
+        cell = next(c for c in replacement.__closure__ if c.cell_contents is upstream)
+        monkeypatch.setattr(cell, "cell_contents", lambda *args: calls.append(args) or "upstream")
+        assert replacement(None, "x", on_device) == "upstream"
+        assert replacement(None, "x", [on_device[0]]) == "upstream"
+    assert len(calls) == 2
+    after = npu_shim.stats()[PATCH_NAME]
+    assert after["upstream_calls"] == before.get("upstream_calls", 0) + 2, after
+
+
+def test_the_check_accepts_only_the_body_it_was_written_from(stack):
+    import inspect
+    import linecache
+    import textwrap
+    import types
+
+    from npu_shim.patch import TargetMismatch
+    from npu_shim.patches.vllm import hunyuan_vision_host_lengths as patch
+
+    upstream_forward = vars(tower_class())["forward"].__wrapped_upstream__
+    module = types.SimpleNamespace(HunYuanVisionTransformer=type(
+        "HunYuanVisionTransformer", (), {"forward": upstream_forward}))
+    patch.HOST_SPLIT.check(module, FamilyContext(PATCH_NAME))
+
+    # the same body, split by the device copy's sizes read once more: another body
+    source = textwrap.dedent(inspect.getsource(upstream_forward)).replace(
+        "split_items = hidden_states.split(split_lengths, dim=1)",
+        "split_items = hidden_states.split(list(split_lengths), dim=1)")
+    assert "list(split_lengths)" in source
+    name = "<hunyuan_test_%d>" % id(source)
+    linecache.cache[name] = (len(source), None, source.splitlines(True), name)
+    namespace = {}
+    exec(compile(source, name, "exec"), upstream_forward.__globals__, namespace)
+    module.HunYuanVisionTransformer = type("HunYuanVisionTransformer", (), {"forward": namespace["forward"]})
+    with pytest.raises(TargetMismatch, match="not the body"):
+        patch.HOST_SPLIT.check(module, FamilyContext(PATCH_NAME))
+
+
+DISABLED_CODE = """
+import torch, npu_shim
+from npu_shim.testing import census
+s = census.setup(); a = s.attention['A2']
+t = census.build(s, %r, a)
+g = census.grids(0, %r); x = census.pixel_values(%r, t, g)
+out, c = census.call(%r, t, a, x, g)
+print([r['state'] for r in npu_shim.status() if r['name'] == %r][0], c.count)
+torch.save(out, %r)
+"""
+
+
+@pytest.mark.claimed(PATCH_NAME, per_family=True)
+def test_disabled_the_read_comes_back(stack, tmp_path):
+    """With the patch disabled (NPU_SHIM_DISABLE) the tower reads its split sizes back again,
+    with the same output: what the patch removes."""
+    import torch
+
+    outputs = {}
+    for disabled in (True, False):
+        path = str(tmp_path / ("out_%d.pt" % disabled))
+        env = dict(os.environ)
+        env.pop("NPU_SHIM_DISABLE", None)
+        if disabled:
+            env["NPU_SHIM_DISABLE"] = PATCH_NAME
+        code = DISABLED_CODE % (TOWER, TOWER, TOWER, TOWER, PATCH_NAME, path)
+        proc = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs[disabled] = (proc.stdout.strip().splitlines()[-1], path)
+    assert outputs[True][0] == "disabled 1"
+    assert outputs[False][0] == "applied 0"
+    assert torch.equal(torch.load(outputs[True][1]), torch.load(outputs[False][1]))
+
+
+STRICT_CODE = """
+import json, npu_shim
+from npu_shim.patches.vllm import hunyuan_vision_host_lengths as patch
+patch.HOST_SPLIT.digests = {"0123456789ab"}
+from npu_shim.testing import census
+census.setup()
+m = census._MODULES[%r]
+row = next(r for r in npu_shim.status() if r["name"] == %r)
+print(json.dumps([row["state"], row["reason"], hasattr(vars(m.HunYuanVisionTransformer)["forward"],
+                                                       "__wrapped_upstream__")]))
+""" % (TOWER, PATCH_NAME)
+
+
+@pytest.mark.claimed(PATCH_NAME, per_family=True)
+@pytest.mark.parametrize("strict", ["0", "1"])
+def test_another_body_inside_the_window_skips_or_raises_in_strict_mode(stack, strict):
+    env = dict(os.environ, NPU_SHIM_STRICT=strict)
+    env.pop("NPU_SHIM_DISABLE", None)
+    proc = subprocess.run([sys.executable, "-P", "-c", STRICT_CODE], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if strict == "1":
+        assert proc.returncode != 0
+        assert "PatchError" in proc.stderr and "0123456789ab" in proc.stderr, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        state, reason, patched = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert state == "skipped" and "not the body" in reason and not patched, (state, reason)
