@@ -34,6 +34,15 @@ multimodal field config puts it:
 * HunYuan-Vision (``HunYuanVisionTransformer``): ``image_grid_thw`` is ``keep_on_cpu``
   and the model hands the tower ``grid_thw.tolist()``, a list. Images only (the tower
   splits its sequence by ``h * w`` per item), so its grids are single-frame.
+* RADIO (``RadioModel``, Nemotron Nano VL's vision model): the dynamic-resolution path of
+  ``extract_feature_dynamic``, images only. ``imgs_sizes`` (each image's pixel height and
+  width) is a host list (the processor's own list of ints, no tensor; 0.30 also marks it
+  ``keep_on_cpu``); the pixels are one device tensor ``(1, patches, 3 * p * p)``, the
+  layout ``DynamicResolutionImageTiler.stack`` makes of the per-image pixels. The model
+  keeps the features and drops the summary (``_, vit_embeds = ...``); so does the census.
+  ``RadioConfig`` takes its sizes from a timm model name only; the tiny sizes are set on
+  the config after it is built. The layer scales ``ls1``/``ls2`` are left at the config's
+  ``initializer_factor`` (vLLM's ``load_weights`` skips them) instead of random weights.
 
 Towers that are not here, and why, are listed by ``NOT_MEASURED`` (the census document
 prints it).
@@ -128,6 +137,49 @@ def _paddleocr_vl_config():
     return PretrainedConfig(hidden_size=160, intermediate_size=256, num_attention_heads=2, num_hidden_layers=3,
                             num_channels=3, image_size=112, patch_size=14, layer_norm_eps=1e-6,
                             hidden_act="gelu_pytorch_tanh")
+
+
+RADIO_PATCH = 16
+
+
+def _radio_config():
+    from vllm.transformers_utils.configs.radio import RadioConfig
+
+    # Nemotron Nano VL's model builds a RadioConfig from a timm name (which sets the sizes),
+    # its preferred resolution and patch size and the checkpoint's args: here two teachers
+    # with a CLS token each (one without a summary), registers to a multiple of 4 (so 4
+    # prefix tokens per image) and CPE positions for images up to 192 px (12x12 patches).
+    config = RadioConfig(model_name="vit_small_patch16_224", image_size=64, patch_size=RADIO_PATCH,
+                         cpe_max_size=192, register_multiple=4, cls_token_per_teacher=True,
+                         teachers=[{"name": "a"}, {"name": "b", "use_summary": False}])
+    # Head dim 80, padded to 128 by vllm-ascend's rule.
+    config.hidden_size, config.num_hidden_layers, config.num_attention_heads = 160, 3, 2
+    config.intermediate_size = 256
+    return config
+
+
+def _radio_layer_scales(tower):
+    """What vLLM leaves in ``ls1``/``ls2``: its ``load_weights`` skips them, so they keep the
+    value the layer set at construction (``initializer_factor``)."""
+    import torch
+
+    with torch.no_grad():
+        for layer in tower.model.encoder.layers:
+            layer.ls1.fill_(tower.config.initializer_factor)
+            layer.ls2.fill_(tower.config.initializer_factor)
+
+
+def _radio_sizes(grid):
+    """``imgs_sizes``: each image's (height, width) in pixels, a host list."""
+    return [(h * RADIO_PATCH, w * RADIO_PATCH) for t, h, w in grid]
+
+
+def _radio_encode(tower, x, imgs_sizes):
+    """Nemotron Nano VL's ``extract_feature_dynamic``, up to the tower: the pixels as
+    ``DynamicResolutionImageTiler.stack`` hands them over, one batch row holding every
+    image's patches; the features, not the summary."""
+    _, features = tower(x.unsqueeze(0), imgs_sizes=imgs_sizes)
+    return features
 
 
 class _Images(types.SimpleNamespace):
@@ -225,7 +277,9 @@ class Spec(types.SimpleNamespace):
     tower's argument), grid_on_device (whether vLLM sends it there), call (tower, x,
     grid_arg) -> output, grids (optional: the two forwards' grids, default ``GRIDS``),
     classes (optional: the vLLM classes, where cls is a constructor),
-    device_args (optional: grid_arg -> the tensors in it vLLM has on the device)."""
+    device_args (optional: grid_arg -> the tensors in it vLLM has on the device),
+    weights (optional: tower -> None, run after the random weights: what vLLM's loading
+    leaves that is not a checkpoint weight)."""
 
 
 CENSUS = {
@@ -267,16 +321,15 @@ CENSUS = {
                            grid_arg=lambda grid: [list(g) for g in grid], grid_on_device=False,
                            call=lambda tower, x, g: _cat(tower(x, grid_thw=g)), grids=IMAGE_GRIDS,
                            width=lambda tower: tower.embeddings.patch_embedding.weight[0].numel()),
+    "RADIO": Spec(module="vllm.model_executor.models.radio", cls="RadioModel", config=_radio_config, kwargs={},
+                  grid_arg=_radio_sizes, grid_on_device=False, call=_radio_encode, grids=IMAGE_GRIDS,
+                  weights=_radio_layer_scales,
+                  width=lambda tower: tower.model.patch_generator.embedder.weight[0].numel()),
 }
 
 # Towers in vLLM that reach MMEncoderAttention and are not in CENSUS: why (printed by the
 # census document as it is; nothing here is a measurement).
-NOT_MEASURED = {
-    "RADIO (RadioModel)": "not built (time box): its config (patch generator, CPE, registers) is "
-                          "larger than the others'; read in the wheel: cu_seqlens is built with "
-                          "torch.tensor(accumulate(host lengths), device=...) and max_seqlen kept on the "
-                          "host, so the attention's read is of numbers the host has",
-}
+NOT_MEASURED = {}
 
 _MODULES = {}
 # towers whose module this vLLM release has but cannot import here: {name: why}. A test that
@@ -325,6 +378,8 @@ def build(stack, name, attention_class=None, *, seed=0, dtype=None):
         cls = spec.cls(_MODULES[name]) if callable(spec.cls) else getattr(_MODULES[name], spec.cls)
         tower = cls(*configs, prefix="visual", **spec.kwargs)
     towers._init_weights(tower, seed)
+    if getattr(spec, "weights", None) is not None:
+        spec.weights(tower)
     tower.to(dtype or towers.hardware_dtype()).eval()
     return towers._route_custom_ops(tower, attention_class)
 

@@ -55,7 +55,7 @@ EXPECTED = {
 }
 
 
-# The towers beyond the first four (GLM-OCR, Keye-VL, PaddleOCR-VL, HunYuan-Vision): (upstream, shim) per forward, by vLLM release where they differ.
+# The towers beyond the first four (GLM-OCR, Keye-VL, PaddleOCR-VL, HunYuan-Vision, RADIO): (upstream, shim) per forward, by vLLM release where they differ.
 # None: the release has no module for the tower (checked, not skipped).
 EXPECTED_BY_RELEASE = {
     # 0 left: cu_seqlens is built on the host from the host grid (repeat_interleave) and copied
@@ -75,6 +75,12 @@ EXPECTED_BY_RELEASE = {
     # made; vllm.hunyuan_vision_host_lengths splits by the host tensor's (0). The attention runs per
     # image without cu_seqlens (no read upstream either).
     "HunYuan-Vision": {"0.26.0": ((1, 0), (1, 0)), "0.30.0": None},
+    # 1 left, the attention's (mm_encoder/common.py, host_values): with more than one image,
+    # radio.py's _inter_image_mask_metadata_from_seq_lens builds cu_seqlens with
+    # torch.tensor(accumulate(host seq_lens), device=...) (the 1 blocking copy, both sides),
+    # and vllm.mm_encoder_attn reads it back once per forward (upstream: once per layer, in
+    # _maybe_compute_cu_seqlens on A2). Numbers the host built; no patch keeps them yet.
+    "RADIO": {"0.26.0": ((3, 1), (3, 1)), "0.30.0": ((3, 1), (3, 1))},
 }
 
 # the releases the census measured, where vllm.mm_encoder_host_lengths applies
@@ -87,7 +93,7 @@ pytestmark = [pytest.mark.claimed("vllm.mm_encoder_host_lengths", pinned={"vllm"
 # vllm.mm_encoder_attn's reads of cu_seqlens per forward, where not 0: one per tensor (PaddleOCR-VL
 # encodes each image alone: one tensor per image, 2 images then 3).
 ATTENTION_READS = {"dots.ocr": (1, 1), "Ernie4.5-VL": (1, 1), "Keye-VL": (1, 1),
-                   "PaddleOCR-VL": (2, 3)}
+                   "PaddleOCR-VL": (2, 3), "RADIO": (1, 1)}
 
 
 @pytest.fixture(scope="module")
