@@ -5,7 +5,7 @@ Towers, stand-ins and calls: :mod:`npu_shim.testing.census` (vLLM's own
 ``HunYuanVisionTransformer`` from a tiny random config, 3 layers; CPU with emulated torch_npu
 ops and a stand-in device; two images per forward, as the tower takes images only). Here, for
 both device classes: 0 device->host reads per whole tower forward with the shim, upstream's
-1 beside it (vLLM's tower code, ``towers.upstream_methods``), output ``torch.equal`` to
+split read beside it (vLLM's tower code, ``towers.upstream_methods``), output ``torch.equal`` to
 upstream's and close to vLLM's TORCH_SDPA tower and a float64 copy
 (``npu_shim.testing.attention_f64``); the copy to the device is upstream's (same op, same
 arguments); a grid on the device goes to upstream's forward; the family's check accepts only
@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.claimed(PATCH_NAME), pytest.mark.patch(PATCH_NAME)]
 # floor); measured worst over the census towers (latest-vllm and vllm-0.30, benchmarks/results/
 # census-*.json): bfloat16 1.6e-2, float16 2.0e-3
 TOWER_TOL = {"bfloat16": 1e-1, "float16": 8e-3}
-UPSTREAM_READS = 1        # the tower's own .tolist() of its device cu_seqlens' differences
+UPSTREAM_SPLIT_READS = 1  # the tower's own .tolist() of its device cu_seqlens' differences
 
 
 def release():
@@ -66,18 +66,44 @@ def test_status_names_the_family(stack):
     assert found["family"] == claims.claimed_family(PATCH_NAME).name
 
 
+def _upstream_fails_too(stack, device_class, failure):
+    """Whether vLLM's own tower with vllm-ascend's untouched class fails as the shim's did."""
+    import torch
+
+    from npu_shim.testing import census, towers
+
+    tower = census.build(stack, TOWER, stack.upstream[device_class], dtype=towers.hardware_dtype(device_class))
+    grid = census.grids(0, TOWER)
+    with towers.upstream_methods(census._MODULES[TOWER]):
+        try:
+            census.call(TOWER, tower, stack.upstream[device_class], census.pixel_values(TOWER, tower, grid), grid)
+        except type(failure) as exc:
+            return str(exc) == str(failure)
+    return False
+
+
 def test_whole_tower_forward_reads_nothing_back(stack, device_class):
     from npu_shim.testing import census
 
-    runs = census.side_by_side(stack, TOWER, device_class)
+    try:
+        runs = census.side_by_side(stack, TOWER, device_class)
+    except RuntimeError as exc:
+        # vllm-ascend 0.14's 310P class returns HunYuan's attention output in another shape:
+        # not this patch's doing when upstream's own code fails the same way
+        assert _upstream_fails_too(stack, device_class, exc), exc
+        pytest.skip("vllm-ascend's %s attention fails on HunYuan-Vision's tower here, upstream's code "
+                    "as well: %s" % (device_class, exc))
     assert len(runs) == 2
     for run in runs:
         syncs, up_syncs = run.syncs, run.up_syncs
         print("%s vllm %s %s forward %d: upstream %s -> shim %s"
               % (TOWER, release(), device_class, run.index, up_syncs.summary(), syncs.summary()))
-        assert (up_syncs.count, syncs.count) == (UPSTREAM_READS, 0), \
-            (up_syncs.summary(), [str(e) for e in syncs.events])
-        assert [e.kind for e in up_syncs.events] == ["tolist"], up_syncs.summary()
+        assert syncs.count == 0, [str(e) for e in syncs.events]
+        # upstream's split read; the attention's own reads where vllm-ascend's release makes them
+        # (0.14: one per layer and image, which vllm.mm_encoder_attn removes)
+        split = [e for e in up_syncs.events if e.kind == "tolist" and e.location.endswith(" in forward")
+                 and "hunyuan_vision.py" in e.location]
+        assert len(split) == UPSTREAM_SPLIT_READS, up_syncs.summary()
         assert syncs.h2d_count == up_syncs.h2d_count == 0
         census.assert_matches_references(stack, TOWER, run, TOWER_TOL)
 

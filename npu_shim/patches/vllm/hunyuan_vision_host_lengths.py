@@ -20,9 +20,10 @@ How: ``forward`` is replaced, when the grid is on the host (the model hands the 
   parsed, docstring and comments left out, hashed).
 Window: read in the wheels: 0.13.0 .. 0.28.0 have the same ``forward`` body (one digest);
   0.29.0, 0.30.0 and 0.33.0 have no ``hunyuan_vision`` module. Run in every vllm lane from
-  vllm-0.13 to vllm-0.28 (transformers 5.5 - 5.13 gate ``AutoImageProcessor`` on torchvision,
+  vllm-0.14 to vllm-0.28 (transformers 5.5 - 5.13 gate ``AutoImageProcessor`` on torchvision,
   with which vLLM 0.19 - 0.25's HunYuan processor module registers at import: the census
-  stands in an import-only registry there, ``npu_shim.testing.towers``).
+  stands in an import-only registry there, ``npu_shim.testing.towers``). 0.13.0 is not
+  claimed: the census cannot build its towers (``outside_window``).
 Upstream fix: none.
 Remove when: the pinned vLLM is 0.29.0 or later (no ``hunyuan_vision`` module), or the tower
   splits by its host lengths.
@@ -98,14 +99,16 @@ PATCH = Patch(
     name="vllm.hunyuan_vision_host_lengths",
     target=TARGET,
     replaces=(FORWARD,),
-    requires={"vllm": ">=0.13.0,<0.29.0"},
-    outside_window={"vllm": "releases before 0.13.0 were not read for this patch; from 0.29.0 vLLM has no "
-                            "hunyuan_vision module (read in 0.29.0, 0.30.0, 0.33.0)"},
+    requires={"vllm": ">=0.14.0,<0.29.0"},
+    outside_window={"vllm": "0.13.0 has the same forward, but its towers cannot be built here (its "
+                            "MMEncoderAttention lives in vllm.attention.layers, which the census harness does "
+                            "not route): not run, not claimed; earlier releases were not read for this patch; "
+                            "from 0.29.0 vLLM has no hunyuan_vision module (read in 0.29.0, 0.30.0, 0.33.0)"},
     needs_npu=True,
     families=(
-        Family(("0.13.0", "0.14.1", "0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.1", "0.20.2", "0.21.0",
+        Family(("0.14.1", "0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.1", "0.20.2", "0.21.0",
                 "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1", "0.28.0"),
-               __name__ + ":HOST_SPLIT", fence=">=0.13.0,<0.29.0",
+               __name__ + ":HOST_SPLIT", fence=">=0.14.0,<0.29.0",
                keeps="upstream's tower ops in upstream's order; cu_seqlens.to(device=self.device, non_blocking=True)"),
     ),
     summary="HunYuan-Vision's tower splits its output by the host cu_seqlens it built instead of reading its "
