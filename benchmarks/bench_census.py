@@ -75,9 +75,10 @@ WHY = {
                       "is kept). vLLM 0.30.0 has no `hunyuan_vision` module.",
     "RADIO": "with more than one image in a dynamic-resolution batch, `_inter_image_mask_metadata_from_seq_lens` "
              "builds cu_seqlens with `torch.tensor(accumulate(seq_lens), device=...)` from the host `imgs_sizes` "
-             "(a blocking copy; `max_seqlen` stays on the host) and the attention reads it back once: numbers "
-             "the host built a line above. No existing patch keeps them (the copy is not "
-             "`maybe_recompute_cu_seqlens`'); one wrapping that method could. Tiled (fixed-resolution) inputs "
+             "(a blocking copy, kept; `max_seqlen` stays on the host); the copy is not "
+             "`maybe_recompute_cu_seqlens`', and `vllm.radio_host_lengths` wraps that method and keeps the "
+             "host lengths it was built from on the tensor it returns, so the attention reads nothing "
+             "(without it: 1 read, of numbers the host built a line above). Tiled (fixed-resolution) inputs "
              "and a single image pass no cu_seqlens (read in the wheel, not in this table).",
 }
 

@@ -8,6 +8,16 @@ import time
 TOLERANCE = {"bfloat16": 1e-1}
 
 
+def _layers(tower):
+    """The tower's layers: ``blocks`` or ``layers`` of the tower, or of its encoder (RADIO's
+    ``RadioModel`` keeps them at ``model.encoder.layers``)."""
+    for owner in (tower, getattr(tower, "encoder", None), getattr(getattr(tower, "model", None), "encoder", None)):
+        found = getattr(owner, "blocks", None) or getattr(owner, "layers", None)
+        if found is not None:
+            return found
+    raise AttributeError("%s: no blocks or layers found" % type(tower).__name__)
+
+
 def run_tower(name, patch_name, device=None):
     """One forward of census tower ``name`` with vllm-ascend's ``AscendMMEncoderAttention``
     (A2) in ``torch.inference_mode()``; the family reported is ``patch_name``'s."""
@@ -35,7 +45,7 @@ def run_tower(name, patch_name, device=None):
     seconds = time.perf_counter() - started
     tower.to("cpu")
     ref = census.reference_forward(stack, name, x, grid)
-    blocks = getattr(tower, "blocks", None) or tower.layers
+    blocks = _layers(tower)
     err = (out.double().cpu() - ref).abs().max().item() / ref.abs().max().item()
     from npu_shim.testing.errors import within
 

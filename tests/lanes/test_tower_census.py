@@ -7,9 +7,9 @@ Towers, stand-ins and how each is called: :mod:`npu_shim.testing.census`. A2, in
 ``torch.inference_mode()``, two forwards with different grids, each with a
 multi-frame item. The attention change reaches the ``cu_seqlens`` vLLM copies
 through ``MMEncoderAttention.maybe_recompute_cu_seqlens``, and the copies Qwen2-VL
-Qwen3-Omni's and GLM-OCR's vision towers make themselves (``vllm.qwen2_vl_host_lengths``,
-``vllm.qwen3_omni_vision_host_lengths``, ``vllm.glm_ocr_host_lengths``), and HunYuan-Vision's
-split of its output (``vllm.hunyuan_vision_host_lengths``); where a tower builds ``cu_seqlens`` on
+Qwen3-Omni's, GLM-OCR's and RADIO's vision towers make themselves (``vllm.qwen2_vl_host_lengths``,
+``vllm.qwen3_omni_vision_host_lengths``, ``vllm.glm_ocr_host_lengths``, ``vllm.radio_host_lengths``),
+and HunYuan-Vision's split of its output (``vllm.hunyuan_vision_host_lengths``); where a tower builds ``cu_seqlens`` on
 the device, vllm.mm_encoder_attn's one read per tensor per forward stays, and
 the counts below say so.
 
@@ -75,12 +75,12 @@ EXPECTED_BY_RELEASE = {
     # made; vllm.hunyuan_vision_host_lengths splits by the host tensor's (0). The attention runs per
     # image without cu_seqlens (no read upstream either).
     "HunYuan-Vision": {"0.26.0": ((1, 0), (1, 0)), "0.30.0": None},
-    # 1 left, the attention's (mm_encoder/common.py, host_values): with more than one image,
-    # radio.py's _inter_image_mask_metadata_from_seq_lens builds cu_seqlens with
-    # torch.tensor(accumulate(host seq_lens), device=...) (the 1 blocking copy, both sides),
-    # and vllm.mm_encoder_attn reads it back once per forward (upstream: once per layer, in
-    # _maybe_compute_cu_seqlens on A2). Numbers the host built; no patch keeps them yet.
-    "RADIO": {"0.26.0": ((3, 1), (3, 1)), "0.30.0": ((3, 1), (3, 1))},
+    # 0 left: with more than one image, radio.py's _inter_image_mask_metadata_from_seq_lens
+    # builds cu_seqlens with torch.tensor(accumulate(host seq_lens), device=...) (the 1 blocking
+    # copy, both sides); vllm.radio_host_lengths keeps the host lengths on that tensor, so the
+    # attention reads nothing (without it: 1, vllm.mm_encoder_attn's; upstream reads once per
+    # layer, in _maybe_compute_cu_seqlens on A2).
+    "RADIO": {"0.26.0": ((3, 0), (3, 0)), "0.30.0": ((3, 0), (3, 0))},
 }
 
 # the releases the census measured, where vllm.mm_encoder_host_lengths applies
@@ -88,12 +88,13 @@ CENSUS_RELEASES = sorted({release for rows in EXPECTED_BY_RELEASE.values() for r
 pytestmark = [pytest.mark.claimed("vllm.mm_encoder_host_lengths", pinned={"vllm": CENSUS_RELEASES}),
               pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn",
                                 "vllm.qwen2_vl_host_lengths", "vllm.qwen3_omni_vision_host_lengths",
-                                "vllm.glm_ocr_host_lengths", "vllm.hunyuan_vision_host_lengths")]
+                                "vllm.glm_ocr_host_lengths", "vllm.hunyuan_vision_host_lengths",
+                                "vllm.radio_host_lengths")]
 
 # vllm.mm_encoder_attn's reads of cu_seqlens per forward, where not 0: one per tensor (PaddleOCR-VL
 # encodes each image alone: one tensor per image, 2 images then 3).
 ATTENTION_READS = {"dots.ocr": (1, 1), "Ernie4.5-VL": (1, 1), "Keye-VL": (1, 1),
-                   "PaddleOCR-VL": (2, 3), "RADIO": (1, 1)}
+                   "PaddleOCR-VL": (2, 3)}
 
 
 @pytest.fixture(scope="module")
