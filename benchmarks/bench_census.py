@@ -3,6 +3,7 @@ every tower :mod:`npu_shim.testing.census` builds, and the site that sets the fl
 
     python benchmarks/bench_census.py [--lane LANE] [--device-class A2|310P ...]
     python benchmarks/bench_census.py --doc            # docs/towers.md from the results only
+    python benchmarks/bench_census.py --lane probe-NAME --probe "nox -s probe -- ..."   # a probe's venv
 
 Run in a lane venv (vLLM + vllm-ascend installed, npu-shim installed there). For each
 tower and device class it runs :func:`npu_shim.testing.census.side_by_side` (the shim's
@@ -17,6 +18,11 @@ measured, with date, machine and commit) and then regenerates ``docs/towers.md``
 ``census-*.json`` there: the document's figures are the last runs' figures, never typed
 in. ``--doc`` only regenerates the document. The prose on each tower (why a read stays)
 is :data:`WHY` below; the measured columns beside it are the run's.
+
+A probe (``nox -s probe -- ... --no-tests``: releases with no lane, perhaps no release pair)
+is measured the same way, run in the probe's venv with ``--probe "<the nox command that made
+the venv>"``: its result is marked so, and the document prints it in its own section after the
+lanes', titled as a probe, with that command and this one to reproduce it.
 """
 import argparse
 import datetime
@@ -156,18 +162,22 @@ def _commit():
     return head + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def write_result(lane, release, rows):
+def write_result(lane, release, rows, probe=None):
+    """``probe``: None for a lane, else {"venv": the command that made the probe's venv,
+    "census": the command that measured it, "versions": other releases in the venv}."""
     import platform
 
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, "census-%s.json" % lane)
     commit = _commit()       # before the file is opened: truncating it makes the tree "uncommitted"
+    result = {"lane": lane, "release": release, "rows": rows, "commit": commit,
+              "ran": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "machine": "%s, %d cores, Python %s" % (platform.system(), os.cpu_count() or 0,
+                                                      platform.python_version())}
+    if probe is not None:
+        result["probe"] = probe
     with open(path, "w") as handle:
-        json.dump({"lane": lane, "release": release, "rows": rows, "commit": commit,
-                   "ran": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                   "machine": "%s, %d cores, Python %s" % (platform.system(), os.cpu_count() or 0,
-                                                           platform.python_version())},
-                  handle, indent=1, sort_keys=True)
+        json.dump(result, handle, indent=1, sort_keys=True)
         handle.write("\n")
     return path
 
@@ -218,30 +228,65 @@ from (read, not run):
 """
 
 
+PROBE_NOTE = """\
+A probe, not a lane: vLLM %(vllm)s with vllm-ascend %(ascend)s's attention, a pairing no release
+makes (vllm-ascend %(ascend)s pairs with another vLLM; no vllm-ascend release pairs with vLLM
+%(vllm)s yet). Upstream is vllm-ascend %(ascend)s's untouched class over vLLM %(vllm)s's towers;
+the shim side has every patch that applies in that venv. Other releases in the venv: %(versions)s.
+No CI lane runs this; to reproduce it from a checkout (the first command makes `.nox/probe`
+and prints which family of each patch applies there):
+
+    %(venv)s
+    %(census)s
+"""
+
+
+def _version_key(text):
+    """"0.30.0" -> (0, 30, 0): releases in order (0.100 after 0.33)."""
+    return tuple(int(part) if part.isdigit() else 0 for part in text.split("+")[0].split("."))
+
+
+def _table(out, result):
+    """One result's section: its title, when and where it ran, its table."""
+    release = result["release"]
+    probe = result.get("probe")
+    if probe:
+        out.append("## Probe: vLLM %s over vllm-ascend %s (no release pair; `%s`)\n" % (
+            release["vllm"], release["vllm-ascend"], result["lane"]))
+        out.append(PROBE_NOTE % {"vllm": release["vllm"], "ascend": release["vllm-ascend"],
+                                 "versions": ", ".join("%s %s" % kv for kv in sorted(probe["versions"].items())),
+                                 "venv": probe["venv"], "census": probe["census"]})
+    else:
+        out.append("## vLLM %s + vllm-ascend %s (lane `%s`)\n" % (
+            release["vllm"], release["vllm-ascend"], result["lane"]))
+    out.append("Ran %s on %s, at commit %s.\n" % (result["ran"], result["machine"], result["commit"]))
+    out.append("| tower (vLLM class) | device class | forward 0 | forward 1 | blocking H2D | ok | "
+                "error vs float64 (worst) | the shim's reads, by site (forward 0) |")
+    out.append("|---|---|---|---|---|---|---|---|")
+    for row in result["rows"]:
+        if row.get("absent"):
+            out.append("| %s (`%s`) | %s | not in this release | | | | | |"
+                       % (row["tower"], row["class"], row["device_class"]))
+            continue
+        f = row["forwards"]
+        sites = "; ".join("`%s` x%d" % kv for kv in f[0]["shim_sites"].items()) or "none"
+        out.append("| %s (`%s`) | %s | %d -> %d | %d -> %d | %d -> %d | %s | %.1e (tol %.0e, %s) | %s |" % (
+            row["tower"], row["class"], row["device_class"], f[0]["upstream"], f[0]["shim"],
+            f[1]["upstream"], f[1]["shim"], max(x["upstream_h2d"] for x in f),
+            max(x["shim_h2d"] for x in f), "yes" if all(x["ok"] for x in f) else "**no**",
+            max(x["err_vs_float64"] for x in f), f[0]["tolerance"], f[0]["dtype"], sites))
+    out.append("")
+
+
 def render(results):
     from npu_shim.testing import census
 
     out = [INTRO]
-    for result in sorted(results, key=lambda r: r["release"]["vllm"]):
-        out.append("## vLLM %s + vllm-ascend %s (lane `%s`)\n" % (
-            result["release"]["vllm"], result["release"]["vllm-ascend"], result["lane"]))
-        out.append("Ran %s on %s, at commit %s.\n" % (result["ran"], result["machine"], result["commit"]))
-        out.append("| tower (vLLM class) | device class | forward 0 | forward 1 | blocking H2D | ok | "
-                   "error vs float64 (worst) | the shim's reads, by site (forward 0) |")
-        out.append("|---|---|---|---|---|---|---|---|")
-        for row in result["rows"]:
-            if row.get("absent"):
-                out.append("| %s (`%s`) | %s | not in this release | | | | | |"
-                           % (row["tower"], row["class"], row["device_class"]))
-                continue
-            f = row["forwards"]
-            sites = "; ".join("`%s` x%d" % kv for kv in f[0]["shim_sites"].items()) or "none"
-            out.append("| %s (`%s`) | %s | %d -> %d | %d -> %d | %d -> %d | %s | %.1e (tol %.0e, %s) | %s |" % (
-                row["tower"], row["class"], row["device_class"], f[0]["upstream"], f[0]["shim"],
-                f[1]["upstream"], f[1]["shim"], max(x["upstream_h2d"] for x in f),
-                max(x["shim_h2d"] for x in f), "yes" if all(x["ok"] for x in f) else "**no**",
-                max(x["err_vs_float64"] for x in f), f[0]["tolerance"], f[0]["dtype"], sites))
-        out.append("")
+    key = lambda r: _version_key(r["release"]["vllm"])  # noqa: E731
+    for result in sorted((r for r in results if not r.get("probe")), key=key):
+        _table(out, result)
+    for result in sorted((r for r in results if r.get("probe")), key=key):
+        _table(out, result)
     out.append("## What remains, and why\n")
     for name in census.CENSUS:
         out.append("- **%s**: %s" % (name, WHY.get(name, "(no note)")))
@@ -269,14 +314,29 @@ def main(argv=None):
     parser.add_argument("--lane", help="write benchmarks/results/census-LANE.json and docs/towers.md")
     parser.add_argument("--device-class", action="append", choices=("A2", "310P"))
     parser.add_argument("--doc", action="store_true", help="only regenerate docs/towers.md from the results")
-    args = parser.parse_args(argv)
+    parser.add_argument("--probe", metavar="COMMAND",
+                        help="this venv is a probe's, made by COMMAND (nox -s probe -- ...): the result is "
+                             "marked as a probe and docs/towers.md prints it in its own section")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.doc:
         print("wrote %s" % write_doc())
         return 0
+    if args.probe and not (args.lane or "").startswith("probe-"):
+        parser.error("--probe needs --lane probe-<name> (a probe's results are named apart from the lanes')")
     release, rows = measure(args.device_class or ["A2"])
     print_table(release, rows)
     if args.lane:
-        print("wrote %s" % write_result(args.lane, release, rows))
+        probe = None
+        if args.probe:
+            import shlex
+            from importlib.metadata import version
+
+            # the probe's venv is always .nox/probe (noxfile.py, probe())
+            census = shlex.join([os.path.join(".nox", "probe", "bin", "python"), "benchmarks/bench_census.py",
+                                 *(sys.argv[1:] if argv is None else argv)])
+            probe = {"venv": args.probe, "census": census,
+                     "versions": {dist: version(dist) for dist in ("torch", "transformers", "tokenizers")}}
+        print("wrote %s" % write_result(args.lane, release, rows, probe))
         print("wrote %s" % write_doc())
     failed = [r["tower"] for r in rows if not r.get("absent") and not all(f["ok"] for f in r["forwards"])]
     if failed:
