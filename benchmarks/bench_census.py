@@ -73,12 +73,26 @@ WHY = {
                     "and the attention reads cu_seqlens, which `encode_image` built on the host and copied, "
                     "once; 0.26.0 also reads the rotary table's `pids.max() + 1` and copies with a blocking "
                     "`.to` (3 per image). Measured: `encode_image` per image, without the projector "
-                    "(`mlp_AR`) `_process_image_input` applies after it. The grid read sets the floor.",
+                    "(`mlp_AR`) `_process_image_input` applies after it. The grid read sets the floor. "
+                    "0.33.0 (probe) encodes every image in one call: `_process_image_input` runs as "
+                    "upstream's with the grid where its field config puts it (`keep_on_cpu`: the host, "
+                    "so its `.tolist()` reads nothing); `encode_image` builds cu_seqlens with NumPy and "
+                    "the tower copies it (`async_tensor_h2d`), and the attention reads that copy once: "
+                    "no patch keeps the host array on this tower's copy (as `vllm.qwen2_vl_host_lengths` "
+                    "does for Qwen2-VL's).",
     "HunYuan-Vision": "the attention runs per image with no cu_seqlens (no read, upstream or shim); the "
                       "tower copies its host cu_seqlens to the device and then `.tolist()`s the "
                       "differences to split its output: 1 read of numbers the host built a few lines "
                       "above (`split_lengths`). Only a patch of the tower's `forward` removes it. "
-                      "vLLM 0.30.0 has no `hunyuan_vision` module.",
+                      "vLLM 0.30.0 and 0.33.0 have no `hunyuan_vision` module.",
+    "MuseSpark": "vLLM 0.33.0's NaViT (`vllm/models/muse_spark/common/vision.py`), measured with one "
+                 "window-attention layer among three. The model hands it a list of device images whose "
+                 "sizes the host knows; the tower builds cu_seqlens (and, for window layers, the window "
+                 "cu_seqlens) with `torch.tensor(host list, device=...)` (the blocking copies), and the "
+                 "attention reads each tensor once (upstream: once per layer). For window layers it also "
+                 "reads a boolean-mask shape per image (`_get_sparse_attention_perm`) and `.tolist()`s the "
+                 "device window lengths. Every one of these is of numbers the host has: only a patch of "
+                 "the tower's `forward` removes them.",
 }
 
 
@@ -225,6 +239,12 @@ from (read, not run):
 - Built on the device from the grid or sizes (no host record to use): Isaac, Siglip2-NaViT,
   MiMo-V2-Omni's vision tower, openPangu-VL (plus `.item()` for windows), LFM2's Siglip2.
 - Audio encoders, out of scope: FunASR, Fun-Audio-Chat, Qwen3-Omni's audio tower.
+
+vLLM 0.33.0 (the probe) against 0.30.0: one more `MMEncoderAttention` user, MuseSpark's NaViT
+(`vllm/models/muse_spark/common/vision.py`, measured above); `lilicorr.py` names the class only in
+a comment (its lattice attention does not use it); every other file that names it is one of
+0.30.0's (GLM-5-Next's multimodal module moved from `models/glm5next/nvidia/` to `common/`), and
+where their `cu_seqlens` comes from was not re-read for 0.33.0.
 """
 
 
