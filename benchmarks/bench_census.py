@@ -149,6 +149,21 @@ def measure(device_classes):
     return release, rows
 
 
+def patch_states():
+    """What each patch does in this venv, as ``npu-shim status --import`` says it (targets
+    imported the way the lanes' status imports them): [{name, state, family, reason}], the
+    patches of frameworks that are not installed left out."""
+    import contextlib
+
+    from npu_shim import _startup
+    from npu_shim.testing.towers import targets_importable
+
+    with targets_importable(), contextlib.redirect_stdout(sys.stderr):
+        rows = _startup.engine().status(import_targets=True)
+    return [{key: row.get(key) for key in ("name", "state", "family", "reason")} for row in rows
+            if not (row.get("reason") or "").startswith("not installed")]
+
+
 def print_table(release, rows):
     print("vllm %s + vllm-ascend %s" % (release["vllm"], release["vllm-ascend"]))
     print("%-18s %-5s %-10s %-10s %-8s %-5s %s" % ("tower", "class", "forward 0", "forward 1", "h2d", "ok",
@@ -280,6 +295,15 @@ def _table(out, result):
         out.append("## vLLM %s + vllm-ascend %s (lane `%s`)\n" % (
             release["vllm"], release["vllm-ascend"], result["lane"]))
     out.append("Ran %s on %s, at commit %s.\n" % (result["ran"], result["machine"], result["commit"]))
+    if probe and probe.get("patches"):
+        out.append("What each patch does in the probe's venv (`npu-shim status --import`, asked by the run "
+                   "after it measured; a patch skipped here is a fix this pairing would not get):\n")
+        out.append("| patch | state (family) | reason |")
+        out.append("|---|---|---|")
+        for row in probe["patches"]:
+            out.append("| `%s` | %s | %s |" % (row["name"], row["state"] + (" (`%s`)" % row["family"] if row.get("family")
+                                                                          else ""), row["reason"] or "-"))
+        out.append("")
     out.append("| tower (vLLM class) | device class | forward 0 | forward 1 | blocking H2D | ok | "
                 "error vs float64 (worst) | the shim's reads, by site (forward 0) |")
     out.append("|---|---|---|---|---|---|---|---|")
@@ -354,7 +378,7 @@ def main(argv=None):
             # the probe's venv is always .nox/probe (noxfile.py, probe())
             census = shlex.join([os.path.join(".nox", "probe", "bin", "python"), "benchmarks/bench_census.py",
                                  *(sys.argv[1:] if argv is None else argv)])
-            probe = {"venv": args.probe, "census": census,
+            probe = {"venv": args.probe, "census": census, "patches": patch_states(),
                      "versions": {dist: version(dist) for dist in ("torch", "transformers", "tokenizers")}}
         print("wrote %s" % write_result(args.lane, release, rows, probe))
         print("wrote %s" % write_doc())
