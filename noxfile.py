@@ -161,6 +161,19 @@ def _requirement_name(line):
     return re.split(r"[=<>!~ \[;@]", line, 1)[0].lower().replace("_", "-").replace(".", "-")
 
 
+def requirement_lines(path):
+    """The lines of the pin file ``path`` with its ``-r`` includes inlined, comments cut."""
+    lines = []
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            line = line.split(" #", 1)[0].strip()
+            if line.startswith("-r "):
+                lines += requirement_lines(os.path.join(os.path.dirname(path), line[3:].strip()))
+            else:
+                lines.append(line)
+    return lines
+
+
 def lane_requirements(lane, directory, swap=None):
     """The lane's requirements as one file ``directory``/requirements.txt for ``uv pip install
     -r``: includes inlined, each pin of a "# Thin:" dist replaced by the path of its thin wheel
@@ -169,18 +182,7 @@ def lane_requirements(lane, directory, swap=None):
     there instead (the probe). Returns the file's path."""
     swap = {_requirement_name(name): line for name, line in (swap or {}).items()}
     thin = {_requirement_name(name) for name in lane["thin"]}
-    lines = []
-
-    def read(path):
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                line = line.split(" #", 1)[0].strip()
-                if line.startswith("-r "):
-                    read(os.path.join(os.path.dirname(path), line[3:].strip()))
-                elif _requirement_name(line) not in swap:
-                    lines.append(line)
-
-    read(lane["path"])
+    lines = [line for line in requirement_lines(lane["path"]) if _requirement_name(line) not in swap]
     lines += swap.values()
     pinned = {_requirement_name(line): line for line in lines if _requirement_name(line)}
     for name in sorted(thin):
@@ -441,10 +443,28 @@ def probe(session):
     own build makes, lanes/sdist.py) and its framework (vllm-ascend: the vLLM its own versioning policy names,
     unless given), plus the other pins of the nearest lane (the lane standing for the newest
     release not newer than it); prints ``npu-shim status --import`` (which family of each patch
-    applies, or every family's reason), then runs that lane's tests (NPU_SHIM_LANE=<lane>)."""
-    if not session.posargs:
-        session.error("usage: nox -s probe -- vllm-ascend==<version> [vllm==<version>] | sglang==<version>")
-    pins = dict(arg.split("==", 1) for arg in session.posargs)
+    applies, or every family's reason), then runs that lane's tests (NPU_SHIM_LANE=<lane>).
+
+    After the first pin, more ``name==version`` pins replace the lane's pins of those dists (a
+    framework whose release needs newer transformers, tokenizers, ...); ``-r _file.txt`` (a pin
+    include under lanes/) replaces the lane's pins of every dist it pins and adds the rest (a
+    torch build: ``-r _torch-2.14.0-cuda-bare.txt``); ``--no-tests`` stops after the status (the
+    venv is then there for a benchmark, e.g. ``.nox/probe/bin/python benchmarks/bench_census.py
+    --lane probe-... --probe``)."""
+    args = list(session.posargs)
+    run_tests = "--no-tests" not in args
+    args = [arg for arg in args if arg != "--no-tests"]
+    includes = []
+    while "-r" in args:
+        at = args.index("-r")
+        if at + 1 >= len(args):
+            session.error("-r needs a pin include under lanes/, e.g. -r _torch-2.14.0-cuda-bare.txt")
+        includes.append(os.path.join(LANES_DIR, args[at + 1]))
+        del args[at:at + 2]
+    if not args or any("==" not in arg for arg in args):
+        session.error("usage: nox -s probe -- vllm-ascend==<version> [vllm==<version>] | sglang==<version> "
+                      "[name==<version> ...] [-r _include.txt] [--no-tests]")
+    pins = dict(arg.split("==", 1) for arg in args)
     dist = next(iter(pins))
     version = pins[dist]
     lane_name = nearest_lane(dist, version)
@@ -480,17 +500,28 @@ def probe(session):
             sdists.append("%s==%s" % (name, pinned))
             session.log("probe: %s %s has no wheel here: built from its sdist", name, pinned)
     leave_out = {name: "" for name in pins if name not in wheels}
+    # pins of the includes first: the pins given one by one win over them
+    swap = {}
+    for path in includes:
+        swap.update((_requirement_name(line), line) for line in requirement_lines(path) if _requirement_name(line))
+        session.log("probe: the pins of %s replace the lane's", os.path.relpath(path, HERE))
+    swap.update((_requirement_name(name), line) for name, line in dict(leave_out, **wheels).items())
     requirements = lane_requirements(dict(lane, thin=[t for t in lane["thin"] if t not in leave_out], sdist=sdists),
-                                     venv, swap=dict(leave_out, **wheels))
+                                     venv, swap=swap)
     session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", *uv_source_args(),
                 "-r", requirements, external=True)
     session.run(*uv, "pip", "install", "--quiet", "--python", python, "--no-deps", ".", external=True)
 
     env = dict(KIND_ENV[lane["kind"]], PYTHONDONTWRITEBYTECODE="")
     name = "probe-%s-%s" % (dist, version)
+    if not run_tests:
+        session.run(python, os.path.join("lanes", "report.py"), "status", "--lane", name, env=env, external=True)
+        return
+    # The lane's declared skips are the probe's too (a patch out for the lane's release is out for a newer one).
     session.run(python, os.path.join("lanes", "report.py"), "run", "--lane", name, "--tests-of", lane_name,
-                "--out", os.path.join(REPORTS, "..", "probe-reports", name), "--", "-q", "-p", "no:cacheprovider",
-                env=env, external=True)
+                "--out", os.path.join(REPORTS, "..", "probe-reports", name),
+                *[argument for text in lane["expected_skips"] for argument in ("--expected-skip", text)],
+                "--", "-q", "-p", "no:cacheprovider", env=env, external=True)
 
 
 # The mutation session: each gate shown to fail on the defect it exists for. A mutant is one

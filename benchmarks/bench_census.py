@@ -3,6 +3,7 @@ every tower :mod:`npu_shim.testing.census` builds, and the site that sets the fl
 
     python benchmarks/bench_census.py [--lane LANE] [--device-class A2|310P ...]
     python benchmarks/bench_census.py --doc            # docs/towers.md from the results only
+    python benchmarks/bench_census.py --lane probe-NAME --probe "nox -s probe -- ..."   # a probe's venv
 
 Run in a lane venv (vLLM + vllm-ascend installed, npu-shim installed there). For each
 tower and device class it runs :func:`npu_shim.testing.census.side_by_side` (the shim's
@@ -17,6 +18,11 @@ measured, with date, machine and commit) and then regenerates ``docs/towers.md``
 ``census-*.json`` there: the document's figures are the last runs' figures, never typed
 in. ``--doc`` only regenerates the document. The prose on each tower (why a read stays)
 is :data:`WHY` below; the measured columns beside it are the run's.
+
+A probe (``nox -s probe -- ... --no-tests``: releases with no lane, perhaps no release pair)
+is measured the same way, run in the probe's venv with ``--probe "<the nox command that made
+the venv>"``: its result is marked so, and the document prints it in its own section after the
+lanes', titled as a probe, with that command and this one to reproduce it.
 """
 import argparse
 import datetime
@@ -67,12 +73,18 @@ WHY = {
                     "and the attention reads cu_seqlens, which `encode_image` built on the host and copied, "
                     "once; 0.26.0 also reads the rotary table's `pids.max() + 1` and copies with a blocking "
                     "`.to` (3 per image). Measured: `encode_image` per image, without the projector "
-                    "(`mlp_AR`) `_process_image_input` applies after it. The grid read sets the floor.",
+                    "(`mlp_AR`) `_process_image_input` applies after it. The grid read sets the floor. "
+                    "0.33.0 (probe) encodes every image in one call: `_process_image_input` runs as "
+                    "upstream's with the grid where its field config puts it (`keep_on_cpu`: the host, "
+                    "so its `.tolist()` reads nothing); `encode_image` builds cu_seqlens with NumPy and "
+                    "the tower copies it (`async_tensor_h2d`), and the attention reads that copy once: "
+                    "no patch keeps the host array on this tower's copy (as `vllm.qwen2_vl_host_lengths` "
+                    "does for Qwen2-VL's).",
     "HunYuan-Vision": "the attention runs per image with no cu_seqlens (no read, upstream or shim); "
                       "upstream copies its host cu_seqlens to the device and then `.tolist()`s the "
                       "differences of the copy to split its output (1 read of numbers the host built); "
                       "`vllm.hunyuan_vision_host_lengths` splits by the host tensor's differences (the copy "
-                      "is kept). vLLM 0.30.0 has no `hunyuan_vision` module.",
+                      "is kept). vLLM 0.30.0 and 0.33.0 have no `hunyuan_vision` module.",
     "RADIO": "with more than one image in a dynamic-resolution batch, `_inter_image_mask_metadata_from_seq_lens` "
              "builds cu_seqlens with `torch.tensor(accumulate(seq_lens), device=...)` from the host `imgs_sizes` "
              "(a blocking copy, kept; `max_seqlen` stays on the host); the copy is not "
@@ -80,6 +92,14 @@ WHY = {
              "host lengths it was built from on the tensor it returns, so the attention reads nothing "
              "(without it: 1 read, of numbers the host built a line above). Tiled (fixed-resolution) inputs "
              "and a single image pass no cu_seqlens (read in the wheel, not in this table).",
+    "MuseSpark": "vLLM 0.33.0's NaViT (`vllm/models/muse_spark/common/vision.py`), measured with one "
+                 "window-attention layer among three. The model hands it a list of device images whose "
+                 "sizes the host knows; the tower builds cu_seqlens (and, for window layers, the window "
+                 "cu_seqlens) with `torch.tensor(host list, device=...)` (the blocking copies), and the "
+                 "attention reads each tensor once (upstream: once per layer). For window layers it also "
+                 "reads a boolean-mask shape per image (`_get_sparse_attention_perm`) and `.tolist()`s the "
+                 "device window lengths. Every one of these is of numbers the host has: only a patch of "
+                 "the tower's `forward` removes them.",
 }
 
 
@@ -136,6 +156,21 @@ def measure(device_classes):
     return release, rows
 
 
+def patch_states():
+    """What each patch does in this venv, as ``npu-shim status --import`` says it (targets
+    imported the way the lanes' status imports them): [{name, state, family, reason}], the
+    patches of frameworks that are not installed left out."""
+    import contextlib
+
+    from npu_shim import _startup
+    from npu_shim.testing.towers import targets_importable
+
+    with targets_importable(), contextlib.redirect_stdout(sys.stderr):
+        rows = _startup.engine().status(import_targets=True)
+    return [{key: row.get(key) for key in ("name", "state", "family", "reason")} for row in rows
+            if not (row.get("reason") or "").startswith("not installed")]
+
+
 def print_table(release, rows):
     print("vllm %s + vllm-ascend %s" % (release["vllm"], release["vllm-ascend"]))
     print("%-18s %-5s %-10s %-10s %-8s %-5s %s" % ("tower", "class", "forward 0", "forward 1", "h2d", "ok",
@@ -163,18 +198,22 @@ def _commit():
     return head + (" + uncommitted changes" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
-def write_result(lane, release, rows):
+def write_result(lane, release, rows, probe=None):
+    """``probe``: None for a lane, else {"venv": the command that made the probe's venv,
+    "census": the command that measured it, "versions": other releases in the venv}."""
     import platform
 
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, "census-%s.json" % lane)
     commit = _commit()       # before the file is opened: truncating it makes the tree "uncommitted"
+    result = {"lane": lane, "release": release, "rows": rows, "commit": commit,
+              "ran": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+              "machine": "%s, %d cores, Python %s" % (platform.system(), os.cpu_count() or 0,
+                                                      platform.python_version())}
+    if probe is not None:
+        result["probe"] = probe
     with open(path, "w") as handle:
-        json.dump({"lane": lane, "release": release, "rows": rows, "commit": commit,
-                   "ran": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-                   "machine": "%s, %d cores, Python %s" % (platform.system(), os.cpu_count() or 0,
-                                                           platform.python_version())},
-                  handle, indent=1, sort_keys=True)
+        json.dump(result, handle, indent=1, sort_keys=True)
         handle.write("\n")
     return path
 
@@ -222,33 +261,83 @@ from (read, not run):
 - Built on the device from the grid or sizes (no host record to use): Isaac, Siglip2-NaViT,
   MiMo-V2-Omni's vision tower, openPangu-VL (plus `.item()` for windows), LFM2's Siglip2.
 - Audio encoders, out of scope: FunASR, Fun-Audio-Chat, Qwen3-Omni's audio tower.
+
+vLLM 0.33.0 (the probe) against 0.30.0: one more `MMEncoderAttention` user, MuseSpark's NaViT
+(`vllm/models/muse_spark/common/vision.py`, measured above); `lilicorr.py` names the class only in
+a comment (its lattice attention does not use it); every other file that names it is one of
+0.30.0's (GLM-5-Next's multimodal module moved from `models/glm5next/nvidia/` to `common/`), and
+where their `cu_seqlens` comes from was not re-read for 0.33.0.
 """
+
+
+PROBE_NOTE = """\
+A probe, not a lane: vLLM %(vllm)s with vllm-ascend %(ascend)s's attention, a pairing no release
+makes (vllm-ascend %(ascend)s pairs with another vLLM; no vllm-ascend release pairs with vLLM
+%(vllm)s yet). Upstream is vllm-ascend %(ascend)s's untouched class over vLLM %(vllm)s's towers;
+the shim side has every patch that applies in that venv. Other releases in the venv: %(versions)s.
+No CI lane runs this; to reproduce it from a checkout (the first command makes `.nox/probe`
+and prints which family of each patch applies there):
+
+    %(venv)s
+    %(census)s
+"""
+
+
+def _version_key(text):
+    """"0.30.0" -> (0, 30, 0): releases in order (0.100 after 0.33)."""
+    return tuple(int(part) if part.isdigit() else 0 for part in text.split("+")[0].split("."))
+
+
+def _table(out, result):
+    """One result's section: its title, when and where it ran, its table."""
+    release = result["release"]
+    probe = result.get("probe")
+    if probe:
+        out.append("## Probe: vLLM %s over vllm-ascend %s (no release pair; `%s`)\n" % (
+            release["vllm"], release["vllm-ascend"], result["lane"]))
+        out.append(PROBE_NOTE % {"vllm": release["vllm"], "ascend": release["vllm-ascend"],
+                                 "versions": ", ".join("%s %s" % kv for kv in sorted(probe["versions"].items())),
+                                 "venv": probe["venv"], "census": probe["census"]})
+    else:
+        out.append("## vLLM %s + vllm-ascend %s (lane `%s`)\n" % (
+            release["vllm"], release["vllm-ascend"], result["lane"]))
+    out.append("Ran %s on %s, at commit %s.\n" % (result["ran"], result["machine"], result["commit"]))
+    if probe and probe.get("patches"):
+        out.append("What each patch does in the probe's venv (`npu-shim status --import`, asked by the run "
+                   "after it measured; a patch skipped here is a fix this pairing would not get):\n")
+        out.append("| patch | state (family) | reason |")
+        out.append("|---|---|---|")
+        for row in probe["patches"]:
+            out.append("| `%s` | %s | %s |" % (row["name"], row["state"] + (" (`%s`)" % row["family"] if row.get("family")
+                                                                          else ""), row["reason"] or "-"))
+        out.append("")
+    out.append("| tower (vLLM class) | device class | forward 0 | forward 1 | blocking H2D | ok | "
+                "error vs float64 (worst) | the shim's reads, by site (forward 0) |")
+    out.append("|---|---|---|---|---|---|---|---|")
+    for row in result["rows"]:
+        if row.get("absent"):
+            out.append("| %s (`%s`) | %s | not in this release | | | | | |"
+                       % (row["tower"], row["class"], row["device_class"]))
+            continue
+        f = row["forwards"]
+        sites = "; ".join("`%s` x%d" % kv for kv in f[0]["shim_sites"].items()) or "none"
+        out.append("| %s (`%s`) | %s | %d -> %d | %d -> %d | %d -> %d | %s | %.1e (tol %.0e, %s) | %s |" % (
+            row["tower"], row["class"], row["device_class"], f[0]["upstream"], f[0]["shim"],
+            f[1]["upstream"], f[1]["shim"], max(x["upstream_h2d"] for x in f),
+            max(x["shim_h2d"] for x in f), "yes" if all(x["ok"] for x in f) else "**no**",
+            max(x["err_vs_float64"] for x in f), f[0]["tolerance"], f[0]["dtype"], sites))
+    out.append("")
 
 
 def render(results):
     from npu_shim.testing import census
 
     out = [INTRO]
-    for result in sorted(results, key=lambda r: r["release"]["vllm"]):
-        out.append("## vLLM %s + vllm-ascend %s (lane `%s`)\n" % (
-            result["release"]["vllm"], result["release"]["vllm-ascend"], result["lane"]))
-        out.append("Ran %s on %s, at commit %s.\n" % (result["ran"], result["machine"], result["commit"]))
-        out.append("| tower (vLLM class) | device class | forward 0 | forward 1 | blocking H2D | ok | "
-                   "error vs float64 (worst) | the shim's reads, by site (forward 0) |")
-        out.append("|---|---|---|---|---|---|---|---|")
-        for row in result["rows"]:
-            if row.get("absent"):
-                out.append("| %s (`%s`) | %s | not in this release | | | | | |"
-                           % (row["tower"], row["class"], row["device_class"]))
-                continue
-            f = row["forwards"]
-            sites = "; ".join("`%s` x%d" % kv for kv in f[0]["shim_sites"].items()) or "none"
-            out.append("| %s (`%s`) | %s | %d -> %d | %d -> %d | %d -> %d | %s | %.1e (tol %.0e, %s) | %s |" % (
-                row["tower"], row["class"], row["device_class"], f[0]["upstream"], f[0]["shim"],
-                f[1]["upstream"], f[1]["shim"], max(x["upstream_h2d"] for x in f),
-                max(x["shim_h2d"] for x in f), "yes" if all(x["ok"] for x in f) else "**no**",
-                max(x["err_vs_float64"] for x in f), f[0]["tolerance"], f[0]["dtype"], sites))
-        out.append("")
+    key = lambda r: _version_key(r["release"]["vllm"])  # noqa: E731
+    for result in sorted((r for r in results if not r.get("probe")), key=key):
+        _table(out, result)
+    for result in sorted((r for r in results if r.get("probe")), key=key):
+        _table(out, result)
     out.append("## What remains, and why\n")
     for name in census.CENSUS:
         out.append("- **%s**: %s" % (name, WHY.get(name, "(no note)")))
@@ -277,14 +366,29 @@ def main(argv=None):
     parser.add_argument("--lane", help="write benchmarks/results/census-LANE.json and docs/towers.md")
     parser.add_argument("--device-class", action="append", choices=("A2", "310P"))
     parser.add_argument("--doc", action="store_true", help="only regenerate docs/towers.md from the results")
-    args = parser.parse_args(argv)
+    parser.add_argument("--probe", metavar="COMMAND",
+                        help="this venv is a probe's, made by COMMAND (nox -s probe -- ...): the result is "
+                             "marked as a probe and docs/towers.md prints it in its own section")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     if args.doc:
         print("wrote %s" % write_doc())
         return 0
+    if args.probe and not (args.lane or "").startswith("probe-"):
+        parser.error("--probe needs --lane probe-<name> (a probe's results are named apart from the lanes')")
     release, rows = measure(args.device_class or ["A2"])
     print_table(release, rows)
     if args.lane:
-        print("wrote %s" % write_result(args.lane, release, rows))
+        probe = None
+        if args.probe:
+            import shlex
+            from importlib.metadata import version
+
+            # the probe's venv is always .nox/probe (noxfile.py, probe())
+            census = shlex.join([os.path.join(".nox", "probe", "bin", "python"), "benchmarks/bench_census.py",
+                                 *(sys.argv[1:] if argv is None else argv)])
+            probe = {"venv": args.probe, "census": census, "patches": patch_states(),
+                     "versions": {dist: version(dist) for dist in ("torch", "transformers", "tokenizers")}}
+        print("wrote %s" % write_result(args.lane, release, rows, probe))
         print("wrote %s" % write_doc())
     failed = [r["tower"] for r in rows if not r.get("absent") and not all(f["ok"] for f in r["forwards"])]
     if failed:

@@ -324,10 +324,16 @@ def _on_device(spec, arg, device):
 
     from npu_shim.testing import census
 
-    if getattr(spec, "device_args", None) is not None:          # PaddleOCR-VL's per-image inputs
+    if getattr(spec, "device_args", None) is not None:          # PaddleOCR-VL's inputs
+        if isinstance(arg, census._Images):                      # per image (0.26.0, 0.30.0)
+            if device == "cuda":
+                arg = census._Images(grid=arg.grid.cuda(), sizes=arg.sizes)
+            return arg, list(spec.device_args(arg))
+        if not spec.device_args(arg):                            # the grid kept on the host (0.33.0)
+            return arg, []
         if device == "cuda":
-            arg = census._Images(grid=arg.grid.cuda(), sizes=arg.sizes)
-        return arg, list(spec.device_args(arg))
+            arg = arg.cuda()
+        return arg, [arg]
     if not spec.grid_on_device:
         return arg, []
     if isinstance(arg, tuple):

@@ -503,6 +503,20 @@ def cmd_run(args):
     return 1 if problems else 0
 
 
+def cmd_status(args):
+    """Only the status of a venv (a probe's, ``nox -s probe -- ... --no-tests``): the lane
+    table's patch columns, no tests."""
+    env = dict(os.environ, NPU_SHIM_EMULATE="1", VLLM_CONFIGURE_LOGGING="0")
+    rows, status_problem = patch_status(env)
+    print("=== %s: status only, no tests ===" % args.lane)
+    if status_problem:
+        print("patch status unavailable: %s" % status_problem)
+        return 1
+    print(lane_table({"patches": rows, "tests_per_patch": {}}))
+    print(STATUS_NOTE)
+    return 0
+
+
 def cmd_summary(args):
     lanes = args.lanes or (sorted(os.listdir(args.reports)) if os.path.isdir(args.reports) else [])
     summaries, missing = [], []
@@ -623,6 +637,9 @@ def main(argv=None):
                      help="a text every skip message must contain one of (the pin file's '# Expected skip:')")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: arguments for pytest")
     run.set_defaults(func=cmd_run)
+    status = sub.add_parser("status", help="only the patch status of this venv, no tests (a probe's)")
+    status.add_argument("--lane", required=True, help="the name the table is printed under")
+    status.set_defaults(func=cmd_status)
     summary = sub.add_parser("summary", help="one table over every lane summary under REPORTS")
     summary.add_argument("reports")
     summary.add_argument("lanes", nargs="*", help="lanes to include (default: every report found)")

@@ -27,10 +27,13 @@ multimodal field config puts it:
 * Keye-VL (``KeyeSiglipVisionModel`` and its ``Projector``): the model's own
   ``_process_image_input`` with every image's pixels in one tensor and the grid, both on
   the device (``flat_from_sizes`` and ``batched``); images only;
-* PaddleOCR-VL (``SiglipVisionModel`` of ``paddleocr_vl``): the model's own ``encode_image``
-  runs once per image on that image's pixels and grid row, both on the device (its field
-  config is ``batched`` without ``keep_on_cpu``); images only. The projector
-  (``mlp_AR``) the model applies afterwards is not run;
+* PaddleOCR-VL (``SiglipVisionModel`` of ``paddleocr_vl``): where ``encode_image`` takes one
+  image's grid row as a tensor (0.26.0, 0.30.0), it runs once per image on that image's pixels
+  and grid row, both on the device (0.26.0's field config is ``batched`` without
+  ``keep_on_cpu``); where it takes every image's grid as host tuples (0.33.0), the model's own
+  ``_process_image_input`` runs on all images at once (pixels ``flat_from_sizes`` on the
+  device, the grid where the field config puts it, read from the config at run time). Images
+  only. The projector (``mlp_AR``) the model applies afterwards is not run;
 * HunYuan-Vision (``HunYuanVisionTransformer``): ``image_grid_thw`` is ``keep_on_cpu``
   and the model hands the tower ``grid_thw.tolist()``, a list. Images only (the tower
   splits its sequence by ``h * w`` per item), so its grids are single-frame.
@@ -49,6 +52,7 @@ prints it).
 """
 import importlib
 import importlib.util
+import inspect
 import types
 
 from npu_shim.testing import towers
@@ -182,6 +186,31 @@ def _radio_encode(tower, x, imgs_sizes):
     return features
 
 
+def _muse_spark_vision_config():
+    from vllm.transformers_utils.configs.muse_spark import MuseSparkVisionConfig
+
+    # Head dim 80; an 8x8 learned position grid (sampled at each patch's position); layers
+    # full, window, full (a window layer makes the tower build its sparse cu_seqlens too).
+    return MuseSparkVisionConfig(hidden_size=160, intermediate_size=256, num_attention_heads=2, num_hidden_layers=3,
+                                 layer_types=["full_attention", "window_attention", "full_attention"],
+                                 patch_size=14, patch_temporal=2, merge_size=2, pos_emb_height=8, pos_emb_width=8,
+                                 layer_norm_eps=1e-5, hidden_act="gelu",
+                                 rope_parameters={"rope_type": "axial", "rope_theta": 10000.0})
+
+
+def _muse_spark_images(tower, x, grid):
+    """MuseSpark's model hands its NaViT a list of ``[C, H, W]`` images on the device (sizes are
+    the images' own shapes, known to the host): here each image is made of its patches' rows of
+    ``x`` (patch order as the tower unfolds it) and the tower is called on the list."""
+    p = tower.patch_height
+    images, start = [], 0
+    for _, h, w in grid:
+        rows = x[start:start + h * w]
+        start += h * w
+        images.append(rows.reshape(h, w, 3, p, p).permute(2, 0, 3, 1, 4).reshape(3, h * p, w * p))
+    return tower(images)
+
+
 class _Images(types.SimpleNamespace):
     """Per-image inputs as vLLM's batched field config hands them to a model: ``grid`` (the
     grid tensor, sent to the device) and ``sizes`` (each image's patch count: vLLM batches
@@ -229,19 +258,61 @@ def _keye_encode(tower, x, grid):
     return torch.cat(list(base._process_image_input(tower, image_input)))
 
 
-def _paddleocr_vl_encode(tower, x, images):
-    """PaddleOCR-VL's model: ``_process_image_input`` calls its own ``encode_image`` once per
-    image with that image's pixels ``(patches, 3, p, p)`` and its grid row, both on the device
-    (``MultiModalFieldConfig.batched("image")``). Run here as upstream's method on a holder
-    whose only attribute is the tower (``self.visual``, all the method reads of ``self``)."""
+def _paddleocr_vl_one_call():
+    """True where PaddleOCR-VL's ``encode_image`` takes every image's grid as host tuples
+    (``image_grid_thw: list[tuple[int, int, int]]``) and encodes all images in one tower call
+    (vLLM 0.33.0); False where it takes one image's grid row, a tensor (0.26.0, 0.30.0)."""
+    model = _MODULES["PaddleOCR-VL"].PaddleOCRVLForConditionalGeneration
+    annotation = inspect.signature(model.encode_image).parameters["image_grid_thw"].annotation
+    return str(annotation).startswith("list")
+
+
+def _paddleocr_vl_grid_on_cpu():
+    """Whether PaddleOCR-VL's multimodal field config keeps ``image_grid_thw`` on the host
+    (``keep_on_cpu``), read from upstream's own ``_get_mm_fields_config``."""
+    import torch
+    from transformers import BatchFeature
+
+    processor = _MODULES["PaddleOCR-VL"].PaddleOCRVLMultiModalProcessor
+    fields = processor._get_mm_fields_config(None, BatchFeature({"image_grid_thw": torch.tensor([[1, 2, 2]])}), {})
+    return bool(getattr(fields["image_grid_thw"].field, "keep_on_cpu", False))
+
+
+def _paddleocr_vl_grid(grid):
+    """Per image (:func:`_per_image`) where ``encode_image`` runs once per image, else the grid tensor."""
+    return _host_tensor(grid) if _paddleocr_vl_one_call() else _per_image(grid)
+
+
+def _paddleocr_vl_device_args(arg):
+    if isinstance(arg, _Images):
+        return [arg.grid]      # 0.26.0, 0.30.0: on the device, as before
+    return [] if _paddleocr_vl_grid_on_cpu() else [arg]
+
+
+def _paddleocr_vl_encode(tower, x, arg):
+    """PaddleOCR-VL's model, as the installed release encodes images.
+
+    Per image (``arg`` an :class:`_Images`): ``_process_image_input`` calls its own ``encode_image``
+    once per image with that image's pixels ``(patches, 3, p, p)`` and its grid row, both on the
+    device. Run here as upstream's method on a holder whose only attribute is the tower
+    (``self.visual``, all the method reads of ``self``).
+
+    All at once (``arg`` the grid tensor): upstream's own ``_process_image_input`` on a holder
+    with the tower (``visual``), upstream's ``encode_image`` bound to it, and the projector
+    ``mlp_AR`` left out (the holder's returns the tower's per-image outputs as they are)."""
     import torch
 
-    encode_image = _MODULES["PaddleOCR-VL"].PaddleOCRVLForConditionalGeneration.encode_image
-    holder = types.SimpleNamespace(visual=tower)
+    model = _MODULES["PaddleOCR-VL"].PaddleOCRVLForConditionalGeneration
     p = tower.vision_model.embeddings.patch_size
+    if not isinstance(arg, _Images):
+        holder = types.SimpleNamespace(visual=tower, mlp_AR=lambda outputs, image_grid_thw: outputs)
+        holder.encode_image = types.MethodType(model.encode_image, holder)
+        image_input = types.SimpleNamespace(pixel_values=x.reshape(x.shape[0], -1, p, p), image_grid_thw=arg)
+        return torch.cat(list(model._process_image_input(holder, image_input)))
+    holder = types.SimpleNamespace(visual=tower)
     outs = []
-    for pixels, row in zip(x.split(images.sizes), images.grid):
-        outs.append(encode_image(holder, pixels.reshape(pixels.shape[0], -1, p, p), row).squeeze(0))
+    for pixels, row in zip(x.split(arg.sizes), arg.grid):
+        outs.append(model.encode_image(holder, pixels.reshape(pixels.shape[0], -1, p, p), row).squeeze(0))
     return torch.cat(outs)
 
 
@@ -313,8 +384,8 @@ CENSUS = {
                     grid_arg=_host_tensor, grid_on_device=True, call=_keye_encode, grids=IMAGE_GRIDS,
                     width=lambda tower: tower.visual.vision_model.embeddings.patch_embedding.weight[0].numel()),
     "PaddleOCR-VL": Spec(module="vllm.model_executor.models.paddleocr_vl", cls="SiglipVisionModel",
-                         config=_paddleocr_vl_config, kwargs={}, grid_arg=_per_image, grid_on_device=True,
-                         device_args=lambda images: [images.grid], call=_paddleocr_vl_encode, grids=IMAGE_GRIDS,
+                         config=_paddleocr_vl_config, kwargs={}, grid_arg=_paddleocr_vl_grid, grid_on_device=True,
+                         device_args=_paddleocr_vl_device_args, call=_paddleocr_vl_encode, grids=IMAGE_GRIDS,
                          width=lambda tower: tower.vision_model.embeddings.patch_embedding.weight[0].numel()),
     "HunYuan-Vision": Spec(module="vllm.model_executor.models.hunyuan_vision", cls="HunYuanVisionTransformer",
                            config=_hunyuan_vision_config, kwargs={},
@@ -325,6 +396,10 @@ CENSUS = {
                   grid_arg=_radio_sizes, grid_on_device=False, call=_radio_encode, grids=IMAGE_GRIDS,
                   weights=_radio_layer_scales,
                   width=lambda tower: tower.model.patch_generator.embedder.weight[0].numel()),
+    "MuseSpark": Spec(module="vllm.models.muse_spark.common.vision", cls="NaViT", config=_muse_spark_vision_config,
+                      kwargs={"projector_hidden_size": 64}, grid_arg=lambda grid: [list(g) for g in grid],
+                      grid_on_device=False, call=_muse_spark_images, grids=IMAGE_GRIDS,
+                      width=lambda tower: 3 * tower.patch_height * tower.patch_width),
 }
 
 # Towers in vLLM that reach MMEncoderAttention and are not in CENSUS: why (printed by the
@@ -337,6 +412,15 @@ _MODULES = {}
 UNIMPORTABLE = {}
 
 
+def _has_module(name):
+    """Whether the installed release has module ``name`` (False too where a parent package is
+    missing: ``vllm.models.muse_spark`` before 0.33.0, ``vllm.models`` itself in older releases)."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ModuleNotFoundError:
+        return False
+
+
 def setup():
     """:func:`towers.setup`, then the census towers' modules imported the same way."""
     stack = towers.setup()
@@ -346,7 +430,7 @@ def setup():
 
         with set_current_vllm_config(stack.config), towers.placeholder_torchvision():
             for name, spec in CENSUS.items():
-                if importlib.util.find_spec(spec.module) is None:
+                if not _has_module(spec.module):
                     continue        # a tower this vLLM release does not have
                 try:
                     _MODULES[name] = importlib.import_module(spec.module)
