@@ -284,9 +284,11 @@ def _paddleocr_vl_grid(grid):
 
 
 def _paddleocr_vl_device_args(arg):
-    if isinstance(arg, _Images):
-        return [arg.grid]      # 0.26.0, 0.30.0: on the device, as before
-    return [] if _paddleocr_vl_grid_on_cpu() else [arg]
+    """The grid on the device where upstream's field config puts it there (0.26.0), on the host
+    where it is ``keep_on_cpu`` (0.30.0, 0.33.0)."""
+    if _paddleocr_vl_grid_on_cpu():
+        return []
+    return [arg.grid] if isinstance(arg, _Images) else [arg]
 
 
 def _paddleocr_vl_encode(tower, x, arg):

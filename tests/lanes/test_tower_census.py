@@ -68,9 +68,11 @@ EXPECTED_BY_RELEASE = {
     # reads max(position ids) for the rotary table and slices the output with device
     # cu_seqlens[i] (2 per image).
     "Keye-VL": {"0.26.0": ((18, 16), (25, 23)), "0.30.0": ((12, 10), (16, 14))},
-    # Per image: encode_image reads the device grid row (.tolist()) and the attention reads the
-    # per-image cu_seqlens once; 0.26 also reads max(position ids) for the rotary table.
-    "PaddleOCR-VL": {"0.26.0": ((10, 6), (15, 9)), "0.30.0": ((8, 4), (12, 6))},
+    # Per image: the attention reads the per-image cu_seqlens once (built on the host by
+    # encode_image and copied); 0.26 also reads the device grid row (.tolist(): its field config
+    # sends the grid to the device; 0.30's keeps it on the host) and max(position ids) for the
+    # rotary table.
+    "PaddleOCR-VL": {"0.26.0": ((10, 6), (15, 9)), "0.30.0": ((6, 2), (9, 3))},
     # Upstream's 1, the tower's own: (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() of the copy it just
     # made; vllm.hunyuan_vision_host_lengths splits by the host tensor's (0). The attention runs per
     # image without cu_seqlens (no read upstream either).
