@@ -12,11 +12,6 @@ arguments); a grid on the device goes to upstream's forward; the family's check 
 the body the replacement was written from; the disable switch brings the read back with the
 same output; strict mode raises on a body the family does not know.
 """
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
 from npu_shim.patch import FamilyContext
@@ -68,8 +63,6 @@ def test_status_names_the_family(stack):
 
 def _upstream_fails_too(stack, device_class, failure):
     """Whether vLLM's own tower with vllm-ascend's untouched class fails as the shim's did."""
-    import torch
-
     from npu_shim.testing import census, towers
 
     tower = census.build(stack, TOWER, stack.upstream[device_class], dtype=towers.hardware_dtype(device_class))
@@ -201,39 +194,17 @@ def test_the_check_accepts_only_the_body_it_was_written_from(stack):
         patch.HOST_SPLIT.check(module, FamilyContext(PATCH_NAME))
 
 
-DISABLED_CODE = """
-import torch, npu_shim
-from npu_shim.testing import census
-s = census.setup(); a = s.attention['A2']
-t = census.build(s, %r, a)
-g = census.grids(0, %r); x = census.pixel_values(%r, t, g)
-out, c = census.call(%r, t, a, x, g)
-print([r['state'] for r in npu_shim.status() if r['name'] == %r][0], c.count)
-torch.save(out, %r)
-"""
-
-
 @pytest.mark.claimed(PATCH_NAME, per_family=True)
 def test_disabled_the_read_comes_back(stack, tmp_path):
     """With the patch disabled (NPU_SHIM_DISABLE) the tower reads its split sizes back again,
     with the same output: what the patch removes."""
     import torch
 
-    outputs = {}
-    for disabled in (True, False):
-        path = str(tmp_path / ("out_%d.pt" % disabled))
-        env = dict(os.environ)
-        env.pop("NPU_SHIM_DISABLE", None)
-        if disabled:
-            env["NPU_SHIM_DISABLE"] = PATCH_NAME
-        code = DISABLED_CODE % (TOWER, TOWER, TOWER, TOWER, PATCH_NAME, path)
-        proc = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        outputs[disabled] = (proc.stdout.strip().splitlines()[-1], path)
-    assert outputs[True][0] == "disabled 1"
-    assert outputs[False][0] == "applied 0"
-    assert torch.equal(torch.load(outputs[True][1]), torch.load(outputs[False][1]))
+    from npu_shim.testing import switches
+
+    runs = switches.census_tower_disabled_and_applied(TOWER, PATCH_NAME, tmp_path)
+    assert (runs[True][0], runs[False][0]) == ("disabled 1", "applied 0")
+    assert torch.equal(runs[True][1], runs[False][1])
 
 
 STRICT_CODE = """
@@ -252,14 +223,6 @@ print(json.dumps([row["state"], row["reason"], hasattr(vars(m.HunYuanVisionTrans
 @pytest.mark.claimed(PATCH_NAME, per_family=True)
 @pytest.mark.parametrize("strict", ["0", "1"])
 def test_another_body_inside_the_window_skips_or_raises_in_strict_mode(stack, strict):
-    env = dict(os.environ, NPU_SHIM_STRICT=strict)
-    env.pop("NPU_SHIM_DISABLE", None)
-    proc = subprocess.run([sys.executable, "-P", "-c", STRICT_CODE], env=env, capture_output=True, text=True,
-                          timeout=300)
-    if strict == "1":
-        assert proc.returncode != 0
-        assert "PatchError" in proc.stderr and "0123456789ab" in proc.stderr, proc.stderr[-2000:]
-    else:
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        state, reason, patched = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert state == "skipped" and "not the body" in reason and not patched, (state, reason)
+    from npu_shim.testing import switches
+
+    switches.assert_skipped_or_raised(STRICT_CODE, strict, token="0123456789ab", reason="not the body")
