@@ -280,6 +280,26 @@ def test_to_with_copy_is_followed_like_any_to():
     assert syncs.h2d_count == 1
 
 
+def test_to_the_device_of_a_tensor_already_there_returns_the_tensor_itself():
+    """On a device, ``t.to(t.device)`` (``non_blocking`` or not, same dtype) is ``t`` itself:
+    what code attached to ``t`` (vLLM's towers move a ``cu_seqlens`` they copied once more) is
+    still there. The stand-in does the same; a dtype change, ``copy=True`` or a host tensor
+    still gives a new tensor."""
+    cu = _dev(0, 3, 7).to(torch.int32)
+    with count_host_syncs(device_tensors=[cu], follow_placement=True) as syncs:
+        assert cu.to(device=cu.device, non_blocking=True) is cu
+        assert cu.to(cu.device) is cu and cu.to(cu.device, torch.int32) is cu
+        assert cu.to(cu) is cu
+        widened = cu.to(cu.device, torch.int64)
+        copied = cu.to(cu.device, copy=True)
+        assert widened is not cu and copied is not cu
+        (widened + copied).tolist()                                   # both on the device
+        host = torch.arange(3)
+        assert host.to(cu.device, non_blocking=True) is not host
+    assert [e.kind for e in syncs.events] == ["tolist"]
+    assert syncs.h2d_count == 0
+
+
 # The calibration of benchmarks/bench_cuda_syncs.py: single operations on a device tensor, each
 # with what CUDA's sync-debug mode reported for it on an H100 (benchmarks/results/cuda-syncs.txt,
 # column "cuda"), as (device->host reads, blocking host->device copies) on the CPU stand-in.

@@ -63,7 +63,8 @@ device=d)``, ``torch.zeros(n, device=d)``) or moved to it (``.to(d)``,
 device tensor; ``.to("cpu")`` / ``.cpu()`` is a read; tensors made from host
 data or by factories without a device (``torch.from_numpy``,
 ``torch.tensor(list)``, ``torch.arange(n)``) are host tensors, even under
-``cpu_is_device``. (Off by default: code that keys a cache on the device
+``cpu_is_device``. ``.to(d)`` of a tensor already on the device (same dtype, no
+``copy=True``) is that tensor itself, as on a device, so what code attached to it stays. (Off by default: code that keys a cache on the device
 would see a second device.) Whatever the setting, a copy of host data to the device
 that is not ``non_blocking=True`` (``.to(d)``, ``.cuda()``,
 ``torch.tensor(data, device=d)``, ``t.new_tensor(data)``, ``dev.copy_(host)``)
@@ -320,7 +321,7 @@ class _SyncMode(TorchFunctionMode):
         try:
             self._host_argument_reads(func, args, kwargs)
             transfer_out = self._classify(func, args, kwargs)
-            result = func(*args, **kwargs)
+            result = this if transfer_out == "itself" else func(*args, **kwargs)
         finally:
             c._frames.pop()
         if transfer_out == "host" and result is this and was_device:
@@ -336,7 +337,7 @@ class _SyncMode(TorchFunctionMode):
         if transfer_out == "device":
             c.mark_device(*[o for o in outputs if o.device.type == "cpu"])
             return result
-        if transfer_out == "keep":
+        if transfer_out in ("keep", "itself"):
             return result
         inputs = [x for x in tree_flatten((args, kwargs))[0] if isinstance(x, torch.Tensor)]
         if any(c.is_device(x) for x in _placing(c, inputs)):
@@ -380,7 +381,7 @@ class _SyncMode(TorchFunctionMode):
         if func is _T.to:
             # _parse_to knows Tensor.to's placement arguments, not copy= (vLLM 0.31 passes it)
             placement = {key: value for key, value in kwargs.items() if key != "copy"}
-            device, _dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **placement)
+            device, _dtype, non_blocking, _format = torch._C._nn._parse_to(*args[1:], **placement)
             other = args[1] if len(args) > 1 else kwargs.get("other")
             if isinstance(other, torch.Tensor) and device is not None \
                     and device.type == "cpu" and c.is_device(other):   # .to(device stand-in)
@@ -391,6 +392,10 @@ class _SyncMode(TorchFunctionMode):
                 if c.is_device(this):
                     c._record("to")
                 return "host"
+            if c.is_device(this) and this.device.type == "cpu" and kwargs.get("copy") is not True \
+                    and (_dtype is None or _dtype == this.dtype) \
+                    and (_format is None or _format == torch.preserve_format):
+                return "itself"          # on the device already: a device's .to returns the tensor
             if not c.is_device(this) and not non_blocking:
                 c._record_h2d()
             return "device"
