@@ -57,7 +57,7 @@ import types
 
 from npu_shim.testing import towers
 
-__all__ = ["CENSUS", "build", "call", "grids", "pixel_values", "reference_forward", "setup"]
+__all__ = ["CENSUS", "build", "call", "device_args", "grids", "pixel_values", "reference_forward", "setup"]
 
 # Two forwards with different grids, each with a multi-frame item (t > 1); h, w multiples of 2
 # (the 2x2 merge) and at most 12 (Qwen3-Omni's learned 8x8 position grid is interpolated).
@@ -522,6 +522,15 @@ def assert_matches_references(stack, name, run, tolerance):
     towers.assert_near_references("tower (census)", run.out, ref, run.sdpa, tolerance)
 
 
+def device_args(name, arg):
+    """The tensors in tower ``name``'s grid argument ``arg`` (:attr:`Spec.grid_arg`'s) that vLLM
+    has on the device: where its multimodal field config puts them."""
+    spec = CENSUS[name]
+    if getattr(spec, "device_args", None) is not None:
+        return list(spec.device_args(arg))
+    return list(arg) if isinstance(arg, tuple) else [arg] if spec.grid_on_device else []
+
+
 def call(name, tower, attention_class, x, grid):
     """One whole tower forward in ``torch.inference_mode()`` with ``attention_class``
     registered, device->host reads counted: (output, counter)."""
@@ -531,12 +540,8 @@ def call(name, tower, attention_class, x, grid):
 
     spec = CENSUS[name]
     arg = spec.grid_arg(grid)
-    if getattr(spec, "device_args", None) is not None:
-        device = [x] + list(spec.device_args(arg))
-    else:
-        device = [x] + (list(arg) if isinstance(arg, tuple) else [arg] if spec.grid_on_device else [])
     with torch.inference_mode(), towers.registered(attention_class):
-        with count_host_syncs(device_tensors=device, device_modules=[tower]) as syncs:
+        with count_host_syncs(device_tensors=[x] + device_args(name, arg), device_modules=[tower]) as syncs:
             out = spec.call(tower, x, arg)
     return out, syncs
 
