@@ -33,6 +33,7 @@ BUILTIN_PATCHES = (
     ("sglang.vision_host_lengths", "npu_shim.patches.sglang.vision_host_lengths"),
     ("sglang.vision_device_lengths", "npu_shim.patches.sglang.vision_device_lengths"),
     ("sglang.qwen2_5_vl_host_lengths", "npu_shim.patches.sglang.qwen2_5_vl_host_lengths"),
+    ("sglang.qwen2_5_vl_rotary_ids", "npu_shim.patches.sglang.qwen2_5_vl_rotary_ids"),
     ("sglang.glm4v_host_lengths", "npu_shim.patches.sglang.glm4v_host_lengths"),
     ("sglang.qwen3_vl_host_lengths", "npu_shim.patches.sglang.qwen3_vl_host_lengths"),
 )

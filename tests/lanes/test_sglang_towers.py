@@ -17,12 +17,12 @@ expected counts are built from the sites that read:
   (Qwen3-VL; upstream) -> 0 (``sglang.qwen3_vl_host_lengths`` hands it the host lengths the tower
   built; ``sglang.vision_device_lengths`` alone makes it 1 per forward), 0 on host lengths; from
   0.5.16, 1 per metadata object (``.item()``) + 1 per layer (upstream) -> 0 (shim);
-* blocking host->device copies, upstream: Qwen2.5-VL 4 and GLM-4V 1 (the towers' own), Qwen3-VL 0;
-  with the shim 0 (the tower patches copy with ``non_blocking=True``); and, upstream and shim
-  alike, Qwen2.5-VL's ``rot_pos_emb``, which indexes the device rotary table with the position ids
+* blocking host->device copies, upstream: Qwen2.5-VL 4 and GLM-4V 1 (the towers' own), Qwen3-VL 0,
+  and Qwen2.5-VL's ``rot_pos_emb``, which indexes the device rotary table with the position ids
   it built on the host (``rotary_pos_emb_full[pos_ids]``: the index goes over first, blocking; the
-  tower patches leave ``rot_pos_emb`` as it is). The counter counts that copy since it was
-  checked against CUDA (benchmarks/results/cuda-syncs.txt, "host index into a device tensor").
+  counter counts that copy since it was checked against CUDA, benchmarks/results/cuda-syncs.txt,
+  "host index into a device tensor"); with the shim 0 (the tower patches copy with
+  ``non_blocking=True``, ``sglang.qwen2_5_vl_rotary_ids`` the position ids too).
 
 Outputs: ``torch.equal`` to upstream's (the same ops on the same data), and within tolerance of the
 float64 tower (same weights rounded to the dtype, attention ``attention_f64``): relative error
@@ -40,10 +40,11 @@ DEVICE = "sglang.vision_device_lengths"
 QWEN2_5_VL = "sglang.qwen2_5_vl_host_lengths"
 GLM4V = "sglang.glm4v_host_lengths"
 QWEN3_VL = "sglang.qwen3_vl_host_lengths"        # 0.5.11 - 0.5.15
+QWEN2_5_VL_ROTARY = "sglang.qwen2_5_vl_rotary_ids"
 TOWER_PATCH = {"Qwen2.5-VL": QWEN2_5_VL, "GLM-4V": GLM4V, "Qwen3-VL": QWEN3_VL}
 
-pytestmark = [pytest.mark.claimed(HOST, DEVICE, QWEN2_5_VL, GLM4V, QWEN3_VL),
-              pytest.mark.patch(HOST, DEVICE, QWEN2_5_VL, GLM4V, QWEN3_VL)]
+pytestmark = [pytest.mark.claimed(HOST, DEVICE, QWEN2_5_VL, GLM4V, QWEN3_VL, QWEN2_5_VL_ROTARY),
+              pytest.mark.patch(HOST, DEVICE, QWEN2_5_VL, GLM4V, QWEN3_VL, QWEN2_5_VL_ROTARY)]
 
 DEPTH = {"Qwen2.5-VL": 4, "Qwen3-VL": 3, "GLM-4V": 3}
 METADATA_OBJECTS = {"Qwen2.5-VL": 2, "Qwen3-VL": 1, "GLM-4V": 1}     # window + full; one
@@ -70,7 +71,7 @@ def tower_reads(name, grid, upstream):
 
 
 def h2d(name, upstream):
-    return (H2D_UPSTREAM[name] if upstream else 0) + H2D_ROTARY_INDEX.get(name, 0)
+    return H2D_UPSTREAM[name] + H2D_ROTARY_INDEX.get(name, 0) if upstream else 0
 
 
 def attention_reads(name, upstream):
