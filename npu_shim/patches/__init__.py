@@ -19,6 +19,7 @@ BUILTIN_PATCHES = (
     ("vllm.qwen3_omni_vision_host_lengths", "npu_shim.patches.vllm.qwen3_omni_vision_host_lengths"),
     ("vllm.kimi_vl_host_grid", "npu_shim.patches.vllm.kimi_vl_host_grid"),
     ("vllm.glm4_1v_host_lengths", "npu_shim.patches.vllm.glm4_1v_host_lengths"),
+    ("vllm.glm4_1v_rotary_ids", "npu_shim.patches.vllm.glm4_1v_rotary_ids"),
     ("vllm.glm_ocr_host_lengths", "npu_shim.patches.vllm.glm_ocr_host_lengths"),
     ("vllm.hunyuan_vision_host_lengths", "npu_shim.patches.vllm.hunyuan_vision_host_lengths"),
     ("vllm.radio_host_lengths", "npu_shim.patches.vllm.radio_host_lengths"),

@@ -24,9 +24,10 @@ def run(device=None):
     return run_tower(TOWER, PATCH_NAME, device)
 
 
-def run_tower(name, patch_name, device=None):
+def run_tower(name, patch_name, device=None, blocking_copies=False):
     """One forward of tower ``name`` (``towers.TOWERS``), as :func:`run` describes; the family
-    reported is ``patch_name``'s."""
+    reported is ``patch_name``'s. ``blocking_copies``: the host synchronisations counted are the
+    device->host reads and the blocking host->device copies together."""
     import torch
 
     from npu_shim import status
@@ -53,11 +54,24 @@ def run_tower(name, patch_name, device=None):
     from npu_shim.testing.errors import within
 
     within("selftest tower vs float64", err, TOLERANCE["bfloat16"], torch.bfloat16)
+    counted = "device->host reads and blocking host->device copies" if blocking_copies else "device->host reads"
     return {
         "max_rel_err": err,
         "tolerance": TOLERANCE["bfloat16"],
-        "host_syncs": syncs.count,
+        "host_syncs": syncs.count + (syncs.h2d_count if blocking_copies else 0),
         "seconds": seconds,
         "detail": "vLLM %s vision tower (%d blocks), grid %s, bfloat16 on %s, family %s; error relative "
-                  "to max |reference|" % (name, len(tower.blocks), grid, device, family),
+                  "to max |reference|; host syncs counted: %s" % (name, len(tower.blocks), grid, device, family,
+                                                                  counted),
     }
+
+
+def run_synchronisations(device=None, tower=None, patch=None):
+    """The selftest of a patch that removes a blocking host->device copy from tower ``tower``
+    (``Selftest(..., arguments={"tower": ...})``): one forward as :func:`run`'s, its host
+    synchronisations being the device->host reads and the blocking host->device copies together
+    (0 where every patch serving the tower applies)."""
+    from npu_shim.selftest import applied_target
+
+    applied_target(patch)
+    return run_tower(tower, patch, device, blocking_copies=True)

@@ -295,24 +295,28 @@ def upstream_code(stack, name):
 
 @contextlib.contextmanager
 def upstream_methods(module):
-    """vLLM's own code of ``module`` in the block: every method of the classes it defines that
-    a patch replaced (the replacement names it in ``__wrapped_upstream__``) is put back, and the
-    replacement restored after."""
-    saved = []
+    """vLLM's own code of ``module`` in the block: every method that a patch replaced (the
+    replacement names it in ``__wrapped_upstream__``) of the classes the module defines and of
+    their bases (GLM-OCR's tower runs GLM-4.1V's ``rot_pos_emb``), and every module-level
+    function of ``module`` a patch replaced (PaddleOCR-VL's ``async_tensor_h2d``), is put back,
+    and the replacement restored after."""
+    owners = [module]
     for cls in vars(module).values():
-        if not isinstance(cls, type) or cls.__module__ != module.__name__:
-            continue
-        for attr, value in list(vars(cls).items()):
+        if isinstance(cls, type) and cls.__module__ == module.__name__:
+            owners.extend(base for base in cls.__mro__ if base not in owners and base is not object)
+    saved = []
+    for owner in owners:
+        for attr, value in list(vars(owner).items()):
             function = value.__func__ if isinstance(value, (classmethod, staticmethod)) else value
             original = getattr(function, "__wrapped_upstream__", None)
             if original is not None:
-                saved.append((cls, attr, value))
-                setattr(cls, attr, type(value)(original) if function is not value else original)
+                saved.append((owner, attr, value))
+                setattr(owner, attr, type(value)(original) if function is not value else original)
     try:
         yield
     finally:
-        for cls, attr, value in reversed(saved):
-            setattr(cls, attr, value)
+        for owner, attr, value in reversed(saved):
+            setattr(owner, attr, value)
 
 
 def _init_weights(model, seed):

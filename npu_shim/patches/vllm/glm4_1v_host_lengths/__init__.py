@@ -37,7 +37,9 @@ How: every number is already on the host; the families change only where the
   ``npu_shim.testing.count_host_syncs``): 0 reads per forward with
   ``vllm.mm_encoder_attn`` and ``vllm.mm_encoder_host_lengths`` (upstream:
   13-14), and 0 blocking host->device copies (upstream: 3 on 0.18.0, 1 on
-  0.22.1, 12 on 0.26.0).
+  0.22.1, 12 on 0.26.0) outside ``rot_pos_emb``, whose 2 on 0.18.0 .. 0.21.0
+  (the host position ids indexing the device cos/sin tables) are
+  ``vllm.glm4_1v_rotary_ids``'s.
 Window: read in the wheels: 0.18.0 (lane vllm-0.18); 0.19.1, 0.20.2, 0.21.0,
   0.22.1 (lane vllm-0.22), 0.23.0; 0.26.0 (lane latest-vllm), 0.27.1. 0.28.0,
   0.29.0 and 0.30.0 (lane vllm-0.30) build the target sizes with NumPy on
