@@ -40,7 +40,7 @@ import tempfile
 import types
 
 __all__ = ["DEVICE_CLASSES", "MOONVIT", "MOONVIT_GRIDS", "TOWERS", "Stack", "assert_near_references", "build_moonvit", "build_tower",
-           "grids", "hardware_dtype", "moonvit_pixel_values", "moonvit_reference_forward", "pixel_values", "reference_forward",
+           "grids", "has_device_class", "hardware_dtype", "moonvit_pixel_values", "moonvit_reference_forward", "pixel_values", "reference_forward",
            "registered", "setup", "upstream_code", "upstream_methods"]
 
 DEVICE_CLASSES = {
@@ -252,8 +252,8 @@ def setup(emulate=True):
             module.is_pin_memory_available = _no_pinned_memory
     attention, upstream = {}, {}
     for device_class, (target, class_name) in DEVICE_CLASSES.items():
-        if device_class == "310P" and importlib.util.find_spec("vllm_ascend._310p") is None:
-            continue        # vllm-ascend 0.13.0 has no 310P classes
+        if not has_device_class(device_class):
+            continue        # no 310P class: vllm-ascend 0.13.0, 0.15.0rc1 - 0.17.0rc1
         module = import_vllm_ascend_module(target)
         attention[device_class] = getattr(module, class_name)
         spec = importlib.util.spec_from_file_location("npu_shim_towers_upstream_" + device_class.lower(),
@@ -263,6 +263,19 @@ def setup(emulate=True):
         upstream[device_class] = getattr(copy, class_name)
     _STACK = Stack(config=config, modules=modules, attention=attention, upstream=upstream)
     return _STACK
+
+
+def has_device_class(device_class):
+    """Whether the installed vllm-ascend has the attention module of ``device_class``
+    (:data:`DEVICE_CLASSES`), read from its files: vllm-ascend 0.13.0 has no 310P package, and
+    0.15.0rc1 - 0.17.0rc1 have one without an ``MMEncoderAttention`` class."""
+    import os
+
+    root = importlib.util.find_spec("vllm_ascend")
+    if root is None or root.origin is None:
+        return False
+    path = os.path.join(os.path.dirname(root.origin), *DEVICE_CLASSES[device_class][0].split(".")[1:])
+    return os.path.isfile(path + ".py")
 
 
 @contextlib.contextmanager

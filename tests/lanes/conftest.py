@@ -29,15 +29,13 @@ def device_class(request, monkeypatch):
     """vllm-ascend's device class under test: A2, or 310P (the emulation's SoC set to a 310P
     for the test, so vllm-ascend's own SoC check takes its 310P path)."""
     if request.param == "310P":
-        import importlib.util
+        from npu_shim.testing.towers import DEVICE_CLASSES, SOC_310P, has_device_class
 
-        from npu_shim.testing.towers import DEVICE_CLASSES, SOC_310P
-
-        if importlib.util.find_spec("vllm_ascend._310p") is None:
+        if not has_device_class("310P"):
             from importlib.metadata import version
 
-            pytest.skip("vllm-ascend %s has no 310P classes (%s)" % (version("vllm-ascend"),
-                                                                     DEVICE_CLASSES["310P"][0]))
+            pytest.skip("vllm-ascend %s has no 310P MMEncoderAttention class (%s)"
+                        % (version("vllm-ascend"), DEVICE_CLASSES["310P"][0]))
 
         monkeypatch.setenv("NPU_SHIM_EMULATE_SOC", SOC_310P)
     return request.param
