@@ -89,8 +89,9 @@ PATCH = Patch(
     target=TARGET,
     replaces=(TOWER + "." + METHOD,),
     requires={"vllm": ">=0.18.0,<0.22.0"},
-    outside_window={"vllm": "0.22.0 and later move the ids to the device themselves (the line this patch "
-                            "backports); releases before 0.18.0 were not read for this patch"},
+    outside_window={"vllm": "0.22.0 and later move the ids to the device themselves (0.22.0 - 0.28.0 with the line "
+                            "this patch backports, 0.29.0 on by building them there); releases before 0.18.0 were "
+                            "not read for this patch"},
     needs_npu=True,
     families=(
         Family(("0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0", "0.20.2", "0.21.0"), __name__ + ":BLOCKING_INDEX",
