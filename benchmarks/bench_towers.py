@@ -143,11 +143,10 @@ def sglang_main():
 
     sglang_towers.setup()
     release = "sglang %s" % version("sglang")
+    # the patches of the towers' modules and of sglang's vision attention, as applied here
+    targets = {spec.module for spec in sglang_towers.TOWERS.values()} | {"sglang.srt.layers.attention.vision"}
     families = ["%s %s" % (r["name"], r["family"]) for r in npu_shim.status()
-                if r["name"] in ("sglang.vision_host_lengths", "sglang.vision_device_lengths",
-                                 "sglang.qwen2_5_vl_host_lengths", "sglang.glm4v_host_lengths",
-                                 "sglang.qwen3_vl_host_lengths")
-                and r["state"] == "applied"]
+                if r["target"] in targets and r["state"] == "applied"]
     rows, remain = [], []
     for name in sglang_towers.TOWERS:
         for device_class, dtype in (("A2", torch.bfloat16), ("310P", torch.float16)):
