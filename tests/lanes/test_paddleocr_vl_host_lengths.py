@@ -137,8 +137,16 @@ def test_the_host_values_kept_are_the_copys_values(stack):
     assert patch.host_int32([0, torch.tensor(5)]) is None
     assert patch.host_int32([True, 3]) is None
     assert patch.host_int32([0.0, 3.0]) is None
+    assert patch.host_int32(numpy.array([0.0, 3.0])) is None
+    assert patch.host_int32(torch.tensor([0.0, 3.0])) is None
+    assert patch.host_int32(torch.tensor([True, False])) is None
     assert patch.host_int32(torch.tensor([[0, 5]])) is None
     assert patch.host_int32(torch.empty(3, device="meta")) is None
+    from npu_shim.testing import count_host_syncs
+
+    stand_in = torch.tensor([0, 5], dtype=torch.int32)
+    with count_host_syncs(device_tensors=[stand_in], follow_placement=True):
+        assert patch.host_int32(stand_in) is None                    # a device tensor's device is not "cpu"
 
     for data in ([0, 64, 112], numpy.array([0, 12, 40], dtype=numpy.int32), torch.tensor([0, 9], dtype=torch.int32)):
         made = patched_copy()(data, dtype=torch.int32, device=torch.device("cpu"))

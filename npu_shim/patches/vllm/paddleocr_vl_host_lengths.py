@@ -43,7 +43,7 @@ PARAMS = (("data", "device", "dtype"), ("data", "device", "dtype", "out"))
 
 
 def host_int32(data):
-    """``data`` (a host list or tuple of integers, NumPy array or CPU tensor) as a 1-D int32 CPU
+    """``data`` (host integers: a list or tuple, a NumPy array or a CPU tensor) as a 1-D int32 CPU
     tensor of its own (a copy); None for anything else, a device tensor above all."""
     import numpy
     import torch
@@ -52,9 +52,10 @@ def host_int32(data):
         if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in data):
             return None
         host = torch.tensor(data, dtype=torch.int32)
-    elif isinstance(data, numpy.ndarray):
+    elif isinstance(data, numpy.ndarray) and numpy.issubdtype(data.dtype, numpy.integer):
         host = torch.from_numpy(data).to(torch.int32, copy=True)
-    elif isinstance(data, torch.Tensor) and data.device.type == "cpu":
+    elif isinstance(data, torch.Tensor) and data.device.type == "cpu" and data.device.index is None and not (
+            data.is_floating_point() or data.is_complex() or data.dtype == torch.bool):      # cpu:0: a stand-in
         host = data.to(torch.int32, copy=True)
     else:
         return None
