@@ -23,6 +23,7 @@ BUILTIN_PATCHES = (
     ("vllm.glm_ocr_host_lengths", "npu_shim.patches.vllm.glm_ocr_host_lengths"),
     ("vllm.hunyuan_vision_host_lengths", "npu_shim.patches.vllm.hunyuan_vision_host_lengths"),
     ("vllm.radio_host_lengths", "npu_shim.patches.vllm.radio_host_lengths"),
+    ("vllm.dots_ocr_host_lengths", "npu_shim.patches.vllm.dots_ocr_host_lengths"),
     ("vllm.paddleocr_vl_host_lengths", "npu_shim.patches.vllm.paddleocr_vl_host_lengths"),
     ("vllm.cast_overflow_on_device", "npu_shim.patches.vllm.cast_overflow_on_device"),
     ("vllm.mm_merge_310p", "npu_shim.patches.vllm.mm_merge_310p"),

@@ -24,7 +24,7 @@ def _layers(tower):
     raise AttributeError("%s: no blocks or layers found" % type(tower).__name__)
 
 
-def run_tower(name, patch_name, device=None):
+def run_tower(name, patch_name, device=None, blocking_copies=False):
     """One forward of census tower ``name`` with vllm-ascend's ``AscendMMEncoderAttention``
     (A2) in ``torch.inference_mode()``; the family reported is ``patch_name``'s."""
     import torch
@@ -67,10 +67,13 @@ def run_tower(name, patch_name, device=None):
     return dict(result, **{
         "max_rel_err": err,
         "tolerance": TOLERANCE["bfloat16"],
-        "host_syncs": syncs.count,
+        "host_syncs": syncs.count + (syncs.h2d_count if blocking_copies else 0),
         "seconds": seconds,
         "detail": "vLLM %s vision tower (%d blocks), grid %s, bfloat16 on %s, family %s; error relative "
-                  "to max |reference|" % (name, len(blocks), grid, device, family),
+                  "to max |reference|; host syncs counted: %s" % (
+                      name, len(blocks), grid, device, family,
+                      "device->host reads and blocking host->device copies" if blocking_copies
+                      else "device->host reads"),
     })
 
 
@@ -86,3 +89,12 @@ def run(device=None, tower=None, patch=None):
 
     applied_target(patch)
     return run_tower(tower, patch, device)
+
+
+def run_synchronisations(device=None, tower=None, patch=None):
+    """As :func:`run`, for a patch that also removes blocking host->device copies: the forward's
+    host synchronisations, device->host reads and blocking host->device copies together."""
+    from npu_shim.selftest import applied_target
+
+    applied_target(patch)
+    return run_tower(tower, patch, device, blocking_copies=True)
