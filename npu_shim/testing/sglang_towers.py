@@ -93,18 +93,23 @@ _STATE = {}
 
 def setup():
     """Emulation, the shim, sglang's server args (NPU vision backend) and a one-rank process
-    group; the tower modules imported. Returns {tower name: model module}."""
-    if _STATE:
+    group; the tower modules imported. Returns {tower name: model module}.
+
+    The server args are published again on every call: sglang keeps one set per process, and
+    another test may have published its own since (``cp_case.set_cpu_server_args``, without
+    the vision backend); a tower built then would get sglang's SDPA vision attention."""
+    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
+
+    if "modules" in _STATE:
+        set_global_server_args_for_scheduler(_STATE["server_args"])
         return _STATE["modules"]
     import npu_shim
     from npu_shim import emulation
 
     emulation.install()
     npu_shim.install()
-    from sglang.srt.server_args import ServerArgs, set_global_server_args_for_scheduler
-
-    set_global_server_args_for_scheduler(ServerArgs(model_path="dummy", device="cpu",
-                                                    mm_attention_backend="ascend_attn"))
+    _STATE["server_args"] = ServerArgs(model_path="dummy", device="cpu", mm_attention_backend="ascend_attn")
+    set_global_server_args_for_scheduler(_STATE["server_args"])
     from sglang.srt.distributed import parallel_state
 
     if not parallel_state.model_parallel_is_initialized():
