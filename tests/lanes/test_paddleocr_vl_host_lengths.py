@@ -15,7 +15,7 @@ function, same arguments, same result); the host values kept are the data copied
 integer data is kept; the family's check accepts only its own shape; the disable switch brings
 the reads back with the same output; strict mode raises on a shape the family does not know.
 """
-import importlib
+import importlib.util
 import sys
 import textwrap
 
