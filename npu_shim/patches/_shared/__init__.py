@@ -7,6 +7,7 @@
                   nested code too) and its source with the white space folded
     host_record   the host lengths kept on a device tensor, and the hook that keeps them at a host
                   tensor's next copy (``vllm.mm_encoder_host_lengths`` and the tower patches)
+    host_data     what counts as host data (a grid tensor on the host, not a device stand-in)
     transient     state hung on upstream's tensors and layers that never travels with them
 
 Nothing here names a patch: a family gets its patch's name, counters and the one way to

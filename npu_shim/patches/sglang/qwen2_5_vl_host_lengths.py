@@ -33,6 +33,7 @@ Remove when: sglang's Qwen2.5-VL tower keeps its bounds on the host on NPU.
 """
 
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
+from npu_shim.patches._shared.host_data import host_grid_tensor
 from npu_shim.patches._shared.structure import expect_body, module_class, own_function, replace_own
 
 TARGET = "sglang.srt.models.qwen2_5_vl"
@@ -44,15 +45,6 @@ FORWARD_BEFORE_METADATA = {"f09cc0024a6f"}     # 0.5.11, 0.5.12, 0.5.13, 0.5.14,
 FORWARD_METADATA = {"14d2ed9f5246"}            # 0.5.16, 0.5.17, 0.5.18, 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23
 GET_WINDOW_INDEX = {"983046406cbe"}            # every release 0.5.11 - 0.5.23
 MODULE_NAMES = ("is_npu", "permute_inv")
-
-
-def host_grid(grid_thw):
-    """True for a 2-D integer grid on the host (a device stand-in answers cpu:0)."""
-    import torch
-
-    return (isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 and grid_thw.shape[1] == 3
-            and grid_thw.device.type == "cpu" and grid_thw.device.index is None
-            and not grid_thw.is_floating_point())
 
 
 class _Tower:
@@ -83,7 +75,7 @@ class _Tower:
 
         def forward(self, x, grid_thw):
             context.count("calls")
-            if self.enable_cg or not host_grid(grid_thw) or not module.is_npu():
+            if self.enable_cg or not host_grid_tensor(grid_thw) or not module.is_npu():
                 context.count("upstream_calls")
                 return original(self, x, grid_thw)
             context.count("upstream_host_copies")    # upstream: 3 reads here

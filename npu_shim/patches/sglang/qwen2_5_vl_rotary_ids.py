@@ -23,8 +23,8 @@ Remove when: sglang's Qwen2.5-VL tower moves its rotary ids to the device itself
 """
 
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
+from npu_shim.patches._shared.host_data import host_grid_tensor
 from npu_shim.patches._shared.structure import expect_body, module_class, own_function, replace_own
-from npu_shim.patches.sglang.qwen2_5_vl_host_lengths import host_grid
 
 TARGET = "sglang.srt.models.qwen2_5_vl"
 TOWER = "Qwen2_5_VisionTransformer"
@@ -72,7 +72,7 @@ class _RotaryIds:
 
         def rot_pos_emb(self, grid_thw):
             context.count("calls")
-            if not host_grid(grid_thw) or not module.is_npu():
+            if not host_grid_tensor(grid_thw) or not module.is_npu():
                 context.count("upstream_calls")
                 return original(self, grid_thw)
             pos_ids = []

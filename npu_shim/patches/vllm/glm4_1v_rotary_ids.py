@@ -25,6 +25,7 @@ Remove when: the oldest supported vLLM is 0.22.
 """
 
 from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patches._shared.host_data import host_grid_tensor
 from npu_shim.patches._shared.structure import expect_body, module_class, own_function, replace_own
 
 TARGET = "vllm.model_executor.models.glm4_1v"
@@ -33,15 +34,6 @@ METHOD = "rot_pos_emb"
 
 # body_digest of the upstream body the replacement was written from
 ROT_POS_EMB = {"73f9c2ff5981"}        # 0.18.0, 0.18.1, 0.19.0, 0.19.1, 0.20.0, 0.20.2, 0.21.0
-
-
-def host_grid(grid_thw):
-    """True for a 2-D integer grid on the host (a device stand-in answers cpu:0)."""
-    import torch
-
-    return (isinstance(grid_thw, torch.Tensor) and grid_thw.dim() == 2 and grid_thw.shape[1] == 3
-            and grid_thw.device.type == "cpu" and grid_thw.device.index is None
-            and not grid_thw.is_floating_point())
 
 
 class _RotaryIds:
@@ -59,7 +51,7 @@ class _RotaryIds:
 
         def rot_pos_emb(self, grid_thw):
             context.count("calls")
-            if not host_grid(grid_thw):
+            if not host_grid_tensor(grid_thw):
                 context.count("upstream_calls")
                 return original(self, grid_thw)
             merge = self.spatial_merge_size
