@@ -1,0 +1,339 @@
+"""A fix as an edit of upstream's own function: anchors named, counted, compiled at upstream's lines.
+
+A tower patch used to write out upstream's whole method with two lines changed, accepted by a
+digest of the body it was copied from. Here the patch names only what it changes::
+
+    rot_pos_emb = edit_function(original, [
+        InsertBefore("return rotary_pos_emb_full[pos_ids].flatten(1)",
+                     "pos_ids = pos_ids.to(rotary_pos_emb_full.device, non_blocking=True)"),
+    ])
+
+:func:`edit_function` reads ``original``'s source, parses it (:mod:`ast`), applies each edit to the
+statements or expressions equal to its anchor (compared as syntax trees, so layout and comments do
+not matter), and compiles the result under upstream's file name, every untouched statement at its
+upstream line (an inserted statement takes its anchor's line), so a traceback points into upstream's
+file. Each anchor must be found exactly ``count`` times: missing, or found more often,
+:class:`~npu_shim.patch.TargetMismatch` names the function and the anchor. Before editing, the
+unedited source is compiled the same way and must give the very code object the interpreter runs
+(bytecode and names), so an edit never applies to source that is not the code in use (a file
+changed after import, a wrapper's source).
+
+The edited function runs in upstream's module globals (the live dict, not a copy) and shares the
+original's closure cells, ``__class__`` included (zero-argument ``super()`` works); its defaults,
+keyword defaults, annotations and attributes are the original's objects (never re-evaluated).
+``names`` hands the inserted code values of the shim's own (a counter, a helper) as closure cells,
+never through upstream's globals. Refused with the reason: a lambda, a function whose source does
+not compile to its code (a method using a private ``__name``, which the class body mangles), a
+``functools.wraps`` wrapper (edit the function it wraps), a ``names``
+entry the original code already uses, an edit whose result does not compile (a ``nonlocal`` of a
+name upstream's function does not close over, say).
+
+Why the standard library's :mod:`ast` (not libcst, patchy or a diff): the anchors are statements and
+expressions, which ``ast`` compares structurally with no dependency; libcst keeps comments and layout
+we do not need and is a compiled wheel on the start-up path of every patched process; patchy applies
+a unified diff by running the ``patch`` program in a subprocess (not on a minimal server image, and a
+process spawn at interpreter start), and a diff's context lines restate upstream's text, the
+restating this module exists to avoid.
+"""
+from __future__ import annotations
+
+import __future__ as _future
+import ast
+import functools
+import inspect
+import re
+import textwrap
+import types
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional
+
+from npu_shim.patch import TargetMismatch
+
+__all__ = ["Edit", "Replace", "InsertBefore", "InsertAfter", "ReplaceExpression", "edit_function",
+           "edited_source"]
+
+_FUTURE_FLAGS = _future.annotations.compiler_flag
+_FACTORY = "__npu_shim_edit__"
+
+
+def _syntax(code: str, mode: str):
+    try:
+        return ast.parse(textwrap.dedent(code).strip(), mode=mode)
+    except SyntaxError as exc:
+        raise ValueError("edit text %r does not parse: %s" % (code, exc)) from None
+
+
+_CONTEXTS = re.compile(r"(Load|Store|Del)\(\)")
+
+
+def _key(node) -> str:
+    """What two nodes share when they are the same code: the tree, without layout or context."""
+    return _CONTEXTS.sub("", ast.dump(node, annotate_fields=False))
+
+
+@dataclass(frozen=True)
+class Edit:
+    """One named change of a function: ``anchor`` (Python source of a statement, or an expression
+    for :class:`ReplaceExpression`) must be found ``count`` times (each kind declares its text,
+    then ``count``)."""
+
+    anchor: str
+
+    def __post_init__(self):
+        if not isinstance(self.count, int) or self.count < 1:
+            raise ValueError("%s: count must be a positive int, not %r" % (type(self).__name__, self.count))
+        self._anchor_node()                  # a malformed anchor fails where the patch is declared
+
+    def _anchor_node(self):
+        statements = _syntax(self.anchor, "exec").body
+        if len(statements) != 1:
+            raise ValueError("%s anchor %r: give exactly one statement" % (type(self).__name__, self.anchor))
+        return statements[0]
+
+    def describe(self) -> str:
+        return "%s(%r)" % (type(self).__name__, self.anchor)
+
+
+def _new_statements(code: str, at) -> list:
+    statements = _syntax(code, "exec").body if code.strip() else []
+    for statement in statements:
+        _place(statement, at)
+    return statements
+
+
+def _place(tree, at):
+    for node in ast.walk(tree):
+        if "lineno" in node._attributes:
+            node.lineno, node.col_offset = at.lineno, at.col_offset
+            node.end_lineno, node.end_col_offset = at.end_lineno, at.end_col_offset
+
+
+@dataclass(frozen=True)
+class Replace(Edit):
+    """The statement(s) equal to ``anchor`` become ``by`` (statements; ``""`` deletes)."""
+
+    by: str = ""
+    count: int = 1
+
+    def statements(self, found):
+        return _new_statements(self.by, found)
+
+
+@dataclass(frozen=True)
+class InsertBefore(Edit):
+    """``code`` (statements) runs just before each statement equal to ``anchor``."""
+
+    code: str = ""
+    count: int = 1
+
+    def statements(self, found):
+        return _new_statements(self.code, found) + [found]
+
+
+@dataclass(frozen=True)
+class InsertAfter(Edit):
+    """``code`` (statements) runs just after each statement equal to ``anchor``."""
+
+    code: str = ""
+    count: int = 1
+
+    def statements(self, found):
+        return [found] + _new_statements(self.code, found)
+
+
+@dataclass(frozen=True)
+class ReplaceExpression(Edit):
+    """Each expression equal to ``anchor`` (an expression, read, not assigned) becomes ``by``."""
+
+    by: str = ""
+    count: int = 1
+
+    def _anchor_node(self):
+        return _syntax(self.anchor, "eval").body
+
+    def expression(self, found):
+        replacement = _syntax(self.by, "eval").body
+        _place(replacement, found)
+        return replacement
+
+
+class _Statements(ast.NodeTransformer):
+    """Applies one statement edit wherever its anchor stands in a statement list."""
+
+    def __init__(self, edit: Edit):
+        self.edit, self.key, self.found = edit, _key(edit._anchor_node()), 0
+
+    def generic_visit(self, node):
+        for field, value in ast.iter_fields(node):
+            if isinstance(value, list) and value and all(isinstance(v, ast.stmt) for v in value):
+                rebuilt = []
+                for statement in value:
+                    if _key(statement) == self.key:
+                        self.found += 1
+                        rebuilt.extend(self.edit.statements(statement))
+                    else:
+                        rebuilt.append(self.visit(statement))
+                if not rebuilt:
+                    rebuilt = [ast.copy_location(ast.Pass(), value[0])]
+                setattr(node, field, rebuilt)
+            elif isinstance(value, ast.AST):
+                setattr(node, field, self.visit(value))
+        return node
+
+
+class _Expressions(ast.NodeTransformer):
+    def __init__(self, edit: ReplaceExpression):
+        self.edit, self.key, self.found = edit, _key(edit._anchor_node()), 0
+
+    def visit(self, node):
+        if isinstance(node, ast.expr) and _key(node) == self.key:
+            if not isinstance(getattr(node, "ctx", ast.Load()), ast.Load):
+                raise ValueError("ReplaceExpression anchor %r is assigned to in the function; "
+                                 "use Replace on the statement" % self.edit.anchor)
+            self.found += 1
+            return self.edit.expression(node)
+        return super().visit(node)
+
+
+def _function_node(function):
+    """The function's definition parsed at upstream's lines, and its code object."""
+    what = getattr(function, "__qualname__", repr(function))
+    if not isinstance(function, types.FunctionType):
+        raise TargetMismatch("%s is not a Python function (%s): nothing to edit" % (what, type(function).__name__))
+    if hasattr(function, "__wrapped__"):
+        raise TargetMismatch("%s wraps another function (__wrapped__): edit the function it wraps" % what)
+    code = function.__code__
+    if code.co_name == "<lambda>":
+        raise TargetMismatch("%s is a lambda: nothing to anchor an edit to" % what)
+    try:
+        lines, first = inspect.getsourcelines(function)
+    except (OSError, TypeError) as exc:
+        raise TargetMismatch("%s: no source to edit (%s)" % (what, exc)) from None
+    source = "".join(lines)
+    if source[:1].isspace():
+        # an indented definition (a method): parsed as the body of a block, whatever the indentation
+        # of the lines inside it (a docstring's continuation lines may stand left of the def)
+        tree = ast.parse("if 1:\n" + source)
+        ast.increment_lineno(tree, first - 2)
+        body = tree.body[0].body
+    else:
+        tree = ast.parse(source)
+        ast.increment_lineno(tree, first - 1)
+        body = tree.body
+    node = body[0] if body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name != code.co_name:
+        raise TargetMismatch("%s: its source is not the definition of %s" % (what, code.co_name))
+    # Defaults, annotations and decorators are taken from the original object, never re-evaluated.
+    node.decorator_list = []
+    node.returns = None
+    arguments = node.args
+    arguments.defaults = []
+    arguments.kw_defaults = [None] * len(arguments.kwonlyargs)
+    for argument in arguments.posonlyargs + arguments.args + arguments.kwonlyargs + \
+            [a for a in (arguments.vararg, arguments.kwarg) if a is not None]:
+        argument.annotation = None
+    return node, code
+
+
+def _compile(function, node, cell_names: Iterable[str]):
+    """The code object of ``node`` compiled as upstream's, inside a factory whose parameters
+    ``cell_names`` become its free variables."""
+    code = function.__code__
+    factory = ast.parse("def %s(%s):\n    return %s" % (_FACTORY, ", ".join(cell_names), node.name)).body[0]
+    factory.body.insert(0, node)
+    # upstream's module-level imports, compiled (never run) beside it: CPython 3.11 compiles a call
+    # on an imported module's attribute (``torch.cat(...)``) differently from one on another global
+    module = ast.fix_missing_locations(ast.Module(body=_module_imports(function) + [factory], type_ignores=[]))
+    compiled = compile(module, code.co_filename, "exec", flags=code.co_flags & _FUTURE_FLAGS, dont_inherit=True)
+    outer = next(c for c in compiled.co_consts if isinstance(c, types.CodeType))
+    inner = next(c for c in outer.co_consts if isinstance(c, types.CodeType) and c.co_name == node.name)
+    renamed = {"co_name": code.co_name}
+    if hasattr(code, "co_qualname"):
+        renamed["co_qualname"] = code.co_qualname
+    return inner.replace(**renamed)
+
+
+def _module_imports(function) -> list:
+    """The import statements at the top level of ``function``'s module (inside module-level
+    ``if``/``try``/``with`` blocks too), as syntax."""
+    import copy
+
+    return copy.deepcopy(_imports_in(function.__code__.co_filename))
+
+
+@functools.lru_cache(maxsize=64)
+def _imports_in(filename: str) -> list:
+    import linecache
+
+    try:
+        tree = ast.parse("".join(linecache.getlines(filename)) or open(filename, encoding="utf-8").read())
+    except (OSError, SyntaxError, UnicodeDecodeError):
+        tree = None
+    found, pending = [], list(tree.body) if tree is not None else []
+    while pending:
+        statement = pending.pop(0)
+        if isinstance(statement, (ast.Import, ast.ImportFrom)):
+            found.append(statement)
+        elif not isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                for child in getattr(statement, field, ()) or ():
+                    pending.extend(child.body if isinstance(child, ast.ExceptHandler) else [child])
+    return [statement for statement in found
+            if not (isinstance(statement, ast.ImportFrom) and statement.module == "__future__")]
+
+
+def _same_code(a, b) -> bool:
+    return (a.co_code, a.co_names, a.co_varnames, a.co_freevars, a.co_argcount, a.co_kwonlyargcount) == \
+           (b.co_code, b.co_names, b.co_varnames, b.co_freevars, b.co_argcount, b.co_kwonlyargcount)
+
+
+def _apply(node, edits, what):
+    for edit in edits:
+        if not isinstance(edit, Edit):
+            raise TypeError("%s: edits must be Edit objects (Replace, InsertBefore, ...), not %r" % (what, edit))
+        transformer = _Expressions(edit) if isinstance(edit, ReplaceExpression) else _Statements(edit)
+        node.body = transformer.visit(ast.Module(body=node.body, type_ignores=[])).body
+        if transformer.found != edit.count:
+            raise TargetMismatch("%s: anchor %r found %d time%s, expected %d"
+                                 % (what, edit.anchor, transformer.found, "" if transformer.found == 1 else "s",
+                                    edit.count))
+
+
+def edit_function(function, edits, names: Optional[Mapping[str, object]] = None):
+    """``function`` with ``edits`` applied (see the module docstring): a new function object;
+    upstream's is left as it is. TargetMismatch names the anchor that is missing or found more
+    often than its count, or why the function cannot be edited."""
+    names = dict(names or {})
+    node, code = _function_node(function)
+    what = getattr(function, "__qualname__", code.co_name)
+    used = set(code.co_names) | set(code.co_varnames) | set(code.co_freevars) | set(code.co_cellvars)
+    clashing = sorted(set(names) & used)
+    if clashing:
+        raise ValueError("%s: names %s are used by upstream's code; give the shim's values other names"
+                         % (what, ", ".join(clashing)))
+    freevars = list(code.co_freevars)
+    if not _same_code(_compile(function, node, freevars), code):
+        raise TargetMismatch("%s: its source (%s:%d) does not compile to the code in use; the file "
+                             "changed after import, or the source is not this function's"
+                             % (what, code.co_filename, code.co_firstlineno))
+    _apply(node, edits, what)
+    try:
+        edited = _compile(function, node, freevars + sorted(names))
+    except SyntaxError as exc:
+        raise ValueError("%s: the edited function does not compile: %s (line %s)" % (what, exc.msg, exc.lineno)) from None
+    cells = dict(zip(code.co_freevars, function.__closure__ or ()))
+    closure = tuple(cells[name] if name in cells else types.CellType(names[name]) for name in edited.co_freevars)
+    result = types.FunctionType(edited, function.__globals__, code.co_name, function.__defaults__, closure)
+    result.__kwdefaults__ = function.__kwdefaults__
+    result.__annotations__ = function.__annotations__
+    result.__dict__.update(function.__dict__)
+    result.__qualname__, result.__module__ = function.__qualname__, function.__module__
+    result.__doc__ = function.__doc__
+    return result
+
+
+def edited_source(function, edits) -> str:
+    """The edited function's source as it is compiled (for review and docs): ``ast.unparse``."""
+    node, code = _function_node(function)
+    _apply(node, edits, getattr(function, "__qualname__", code.co_name))
+    return ast.unparse(node)
