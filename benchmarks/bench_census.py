@@ -248,7 +248,7 @@ Checked on a real GPU: the same forwards on CUDA, counted by CUDA itself
 (`benchmarks/bench_cuda_syncs.py`, its run in `benchmarks/results/cuda-syncs.txt`), give the
 counts below (reads plus blocking copies) for every tower, except one sync per
 `repeat_interleave` with device repeats, which CUDA makes twice and the counter counts once
-(dots.ocr, Ernie4.5-VL: README, "Checked on a real GPU"). The counter was corrected where that
+(dots.ocr, Ernie4.5-VL: docs/validation.md, "Checked on a real GPU"). The counter was corrected where that
 run found it undercounting (dots.ocr, Ernie4.5-VL, Keye-VL), and these figures are its recount.
 """
 

@@ -224,8 +224,10 @@ def test_prompt_flash_attention_layouts_gqa_and_actual_lengths(layout):
 
 
 def test_prompt_flash_attention_mask_with_default_tokens_is_causal_inside_the_mask():
-    """Documented: with a mask, only the pre/next band is computed, and the default
-    next_tokens is 0. Seed 000's all-False S x S mask therefore gives causal attention."""
+    """Documented (API reference, npu_prompt_flash_attention, sparse_mode 0): with a mask,
+    only the pre/next band is computed, and the default next_tokens is 0. An all-False S x S
+    mask (nothing masked out) with the default tokens therefore gives causal attention;
+    next_tokens=65535 gives full attention."""
     q, k, v = qkv(1, 6, 6, 2, 2, 16, 16, seed=2)
     mask = torch.zeros(1, 1, 6, 6, dtype=torch.bool)
     out = torch_npu.npu_prompt_flash_attention(
