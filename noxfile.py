@@ -73,6 +73,7 @@ import nox
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lanes"))
 from _sources import uv_source_args  # noqa: E402  (shared with lanes/sdist.py's build venv)
+import mutants as mutant_table  # noqa: E402  (lanes/mutants.py: the mutants of nox -s mutants)
 
 nox.options.sessions = ["lanes"]
 nox.options.reuse_existing_virtualenvs = False
@@ -524,38 +525,9 @@ def probe(session):
                 "--", "-q", "-p", "no:cacheprovider", env=env, external=True)
 
 
-# The mutation session: each gate shown to fail on the defect it exists for. A mutant is one
-# edit of a scratch copy of this checkout (tracked files only) and the lane that must catch it;
-# it counts as caught only if that lane fails AND its output contains ``expect`` (the gate that
-# should fire), so a lane failing for an unrelated reason does not pass for a catch.
-MUTANTS = (
-    # (id, defect, file, old text ("" = append), new text, lane, expected text in the lane's output)
-    ("a", "a patch hands the op a device tensor where the op reads host data (the read moves into the op call)",
-     "npu_shim/patches/vllm_ascend/mm_encoder/v013.py",
-     "seq_len = torch.diff(C.host_values(layer, cu_seqlens, PATCH_NAME))", "seq_len = torch.diff(cu_seqlens)",
-     "vllm-0.13", "host_arg x"),
-    ("b", "every test of one lane skips",
-     "tests/conftest.py", "", "\n\ndef pytest_runtest_setup(item):\n    pytest.skip('mutant (b): every test skips')\n",
-     "base", "no test passed"),
-    ("c", "a pin file installs a release other than the one its header stands for",
-     "lanes/sglang-0.5.11.txt", "\nsglang==0.5.11\n", "\nsglang==0.5.12\n",
-     "sglang-0.5.11", "stands for sglang 0.5.11, but sglang 0.5.12 is installed"),
-    ("d", "the emulation takes a dtype the real op rejects (float32 for the unpad op)",
-     "npu_shim/emulation/dtypes.py", '"_npu_flash_attention_unpad": {"A2": (F16, BF16), "310P": (F16,)}',
-     '"_npu_flash_attention_unpad": {"A2": (F16, BF16, F32), "310P": (F16,)}',
-     "base", "FAILED tests/test_emulation_dtypes.py"),
-    ("e", "npu-shim selftest says ok on its error alone, whatever it reads back",
-     "npu_shim/selftest/__init__.py", 'if expected is None or verdict["host_syncs"] != expected:',
-     "if expected is None:", "base", "FAILED tests/test_selftest_cli.py"),
-    ("f", "the attention is off by 3e-5 relative (every score scaled by 1 + 3e-5), inside the old atol 1e-4",
-     "npu_shim/emulation/_engine.py", "scores.mul_(scale)", "scores.mul_(scale * (1 + 3e-5))",
-     "base", "FAILED tests/test_emulation_"),
-    ("g", "a patch's tests leave out a lane whose release a family claims",
-     "tests/lanes/test_kimi_vl_host_grid.py", 'pytest.mark.claimed("vllm.kimi_vl_host_grid")',
-     'pytest.mark.lanes("vllm-0.18")', "vllm-0.19", "vllm.kimi_vl_host_grid: applied"),
-    ("h", "the built package leaves out a file (npu-shim run's bootstrap) that the checkout has",
-     "setup.cfg", "npu_shim = _bootstrap/*.py\n", "", "base", "FAILED tests/test_startup_paths.py"),
-)
+# The mutation session: each gate shown to fail on the defect it exists for. The mutants (an
+# edit of a scratch copy of this checkout, tracked files only, and the lane that must catch it)
+# are the table in lanes/mutants.py, which also checks in memory that each still applies.
 
 
 def _scratch_copy(destination):
@@ -568,38 +540,45 @@ def _scratch_copy(destination):
             shutil.copy2(source, os.path.join(destination, relative))
 
 
-def _mutate(root, path, old, new):
-    target = os.path.join(root, path)
-    with open(target, encoding="utf-8") as handle:
-        text = handle.read()
-    if old and text.count(old) != 1:
-        raise ValueError("mutant edit of %s: %r occurs %d times, not once" % (path, old, text.count(old)))
-    with open(target, "w", encoding="utf-8") as handle:
-        handle.write(text.replace(old, new) if old else text + new)
-
-
 def _evidence(output, expect):
     """The line of the lane's output that shows the catch (the expected text's line)."""
     return next((line.strip() for line in output.splitlines() if expect in line), "")
 
 
 @nox.session(python=False, default=False)
+def mutants_apply(session):
+    """``nox -s mutants_apply``: every mutant of ``nox -s mutants`` applied in memory, no lane run
+    (seconds): fails naming the mutant, file and text when an edit's text is gone or not unique,
+    or its lane has no pin file. .ci/run runs it before the lanes."""
+    broken = mutant_table.problems(HERE)
+    if broken:
+        session.error("mutants that no longer apply (lanes/mutants.py):\n  " + "\n  ".join(broken))
+    session.log("mutants: all %d apply (%d edits, each text found once)", len(mutant_table.MUTANTS),
+                sum(len(entry.edits) for entry in mutant_table.MUTANTS))
+
+
+@nox.session(python=False, default=False)
 def mutants(session):
-    """``nox -s mutants [-- ID ...]``: apply each mutant (MUTANTS) to a scratch copy, run the
+    """``nox -s mutants [-- ID ...]``: apply each mutant (lanes/mutants.py) to a scratch copy, run the
     lane that must catch it there (fresh venv, warm caches), print mutant -> what failed; fails
     if any mutant was not caught by the gate it names. Run whole, it writes the table to
     benchmarks/results/mutants.txt."""
     import platform
     import tempfile
 
-    chosen = [m for m in MUTANTS if not session.posargs or m[0] in session.posargs]
+    chosen = [m for m in mutant_table.MUTANTS if not session.posargs or m.ident in session.posargs]
+    unknown = sorted(set(session.posargs) - {m.ident for m in mutant_table.MUTANTS})
+    broken = mutant_table.problems(HERE, chosen)
+    if unknown or broken:   # before any lane runs, not an hour in
+        session.error("; ".join((["no mutant %s" % ", ".join(unknown)] if unknown else []) + broken))
     logs = os.path.join(HERE, ".nox", "mutants")
     os.makedirs(logs, exist_ok=True)
     rows, missed, first = [], [], time.time()
-    for ident, defect, path, old, new, lane_name, expect in chosen:
+    for entry in chosen:
+        ident, defect, lane_name, expect = entry.ident, entry.defect, entry.lane, entry.expect
         with tempfile.TemporaryDirectory(prefix="npu-shim-mutant-%s-" % ident) as scratch:
             _scratch_copy(scratch)
-            _mutate(scratch, path, old, new)
+            mutant_table.apply(scratch, entry)
             started = time.monotonic()
             proc = subprocess.run([sys.executable, "-m", "nox", "-f", os.path.join(scratch, "noxfile.py"),
                                    "-s", "lane(%s)" % lane_name], cwd=scratch, capture_output=True, text=True)

@@ -1,0 +1,144 @@
+"""The mutants of ``nox -s mutants`` (noxfile.py) and the check that each still applies.
+
+A mutant is a defect a gate exists for, made by editing a scratch copy of the checkout, and
+the lane that must catch it: it counts as caught only if that lane fails AND its output
+contains ``expect`` (the gate's own message), so a lane failing for an unrelated reason does
+not pass for a catch. Adding a mutant is adding one entry to MUTANTS::
+
+    mutant(ID, DEFECT, LANE, EXPECTED TEXT, (PATH, OLD, NEW), ...)
+
+one or more edits, applied in order: OLD must occur exactly once in PATH (after the edits
+before it), and is replaced by NEW; OLD "" appends NEW to the file.
+
+An edit whose OLD text a refactor removed makes the mutant a no-op, or aborts the session an
+hour in. ``python lanes/mutants.py check`` (``nox -s mutants_apply``, run by .ci/run before the
+lanes) applies every mutant in memory in seconds, no lane run, and fails naming the mutant,
+the file and the text that is gone or found more than once, or the lane no pin file defines.
+
+Only the standard library: this runs under nox's own Python.
+"""
+import collections
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+Edit = collections.namedtuple("Edit", "path old new")
+Mutant = collections.namedtuple("Mutant", "ident defect lane expect edits")
+
+
+def mutant(ident, defect, lane, expect, *edits):
+    """One table entry; ``edits``: ``(path, old, new)`` triples (see the module docstring)."""
+    return Mutant(ident, defect, lane, expect, tuple(Edit(*edit) for edit in edits))
+
+
+MUTANTS = (
+    mutant("a", "a patch hands the op a device tensor where the op reads host data (the read moves into the op call)",
+           "vllm-0.13", "host_arg x",
+           ("npu_shim/patches/vllm_ascend/mm_encoder/v013.py",
+            "seq_len = torch.diff(C.host_values(layer, cu_seqlens, context))", "seq_len = torch.diff(cu_seqlens)")),
+    mutant("b", "every test of one lane skips", "base", "no test passed",
+           ("tests/conftest.py", "", "\n\ndef pytest_runtest_setup(item):\n    pytest.skip('mutant (b): every test skips')\n")),
+    mutant("c", "a pin file installs a release other than the one its header stands for",
+           "sglang-0.5.11", "stands for sglang 0.5.11, but sglang 0.5.12 is installed",
+           ("lanes/sglang-0.5.11.txt", "\nsglang==0.5.11\n", "\nsglang==0.5.12\n")),
+    mutant("d", "the emulation takes a dtype the real op rejects (float32 for the unpad op)",
+           "base", "FAILED tests/test_emulation_dtypes.py",
+           ("npu_shim/emulation/dtypes.py", '"_npu_flash_attention_unpad": {"A2": (F16, BF16), "310P": (F16,)}',
+            '"_npu_flash_attention_unpad": {"A2": (F16, BF16, F32), "310P": (F16,)}')),
+    mutant("e", "npu-shim selftest says ok on its error alone, whatever it reads back",
+           "base", "FAILED tests/test_selftest_cli.py",
+           ("npu_shim/selftest/__init__.py", 'if expected is None or verdict["host_syncs"] != expected:',
+            "if expected is None:")),
+    mutant("f", "the attention is off by 3e-5 relative (every score scaled by 1 + 3e-5), inside the old atol 1e-4",
+           "base", "FAILED tests/test_emulation_",
+           ("npu_shim/emulation/_engine.py", "scores.mul_(scale)", "scores.mul_(scale * (1 + 3e-5))")),
+    # Every released patch's selftest case is claimed on each of its lanes (tests/lanes/test_selftests.py),
+    # so the lane test file's claim alone leaves no claimed lane untested: the mutant drops both.
+    mutant("g", "a patch's tests (its lane test file and its selftest case) leave out a lane whose release a family "
+                "claims", "vllm-0.19", "vllm.kimi_vl_host_grid: applied",
+           ("tests/lanes/test_kimi_vl_host_grid.py", 'pytest.mark.claimed("vllm.kimi_vl_host_grid")',
+            'pytest.mark.lanes("vllm-0.18")'),
+           ("tests/lanes/test_selftests.py", "for name, _ in BUILTIN_PATCHES if _released(name)]",
+            'for name, _ in BUILTIN_PATCHES if _released(name) and name != "vllm.kimi_vl_host_grid"]')),
+    mutant("h", "the built package leaves out a file (npu-shim run's bootstrap) that the checkout has",
+           "base", "FAILED tests/test_startup_paths.py",
+           ("setup.cfg", "npu_shim = _bootstrap/*.py\n", "")),
+)
+
+
+class AnchorGone(ValueError):
+    """A mutant's edit that does not apply: its text is gone, found more than once, or its file is."""
+
+
+def mutated(root, entry):
+    """``{path: text}``: the files ``entry`` edits, under ``root``, with its edits applied in
+    memory. Raises AnchorGone naming the mutant, the file and the text."""
+    texts = {}
+    for number, edit in enumerate(entry.edits, 1):
+        where = "mutant %s, edit %d of %d (%s)" % (entry.ident, number, len(entry.edits), edit.path)
+        if edit.path not in texts:
+            try:
+                with open(os.path.join(root, edit.path), encoding="utf-8") as handle:
+                    texts[edit.path] = handle.read()
+            except OSError as error:
+                raise AnchorGone("%s: cannot read the file: %s" % (where, error)) from None
+        text = texts[edit.path]
+        if not edit.old:
+            texts[edit.path] = text + edit.new
+            continue
+        found = text.count(edit.old)
+        if found != 1:
+            raise AnchorGone("%s: %r occurs %d times, not once" % (where, edit.old, found))
+        if edit.new == edit.old:
+            raise AnchorGone("%s: the edit changes nothing" % where)
+        texts[edit.path] = text.replace(edit.old, edit.new)
+    return texts
+
+
+def apply(root, entry):
+    """Write ``entry``'s edits into the tree at ``root`` (a scratch copy)."""
+    for path, text in mutated(root, entry).items():
+        with open(os.path.join(root, path), "w", encoding="utf-8") as handle:
+            handle.write(text)
+
+
+def problems(root=REPO, table=MUTANTS):
+    """One line per mutant of ``table`` that would not apply to the tree at ``root``: an edit
+    whose text is gone or not unique, a lane no pin file ``lanes/<lane>.txt`` defines, an
+    empty expected text, an id used twice. Empty when every mutant applies."""
+    out = []
+    seen = collections.Counter(entry.ident for entry in table)
+    out += ["mutant %s: the id is used %d times" % (ident, count) for ident, count in seen.items() if count > 1]
+    for entry in table:
+        if not entry.edits:
+            out.append("mutant %s: no edit" % entry.ident)
+        if not entry.expect:
+            out.append("mutant %s: no expected text (any failure of the lane would count as the catch)" % entry.ident)
+        if entry.lane.startswith("_") or not os.path.isfile(os.path.join(root, "lanes", entry.lane + ".txt")):
+            out.append("mutant %s: lane %r has no pin file lanes/%s.txt" % (entry.ident, entry.lane, entry.lane))
+        try:
+            mutated(root, entry)
+        except AnchorGone as error:
+            out.append(str(error))
+    return out
+
+
+def main(argv, root=REPO, table=MUTANTS):
+    if argv != ["check"]:
+        print("usage: python lanes/mutants.py check", file=sys.stderr)
+        return 2
+    found = problems(root, table)
+    for line in found:
+        print("MUTANT BROKEN: " + line)
+    if found:
+        print("lanes/mutants.py: %d problem(s) in the %d mutants: re-anchor them on the current code"
+              % (len(found), len(table)))
+        return 1
+    print("mutants: all %d apply (%d edits, each text found once; every lane defined)"
+          % (len(table), sum(len(entry.edits) for entry in table)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
