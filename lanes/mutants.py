@@ -64,6 +64,10 @@ MUTANTS = (
     mutant("h", "the built package leaves out a file (npu-shim run's bootstrap) that the checkout has",
            "base", "FAILED tests/test_startup_paths.py",
            ("setup.cfg", "npu_shim = _bootstrap/*.py\n", "")),
+    mutant("i", "the edit primitive takes an anchor found more often than the edit names (an edit of the wrong place)",
+           "base", "FAILED tests/test_source_edit.py",
+           ("npu_shim/patches/_shared/source_edit.py", "if transformer.found != edit.count:",
+            "if transformer.found < edit.count:")),
 )
 
 
