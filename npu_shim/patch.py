@@ -64,7 +64,9 @@ class Family:
                   :class:`TargetMismatch` (another shape) or :class:`NotNeeded`
                   (fixed upstream) unless the installed code has the shape the
                   family was written for; it looks at structure only, the fence
-                  does versions. ``build(subject, context)`` returns ``{attribute
+                  does versions. What it returns (None, or the objects it looked
+                  up) the engine hands ``build`` as ``context.found``, on the same
+                  context. ``build(subject, context)`` returns ``{attribute
                   path relative to the subject: replacement}``, a non-empty subset
                   of the patch's ``replaces``, each function made by it presented
                   with ``context.present``.
@@ -188,18 +190,23 @@ class FamilyContext:
     ``patch``   the name of the patch the family serves (a family module never states it)
     ``family``  the family's id (:attr:`Family.name`)
     ``module``  the module that holds the family's code (named in replacements' docstrings)
+    ``found``   what the family's ``check`` returned (None when it returned nothing): the
+                engine hands ``build`` the context ``check`` ran with, so what the check looked
+                up and proved (the function whose body it read, say) is what ``build`` replaces,
+                without a second look-up
 
     :meth:`count` bumps the patch's counters (:mod:`npu_shim.engine.counters`) and
     :meth:`present` is the one way to mark a replacement.
     """
 
-    __slots__ = ("patch", "family", "module")
+    __slots__ = ("patch", "family", "module", "found")
 
     # The attribute that names the patch on a replacement made by :meth:`present`.
     MARK = "__npu_shim_patch__"
 
     def __init__(self, patch: str, family: str = "", module: str = ""):
         self.patch, self.family, self.module = patch, family, module
+        self.found = None
 
     @classmethod
     def of(cls, patch: "Patch", family: "Family") -> "FamilyContext":
@@ -252,7 +259,7 @@ class _Inline:
 
     def check(self, module, context=None):
         if self._check is not None:
-            self._check(module)
+            return self._check(module)
 
     def build(self, module, context=None):
         return self._build(module)
