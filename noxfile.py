@@ -554,7 +554,8 @@ MUTANTS = (
      "tests/lanes/test_kimi_vl_host_grid.py", 'pytest.mark.claimed("vllm.kimi_vl_host_grid")',
      'pytest.mark.lanes("vllm-0.18")', "vllm-0.19", "vllm.kimi_vl_host_grid: applied"),
     ("h", "the built package leaves out a file (npu-shim run's bootstrap) that the checkout has",
-     "setup.cfg", "npu_shim = _bootstrap/*.py\n", "", "base", "FAILED tests/test_startup_paths.py"),
+     "setup.cfg", "npu_shim = _bootstrap/*.py, releases_read.json\n", "npu_shim = releases_read.json\n", "base",
+     "FAILED tests/test_startup_paths.py"),
 )
 
 

@@ -50,10 +50,9 @@ class Family:
                   that holds the family's code and the family share one name.
                   Reading one more release of the same shape changes
                   ``releases`` only; the id stays.
-    ``releases``  evidence: the upstream releases read (and, where a lane exists,
-                  run) for this family, oldest first. They decide nothing: the
-                  fence and the structural check do. The reference shows them
-                  and the releases the lanes run (:attr:`release_span`).
+    ``releases``  no longer read by anything: the releases a family was read in are
+                  evidence, recorded in ``npu_shim/releases_read.json``
+                  (:mod:`npu_shim.evidence`); the declarations drop this field.
     ``implementation``  where ``check`` and ``build`` live, imported only once
                   the target module is: ``"package.module"`` (module-level
                   functions) or ``"package.module:attribute"`` (an object with
@@ -75,6 +74,10 @@ class Family:
                   (pre-releases count as inside); "" = the patch's own window.
     ``dist``      the distribution ``fence`` reads; default: the patch's first
                   ``requires`` entry.
+    ``between_releases``  True for a family that serves only builds between releases
+                  (told apart by structure alone): it claims no release, so no lane
+                  requires it applied (:func:`npu_shim.engine.guards.admitting_families`).
+                  Every other family claims the releases its fence admits.
 
     A family with neither an id nor an implementation attribute is named by its
     releases (``"0.13.0-0.17.0rc1"``, ``"0.23.0rc1+"``), as before ids existed;
@@ -87,6 +90,7 @@ class Family:
     fence: str = ""
     dist: str = ""
     id: str = ""
+    between_releases: bool = False
 
     def __post_init__(self):
         if isinstance(self.releases, str):

@@ -296,7 +296,7 @@ def test_admitting_families_are_the_fences_that_hold_inside_the_window():
                   families=(Family(("1.0", "1.4"), "x", keeps="", fence="<1.5"),
                             Family(("1.5",), "x", keeps="", fence=">=1.5"),
                             Family(("1.2",), "x", keeps="", fence=">=1.2,<2"),
-                            Family((), "x", keeps="")))      # unreleased: told apart by structure alone
+                            Family((), "x", keeps="", between_releases=True)))   # told apart by structure alone
     assert guards.admitting_families(patch, {"demo": "1.0"}) == ["1.0-1.4"]
     assert guards.admitting_families(patch, {"demo": "1.3"}) == ["1.0-1.4", "1.2"]
     assert guards.admitting_families(patch, {"demo": "2.0rc1"}) == ["1.5+"]

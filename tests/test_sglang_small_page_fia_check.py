@@ -11,6 +11,7 @@ import types
 
 import pytest
 
+from npu_shim import evidence
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches.sglang import cp_fia_host_lengths as host_lengths
 from npu_shim.patches.sglang import small_page_fia as small_page
@@ -86,7 +87,7 @@ def test_a_family_whose_fence_holds_but_gates_differ_is_refused_with_every_reaso
 
 
 @pytest.mark.patch("sglang.small_page_fia")
-@pytest.mark.parametrize("release", [f.releases[0] for f in small_page.PATCH.families])
+@pytest.mark.parametrize("release", [evidence.read(small_page.PATCH.name, f.name)[0] for f in small_page.PATCH.families])
 @pytest.mark.parametrize("method, message", [
     (without_alibi_gate, "not this family's"),
     (renamed_parameters, "takes self, query"),

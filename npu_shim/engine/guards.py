@@ -74,13 +74,13 @@ def subject_of(patch: Patch, module):
 def admitting_families(patch: Patch, versions: dict) -> list:
     """Names of the families whose version fence (inside the patch's own window) admits
     ``versions``: the families that claim the installed release, by versions alone. The lanes
-    require each such patch to be applied and exercised (lanes/report.py). A family that names
-    no release (builds between releases, told apart by structure alone) claims none."""
+    require each such patch to be applied and exercised (lanes/report.py). A family declared
+    ``between_releases`` (builds between releases, told apart by structure alone) claims none."""
     if not patch.named_families or guard_failure(patch, versions):
         return []
     admitted = []
     for family in patch.families:
-        if not family.releases:
+        if family.between_releases:
             continue
         if family.fence:
             dist = patch.family_dist(family)
@@ -92,6 +92,16 @@ def admitting_families(patch: Patch, versions: dict) -> list:
                 continue
         admitted.append(family.name)
     return admitted
+
+
+def read_as(patch: Patch, versions: dict) -> list:
+    """Names of the families of ``patch`` recorded as read in the installed release of their
+    distribution (:func:`npu_shim.evidence.read_as`); none outside the patch's window."""
+    if not patch.named_families or guard_failure(patch, versions):
+        return []
+    from npu_shim import evidence
+
+    return evidence.read_as(patch, versions)
 
 
 def development_build(version) -> str:

@@ -297,6 +297,10 @@ def status(import_targets: bool = False) -> list:
                 state, reason = stop
         named = record.undo is not None and patch.named_families
         family = record.family.name if named else None
+        release = None
+        if named and (record.family.dist or patch.requires):
+            release = versions.get(patch.family_dist(record.family))
+            release = None if guards.development_build(release) else release
         rows.append(
             {
                 "name": patch.name,
@@ -306,6 +310,12 @@ def status(import_targets: bool = False) -> list:
                 "family": family,
                 "families": [f.name for f in patch.families] if patch.named_families else [],
                 "admitted": guards.admitting_families(patch, versions),
+                # the installed release of the applied family's distribution (None: not applied,
+                # or a development or local build), and the families recorded as read in the
+                # installed releases (npu_shim/releases_read.json; inside the window only):
+                # lanes/report.py records the one and checks the other
+                "release": release,
+                "read_as": guards.read_as(patch, versions),
                 "reason": reason,
                 "requires": dict(patch.requires),
                 "versions": versions,
