@@ -147,6 +147,26 @@ def run_check(patch: Patch, family: Family, implementation, subject) -> FamilyCo
     return context
 
 
+def unread_release(patch: Patch, family: Family, versions: dict) -> str:
+    """``""``, or what status says (``"sglang 0.5.24 not read yet (...)"``) when the installed
+    release of ``family``'s distribution is newer than every release the family was read in (npu_shim/releases_read.json): the family's
+    structural check accepted that release's code, which nobody has read yet. Development and
+    local builds have their own note (:func:`structure_note`); a family declared
+    ``between_releases`` serves no release."""
+    if not patch.named_families or family.between_releases or not (family.dist or patch.requires):
+        return ""
+    dist = patch.family_dist(family)
+    version = versions[dist] if dist in versions else installed_version(dist)
+    if version is None or development_build(version):
+        return ""
+    from npu_shim import evidence
+
+    newest = evidence.unread(patch, family, version)
+    if not newest:
+        return ""
+    return "%s %s not read yet (newest read for family %s: %s)" % (dist, version, family.name, newest)
+
+
 def select_family(patch: Patch, module, versions: dict = None, by_structure: bool = True):
     """``(family, implementation, subject)`` for the installed code (a :class:`Chosen`, whose
     ``context`` carries what the check found to the build), or raise with every family's

@@ -10,7 +10,10 @@ A patch goes through these steps when its target module finishes importing
 5. a declared attribute missing -> TargetMismatch; the family whose fence holds
    and whose check accepts the code (``guards.select_family``): every family says
    NotNeeded -> ``skipped``; none accepts -> ``skipped`` with every family's
-   reason (strict: raises)
+   reason (strict: raises). A release newer than every release the family was
+   read in (npu_shim/releases_read.json) gets the family its code has, and the
+   status says so ("applied by structure; sglang 0.5.24 not read yet"); strict
+   refuses it (``skipped``, raises)
 6. the family's ``build`` (handed the context its check ran with: ``context.found`` is
    what the check returned) + atomic write    -> ``applied`` (family recorded) /
    ``failed`` (strict: raises)
@@ -229,6 +232,13 @@ def _decide_and_apply(record: Record, module) -> None:
             record.set(FAILED, "check raised %s: %s" % (type(exc).__name__, exc))
             _complain(settings, patch, record.reason, exc)
             return
+        unread = guards.unread_release(patch, family, versions)
+        if unread and settings.strict:
+            # strict: a family applies only up to the newest release it was read in
+            record.set(SKIPPED, "family %s accepts the code, but %s; NPU_SHIM_STRICT=1 applies a family only "
+                                "to releases it was read in or older" % (family.name, unread))
+            _complain(settings, patch, record.reason)
+            return
         try:
             values = guards.build_values(patch, family, implementation, subject, chosen.context)
             record.undo = apply_atomically(module, patch, values)
@@ -238,8 +248,9 @@ def _decide_and_apply(record: Record, module) -> None:
             return
         record.family = family
         reason = "; ".join("%s %s" % kv for kv in versions.items()) or "applied"
-        note = guards.structure_note(patch, family, versions, settings.family_by_structure)
-        record.set(APPLIED, reason + ("; " + note if note else ""))
+        notes = [guards.structure_note(patch, family, versions, settings.family_by_structure),
+                 "applied by structure; " + unread if unread else ""]
+        record.set(APPLIED, "; ".join([reason] + [note for note in notes if note]))
         logger.info("applied %s to %s (%s%s)", patch.name, patch.target, record.reason,
                     ", family %s" % family.name if patch.named_families else "")
         if settings.exit_summary:
