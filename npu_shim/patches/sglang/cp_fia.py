@@ -190,7 +190,7 @@ PATCH = Patch(
     target=TARGET,
     replaces=("AscendAttnBackend.%s" % METHOD,),
     requires={"sglang": ">=0.5.11"},
-    outside_window={"sglang": "no do_cp_attn_fia before 0.5.11"},
+    outside_window={"sglang": "no do_cp_attn_fia below the window"},
     needs_npu=True,
     families=(Family((), __name__, id="paged-fia-tnd", between_releases=True,
                      keeps="torch.ops.npu.npu_fused_infer_attention_score, input_layout TND, paged"),),

@@ -80,7 +80,7 @@ FIA_OP = "npu_fused_infer_attention_score"
 FIA_KEPT = ("sglang's own FIA prefill branch of the release (npu_fused_infer_attention_score), "
             "as with ASCEND_USE_FIA=1; page size >= 128 keeps _npu_flash_attention_qlens")
 SMALLEST_SAFE_PAGE = 128   # PR #39905: qlens right at 128, wrong at 16/32/64
-# The wrapper reads these by position and name, as every release 0.5.11-0.5.23 declares them.
+# The wrapper reads these by position and name, as every release read declares them.
 PARAMETERS = ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "q_rope", "k_rope",
               "topk_indices", "sinks")
 

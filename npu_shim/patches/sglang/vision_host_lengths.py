@@ -272,7 +272,7 @@ class _Family:
                     attention_mask=None, **kwargs):
             context.count("calls")
             if not family.fallback and attention_mask is not None:
-                kwargs["attention_mask"], attention_mask = attention_mask, None   # 0.5.16 ignores it
+                kwargs["attention_mask"], attention_mask = attention_mask, None   # family seq-lens ignores it
             if forward_metadata is None or attention_mask is not None:
                 context.count("upstream_calls")
                 if family.fallback:
@@ -289,8 +289,8 @@ class _Family:
                                     **kwargs)
                 import torch
 
-                # 0.5.16's own branch reads seq_lens back and is wrong for two images or more:
-                # read cu_seqlens once instead, as 0.5.17 does.
+                # family seq-lens' own branch reads seq_lens back and is wrong for two images or
+                # more: read cu_seqlens once instead, as family cu-seqlens does.
                 context.count("host_copies")
                 values = forward_metadata.cu_seqlens.to("cpu").to(torch.int32).tolist()
             cumulative = values[1:]
@@ -319,12 +319,12 @@ PATCH = Patch(
     needs_npu=True,
     families=(
         Family(("0.5.16",), __name__ + ":SEQ_LENS", fence=">=0.5.16,<0.5.17",
-               keeps=KEEPS + "; cumulative lengths, as 0.5.17 passes them"),
+               keeps=KEEPS + "; cumulative lengths, as family cu-seqlens passes them"),
         Family(("0.5.17", "0.5.18", "0.5.19"), __name__ + ":CU_SEQLENS", fence=">=0.5.17,<0.5.20", keeps=KEEPS),
         Family(("0.5.20", "0.5.21", "0.5.22", "0.5.23"), __name__ + ":CU_SEQLENS_PADDED",
                fence=">=0.5.20", keeps=KEEPS + "; upstream's padded-layout drop and restore"),
     ),
     summary="vision attention metadata keeps the tower's host cu_seqlens; VisionAscendAttention takes them: "
-            "0 reads per tower forward; 0.5.16 passes FIA cumulative lengths (two or more images work)",
+            "0 reads per tower forward; family seq-lens passes FIA cumulative lengths (two or more images work)",
     selftest=Selftest("npu_shim.selftest.sglang_vision_host_lengths", host_syncs=0),
 )

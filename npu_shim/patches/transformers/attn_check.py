@@ -110,7 +110,7 @@ PATCH = Patch(
     replaces=("PreTrainedModel.%s" % METHOD,),
     requires={"transformers": ">=4.55,<6", "vllm": ">=0.8.5,<0.14"},
     outside_window={
-        "transformers": "the name check lives in other methods before 4.55; 6.x not verified",
+        "transformers": "the name check lives in other methods below the window; releases above it not read",
         "vllm": "ascend_fa can be requested only where vllm.moonvit_attn applies",
     },
     needs_npu=True,   # needed only where vllm.moonvit_attn (an NPU patch) can serve the name

@@ -56,7 +56,7 @@ class _AskThenClamp:
             raise TargetMismatch("%s takes %s; the family knows %s" % (FUNCTION, params, PARAMS))
         names = names_in_code(function.__code__, nested=False)
         if "clamp" in names and not {"isinf", "isnan", "any"} & names:
-            raise NotNeeded("%s clamps without asking the device whether anything overflowed (vLLM 0.22+)"
+            raise NotNeeded("%s clamps without asking the device whether anything overflowed (as vLLM does above the window)"
                             % FUNCTION)
         missing = [name for name in ASKS if name not in names]
         if missing:
@@ -95,8 +95,8 @@ PATCH = Patch(
     target=TARGET,
     replaces=(FUNCTION,),
     requires={"vllm": ">=0.13.0,<0.22.0"},
-    outside_window={"vllm": "from 0.22 vLLM clamps without asking (no read); releases before 0.13.0 were not "
-                            "read for this patch"},
+    outside_window={"vllm": "above the window vLLM clamps without asking (no read); releases below it were "
+                            "not read for this patch"},
     needs_npu=True,
     families=(
         Family(("0.13.0", "0.14.1", "0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.1", "0.20.2", "0.21.0"),

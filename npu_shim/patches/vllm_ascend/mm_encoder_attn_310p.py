@@ -38,8 +38,8 @@ PATCH = Patch(
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".forward_oot",),
     requires={"vllm-ascend": ">=0.14.0rc1,!=0.15.*,!=0.16.*,!=0.17.*"},
-    outside_window={"vllm-ascend": "no 310P MMEncoderAttention class before 0.14.0rc1 "
-                                   "nor in 0.15.0rc1-0.17.0rc1"},
+    outside_window={"vllm-ascend": "no 310P MMEncoderAttention class below the window nor in the releases "
+                                   "it leaves out"},
     needs_npu=True,
     families=(
         Family(("0.14.0rc1",), FAMILIES + "v014_310p", id="ascend-subclass-unpad", fence=">=0.14.0rc1,<0.15.0rc1",

@@ -53,8 +53,8 @@ PATCH = Patch(
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".compute_attn_mask_seqlen", CLASS_NAME + ".forward"),
     requires={"vllm": ">=0.19.0"},
-    outside_window={"vllm": "0.16.0 .. 0.18.0 have the same forward, but their lanes pin a transformers "
-                            "without GLM-OCR's configuration: not run, not claimed; 0.15.0 and earlier "
+    outside_window={"vllm": "the releases just below the window have the same forward, but their lanes pin a "
+                            "transformers without GLM-OCR's configuration: not run, not claimed; older ones "
                             "have no GLM-OCR"},
     needs_npu=True,
     families=(

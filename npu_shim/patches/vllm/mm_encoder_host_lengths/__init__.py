@@ -46,7 +46,7 @@ PATCH = Patch(
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".maybe_recompute_cu_seqlens",),
     requires={"vllm": ">=0.18.0"},
-    outside_window={"vllm": "before 0.18.0 vLLM had no MMEncoderAttention.maybe_recompute_cu_seqlens"},
+    outside_window={"vllm": "below the window vLLM had no MMEncoderAttention.maybe_recompute_cu_seqlens"},
     needs_npu=True,
     families=(
         Family(("0.18.0", "0.22.1"), FAMILIES + "FROM_NUMPY", fence=">=0.18.0,<0.24.0",

@@ -49,7 +49,7 @@ PATCH = Patch(
     target=TARGET,
     replaces=(FUNCTION,),
     requires={"vllm": ">=0.20.0"},
-    outside_window={"vllm": "before 0.20 vLLM merges with masked_scatter_ (vLLM #22105), not the "
+    outside_window={"vllm": "below the window vLLM merges with masked_scatter_ (vLLM #22105), not the "
                             "boolean-mask assignment whose 310P IndexPut kernel fails"},
     needs_npu=True,
     selftest=Selftest("npu_shim.selftest.vllm_mm_merge_310p", host_syncs={"310P": 0, "A2/A3": 0}),

@@ -40,8 +40,8 @@ PATCH = Patch(
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".compute_attn_mask_seqlen",),
     requires={"vllm": ">=0.18.0,<0.22.0"},
-    outside_window={"vllm": "releases before 0.18.0 were not read for this patch; 0.22.0 and later copy "
-                            "cu_seqlens through maybe_recompute_cu_seqlens (vllm.mm_encoder_host_lengths)"},
+    outside_window={"vllm": "releases below the window were not read for this patch; from its end on, "
+                            "cu_seqlens is copied through maybe_recompute_cu_seqlens (vllm.mm_encoder_host_lengths)"},
     needs_npu=True,
     families=(
         Family(("0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0", "0.20.2"), FAMILIES + "FORWARD_COPY",

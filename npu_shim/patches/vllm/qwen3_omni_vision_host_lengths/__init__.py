@@ -45,8 +45,8 @@ PATCH = Patch(
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".compute_attn_mask_seqlen", CLASS_NAME + ".forward"),
     requires={"vllm": ">=0.24.0"},
-    outside_window={"vllm": "0.22.1 and 0.23.0 do not copy cu_seqlens to the device (it stays where "
-                            "grid_thw is); earlier releases were not read for this patch"},
+    outside_window={"vllm": "the two releases read below the window do not copy cu_seqlens to the device (it "
+                            "stays where grid_thw is); earlier releases were not read for this patch"},
     needs_npu=True,
     families=(
         Family(("0.24.0", "0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.29.0"), FAMILIES + "TENSOR_TO",
