@@ -48,11 +48,8 @@ class Family:
                   ``-``. Default: the implementation's attribute in that spelling
                   (``"...families:HOST_GRID"`` -> ``"host-grid"``), so the object
                   that holds the family's code and the family share one name.
-                  Reading one more release of the same shape changes
-                  ``releases`` only; the id stays.
-    ``releases``  no longer read by anything: the releases a family was read in are
-                  evidence, recorded in ``npu_shim/releases_read.json``
-                  (:mod:`npu_shim.evidence`); the declarations drop this field.
+                  Reading one more release of the same shape changes the evidence
+                  only; the id stays.
     ``implementation``  where ``check`` and ``build`` live, imported only once
                   the target module is: ``"package.module"`` (module-level
                   functions) or ``"package.module:attribute"`` (an object with
@@ -79,12 +76,16 @@ class Family:
                   requires it applied (:func:`npu_shim.engine.guards.admitting_families`).
                   Every other family claims the releases its fence admits.
 
-    A family with neither an id nor an implementation attribute is named by its
-    releases (``"0.13.0-0.17.0rc1"``, ``"0.23.0rc1+"``), as before ids existed;
-    every built-in family has an id (tests/test_machinery.py).
+    The fence is the only version fact a family states. The releases it was read in are
+    evidence, recorded by a tool in ``npu_shim/releases_read.json``
+    (:mod:`npu_shim.evidence`), which the reference shows beside the releases the lanes
+    run (derived from their pin files).
+
+    A family with neither an id nor an implementation attribute is named by its module
+    (``"pkg.cp_fia"`` -> ``"cp-fia"``), or ``"unnamed"`` for an object; every built-in family
+    has an id or an attribute (tests/test_machinery.py).
     """
 
-    releases: Tuple[str, ...]
     implementation: Any      # "module" / "module:attribute", or the object itself
     keeps: str
     fence: str = ""
@@ -93,8 +94,10 @@ class Family:
     between_releases: bool = False
 
     def __post_init__(self):
-        if isinstance(self.releases, str):
-            raise TypeError("Family.releases must be a tuple of release versions, not a string")
+        if isinstance(self.implementation, (tuple, list)):
+            raise TypeError("Family takes no releases any more: the fence is its only version fact, and "
+                            "the releases it was read in are recorded in npu_shim/releases_read.json "
+                            "(npu-shim evidence --record); drop the first argument %r" % (self.implementation,))
         if self.id and not _FAMILY_ID.match(self.id):
             raise ValueError("Family id %r: give lower-case words joined by '-', starting with a letter "
                              "(the shape of upstream code, e.g. 'fia-tnd'), not a release" % (self.id,))
@@ -108,21 +111,10 @@ class Family:
         """The family's id (see the class docstring)."""
         if self.id:
             return self.id
-        if isinstance(self.implementation, str) and ":" in self.implementation:
-            return self.implementation.rpartition(":")[2].lower().replace("_", "-")
-        return self.release_span
-
-    @property
-    def release_span(self) -> str:
-        """The releases read, as a span: ``"0.18.0rc1-0.18.0"``, ``"0.23.0rc1+"`` when the fence
-        has no upper bound, ``"unreleased"`` for builds between releases."""
-        if not self.releases:
-            return "unreleased"
-        if self.open_ended:
-            return self.releases[0] + "+"
-        if len(self.releases) == 1:
-            return self.releases[0]
-        return "%s-%s" % (self.releases[0], self.releases[-1])
+        if isinstance(self.implementation, str):
+            module, _, attribute = self.implementation.partition(":")
+            return (attribute or module.rpartition(".")[2]).lower().replace("_", "-")
+        return "unnamed"
 
     def load(self):
         """The object holding ``check`` and ``build`` (imports the implementation)."""
@@ -307,7 +299,7 @@ class Patch:
         if self.check is not None or self.build is not None:
             if self.families:
                 raise TypeError("%s: declare families or check/build, not both" % self.name)
-            object.__setattr__(self, "families", (Family((), _Inline(self.check, self.build), keeps=""),))
+            object.__setattr__(self, "families", (Family(_Inline(self.check, self.build), keeps=""),))
         names = [family.name for family in self.families]
         if len(set(names)) != len(names):
             raise ValueError("%s: two families share a name: %s" % (self.name, names))

@@ -36,7 +36,7 @@ def test_check_and_build_get_the_patch_name_the_family_and_its_module():
 
     implementation = types.SimpleNamespace(check=check, build=build, __module__="toy.families")
     patch = Patch(name="toy.context", target="toy_context_target", replaces=("greet",),
-                  families=(Family(("1.0",), implementation, keeps="", id="toy-shape"),))
+                  families=(Family(implementation, keeps="", id="toy-shape"),))
     module = toy_module()
     family, chosen, subject = guards.select_family(patch, module)
     values = guards.build_values(patch, family, chosen, subject)
@@ -93,7 +93,7 @@ def test_build_gets_what_the_check_found_on_the_context_the_check_ran_with():
 
     implementation = types.SimpleNamespace(check=check, build=build, __module__="toy.families")
     patch = Patch(name="toy.found", target="toy_context_target", replaces=("greet",),
-                  families=(Family(("1.0",), implementation, keeps="", id="toy-shape"),))
+                  families=(Family(implementation, keeps="", id="toy-shape"),))
     chosen = guards.select_family(patch, module)
     family, chosen_implementation, subject = chosen
     values = guards.build_values(patch, family, chosen_implementation, subject, chosen.context)
@@ -102,7 +102,7 @@ def test_build_gets_what_the_check_found_on_the_context_the_check_ran_with():
 
     quiet = types.SimpleNamespace(check=lambda subject, context: None, build=build, __module__="toy.families")
     patch = Patch(name="toy.quiet", target="toy_context_target", replaces=("greet",),
-                  families=(Family(("1.0",), quiet, keeps="", id="toy-shape"),))
+                  families=(Family(quiet, keeps="", id="toy-shape"),))
     assert guards.select_family(patch, module).context.found is None
 
 
@@ -153,7 +153,7 @@ def check(module, context):
 def build(module, context):
     found.append(context.found["greet"] is module.greet)
     return {{"greet": lambda: "patched"}}
-family = Family(("1.0",), types.SimpleNamespace(check=check, build=build), keeps="", id="toy-shape",
+family = Family(types.SimpleNamespace(check=check, build=build), keeps="", id="toy-shape",
                 fence=">=0", dist="wrapt")
 npu_shim.register(Patch(name="toy.once", target="toy_once", replaces=("greet",),
                         requires={{"packaging": ">=0"}}, families=(family,)))

@@ -15,8 +15,8 @@ TOY = textwrap.dedent('''
     from npu_shim import evidence
     from npu_shim.patch import Family, Patch
     evidence._loaded[evidence.FILE] = {{"toy.unread": {{"toy-shape": {{r: "by hand" for r in {read!r}}}}}}}
-    family = Family((), types.SimpleNamespace(check=lambda module, context: None,
-                                              build=lambda module, context: {{"greet": lambda: "patched"}}),
+    family = Family(types.SimpleNamespace(check=lambda module, context: None,
+                                          build=lambda module, context: {{"greet": lambda: "patched"}}),
                     keeps="", id="toy-shape", fence=">=1.0", dist="packaging")
     npu_shim.register(Patch(name="toy.unread", target="toy_unread", replaces=("greet",),
                             requires={{"wrapt": ">=1"}}, families=(family,)))

@@ -206,7 +206,7 @@ PATCH = Patch(
     requires={"sglang": ">=0.5.23"},
     outside_window={"sglang": "below the window FIA gets the metadata's host lists directly (no sync)"},
     needs_npu=True,
-    families=(Family(("0.5.23",), __name__, id="strategy-metadata",
+    families=(Family(__name__, id="strategy-metadata",
                keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND, upstream's arguments"),),
     summary="CP prefill FIA closure reads the zigzag metadata's host lists: 0 device->host syncs per layer",
     # None: the lengths come from the metadata's host lists, not its device tensors.

@@ -96,7 +96,7 @@ PATCH = Patch(
     requires={"sglang": ">=0.5.21,<0.5.23"},
     outside_window={"sglang": "the NPU KV gather is a stub only from the release below the window to the "
                               "window's end, and in that first release " + ALREADY_REFUSED},
-    families=(Family(("0.5.21", "0.5.22"), __name__, id="platform-validation", keeps="upstream's validate_prefill_cp_platform for every other case"),),
+    families=(Family(__name__, id="platform-validation", keeps="upstream's validate_prefill_cp_platform for every other case"),),
     summary="refuse --enable-prefill-cp on NPU at start-up (the NPU KV gather is a stub)",
     # None: argument resolution touches no tensor.
     selftest=Selftest("npu_shim.selftest.sglang_cp_npu_refuse", host_syncs=0),

@@ -161,7 +161,7 @@ PATCH = Patch(
     outside_window={"sglang": "CP-v2 pad rows exist from the window's start; from its end the NPU KV gather "
                               "is a stub that raises (sglang.cp_npu_refuse)"},
     needs_npu=True,
-    families=(Family(("0.5.16", "0.5.17", "0.5.18", "0.5.19"), __name__, id="rerange-kv-gather",
+    families=(Family(__name__, id="rerange-kv-gather",
                keeps="upstream's cp_all_gather_rerange_kv_cache and do_cp_attn_fia (npu_fused_infer_attention_score TND)"),),
     summary="NPU CP KV gather keeps each rank's real rows; pad rows never reach FIA",
     # None: the lengths of the real rows come from the metadata's host lists.

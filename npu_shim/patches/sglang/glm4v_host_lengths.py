@@ -128,8 +128,7 @@ PATCH = Patch(
     outside_window={"sglang": "releases before 0.5.11 and after 0.5.23 were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.5.11", "0.5.12", "0.5.13", "0.5.14", "0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19",
-                "0.5.20", "0.5.21", "0.5.22", "0.5.23"), __name__ + ":EMBEDDINGS_HOST_LENGTHS",
+        Family(__name__ + ":EMBEDDINGS_HOST_LENGTHS",
                fence=">=0.5.11,<0.5.24",
                keeps="upstream's embedding ops in upstream's order (repeat, cat, grid_sample bicubic, add)"),
     ),

@@ -152,11 +152,11 @@ PATCH = Patch(
     outside_window={"sglang": "releases before 0.5.11 and after 0.5.23 were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.5.11", "0.5.12", "0.5.13", "0.5.14", "0.5.15"), __name__ + ":BEFORE_METADATA",
+        Family(__name__ + ":BEFORE_METADATA",
                fence=">=0.5.11,<0.5.16",
                keeps="upstream's tower ops in upstream's order; the blocks take host cu_seqlens, as upstream "
                      "hands them on NPU"),
-        Family(("0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"), __name__ + ":METADATA",
+        Family(__name__ + ":METADATA",
                fence=">=0.5.16,<0.5.24",
                keeps="upstream's tower ops in upstream's order; prepare_vision_attention_metadata on host "
                      "cu_seqlens, as upstream hands them on NPU"),

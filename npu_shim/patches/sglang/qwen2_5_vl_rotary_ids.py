@@ -99,10 +99,9 @@ PATCH = Patch(
     outside_window={"sglang": "releases before 0.5.11 and after 0.5.23 were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.5.11", "0.5.12", "0.5.13", "0.5.14"), __name__ + ":TABLE_BY_SIZE", fence=">=0.5.11,<0.5.15",
+        Family(__name__ + ":TABLE_BY_SIZE", fence=">=0.5.11,<0.5.15",
                keeps="rot_pos_ids, self.rotary_pos_emb(grid_thw[:, 1:].max()), the indexing and flatten(1)"),
-        Family(("0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"),
-               __name__ + ":TABLE_BY_POSITIONS", fence=">=0.5.15,<0.5.24",
+        Family(__name__ + ":TABLE_BY_POSITIONS", fence=">=0.5.15,<0.5.24",
                keeps="rot_pos_ids, self.rotary_pos_emb(torch.arange(..., device=self.device)), the indexing "
                      "and flatten(1)"),
     ),

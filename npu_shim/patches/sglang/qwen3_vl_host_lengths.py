@@ -142,9 +142,9 @@ PATCH = Patch(
                               "(sglang.vision_host_lengths); releases before 0.5.11 were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.5.11", "0.5.12"), __name__ + ":BLOCKING_X", fence=">=0.5.11,<0.5.13", keeps=KEEPS),
-        Family(("0.5.13", "0.5.14"), __name__ + ":NON_BLOCKING_X", fence=">=0.5.13,<0.5.15", keeps=KEEPS),
-        Family(("0.5.15",), __name__ + ":VECTORIZED_POS_EMBED", fence=">=0.5.15,<0.5.16", keeps=KEEPS),
+        Family(__name__ + ":BLOCKING_X", fence=">=0.5.11,<0.5.13", keeps=KEEPS),
+        Family(__name__ + ":NON_BLOCKING_X", fence=">=0.5.13,<0.5.15", keeps=KEEPS),
+        Family(__name__ + ":VECTORIZED_POS_EMBED", fence=">=0.5.15,<0.5.16", keeps=KEEPS),
     ),
     summary="Qwen3-VL's tower (0.5.11 - 0.5.15) hands its blocks the host cu_seqlens it built instead of a device "
             "copy its attention reads back: 0 reads per forward (upstream: 1 per layer; "

@@ -286,11 +286,10 @@ PATCH = Patch(
                               "a cached prefix: nothing right to route to)"},
     needs_npu=True,
     families=(
-        Family(("0.5.12",), __name__ + ":SINKS_ONLY", fence=">=0.5.12,<0.5.13", keeps=FIA_KEPT),
-        Family(("0.5.13",), __name__ + ":HYBRID_SWA", fence=">=0.5.13,<0.5.14", keeps=FIA_KEPT),
-        Family(("0.5.14",), __name__ + ":SWA_FIA", fence=">=0.5.14,<0.5.15", keeps=FIA_KEPT),
-        Family(("0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"),
-               __name__ + ":SWA_FIA_FA", fence=">=0.5.15", keeps=FIA_KEPT),
+        Family(__name__ + ":SINKS_ONLY", fence=">=0.5.12,<0.5.13", keeps=FIA_KEPT),
+        Family(__name__ + ":HYBRID_SWA", fence=">=0.5.13,<0.5.14", keeps=FIA_KEPT),
+        Family(__name__ + ":SWA_FIA", fence=">=0.5.14,<0.5.15", keeps=FIA_KEPT),
+        Family(__name__ + ":SWA_FIA_FA", fence=">=0.5.15", keeps=FIA_KEPT),
     ),
     summary="prefill with page size < 128 goes through sglang's FIA path, not the legacy qlens op",
     # None: forward_extend's FIA route takes its lengths from the metadata's host lists.

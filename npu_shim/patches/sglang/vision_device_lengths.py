@@ -132,9 +132,9 @@ PATCH = Patch(
                               "(sglang.vision_host_lengths); releases below it were not read"},
     needs_npu=True,
     families=(
-        Family(("0.5.11", "0.5.12", "0.5.13"), __name__ + ":BEFORE_METADATA_UNPAD", fence=">=0.5.11,<0.5.14",
+        Family(__name__ + ":BEFORE_METADATA_UNPAD", fence=">=0.5.11,<0.5.14",
                keeps="torch_npu._npu_flash_attention_unpad in upstream's forward, upstream's arguments"),
-        Family(("0.5.14", "0.5.15"), __name__ + ":BEFORE_METADATA_FIA", fence=">=0.5.14,<0.5.16",
+        Family(__name__ + ":BEFORE_METADATA_FIA", fence=">=0.5.14,<0.5.16",
                keeps="torch_npu.npu_fused_infer_attention_score (input_layout TND) in upstream's forward, "
                      "upstream's arguments"),
     ),

@@ -318,10 +318,10 @@ PATCH = Patch(
                               "sglang.vision_device_lengths serves those releases"},
     needs_npu=True,
     families=(
-        Family(("0.5.16",), __name__ + ":SEQ_LENS", fence=">=0.5.16,<0.5.17",
+        Family(__name__ + ":SEQ_LENS", fence=">=0.5.16,<0.5.17",
                keeps=KEEPS + "; cumulative lengths, as family cu-seqlens passes them"),
-        Family(("0.5.17", "0.5.18", "0.5.19"), __name__ + ":CU_SEQLENS", fence=">=0.5.17,<0.5.20", keeps=KEEPS),
-        Family(("0.5.20", "0.5.21", "0.5.22", "0.5.23"), __name__ + ":CU_SEQLENS_PADDED",
+        Family(__name__ + ":CU_SEQLENS", fence=">=0.5.17,<0.5.20", keeps=KEEPS),
+        Family(__name__ + ":CU_SEQLENS_PADDED",
                fence=">=0.5.20", keeps=KEEPS + "; upstream's padded-layout drop and restore"),
     ),
     summary="vision attention metadata keeps the tower's host cu_seqlens; VisionAscendAttention takes them: "

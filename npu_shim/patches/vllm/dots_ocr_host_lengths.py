@@ -125,10 +125,9 @@ PATCH = Patch(
                             "releases were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.14.1", "0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.1", "0.20.2", "0.21.0", "0.22.1",
-                "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1"), __name__ + ":GRID_THW", fence=">=0.14.0,<0.28.0",
+        Family(__name__ + ":GRID_THW", fence=">=0.14.0,<0.28.0",
                keeps="upstream's tower ops in upstream's order on host-built lengths; copies non_blocking=True"),
-        Family(("0.28.0", "0.29.0", "0.30.0", "0.33.0"), __name__ + ":GRID_THW_TENSOR", fence=">=0.28.0",
+        Family(__name__ + ":GRID_THW_TENSOR", fence=">=0.28.0",
                keeps="upstream's tower ops in upstream's order on host-built lengths; copies non_blocking=True"),
     ),
     summary="dots.ocr's tower builds cu_seqlens from the host grid list and copies it, the grid and its rotary "

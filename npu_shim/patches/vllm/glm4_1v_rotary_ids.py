@@ -86,7 +86,7 @@ PATCH = Patch(
                             "not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0", "0.20.2", "0.21.0"), __name__ + ":BLOCKING_INDEX",
+        Family(__name__ + ":BLOCKING_INDEX",
                fence=">=0.18.0,<0.22.0",
                keeps="upstream's ids, get_cos_sin and indexing in upstream's order, with vLLM 0.22.1's "
                      "pos_ids.to(cos.device, non_blocking=True)"),

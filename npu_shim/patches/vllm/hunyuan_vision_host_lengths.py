@@ -106,9 +106,7 @@ PATCH = Patch(
                             "from 0.29.0 vLLM has no hunyuan_vision module (read in 0.29.0, 0.30.0, 0.33.0)"},
     needs_npu=True,
     families=(
-        Family(("0.14.1", "0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.1", "0.20.2", "0.21.0",
-                "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1", "0.28.0"),
-               __name__ + ":HOST_SPLIT", fence=">=0.14.0,<0.29.0",
+        Family(__name__ + ":HOST_SPLIT", fence=">=0.14.0,<0.29.0",
                keeps="upstream's tower ops in upstream's order; cu_seqlens.to(device=self.device, non_blocking=True)"),
     ),
     summary="HunYuan-Vision's tower splits its output by the host cu_seqlens it built instead of reading its "

@@ -121,7 +121,7 @@ PATCH = Patch(
                             "older ones were not read"},
     needs_npu=True,
     families=(
-        Family(("0.28.0", "0.29.0", "0.30.0", "0.33.0"), __name__ + ":ASYNC_H2D", fence=">=0.28.0",
+        Family(__name__ + ":ASYNC_H2D", fence=">=0.28.0",
                keeps="async_tensor_h2d(cu_seqlens, dtype=torch.int32, device=...)"),
     ),
     summary="PaddleOCR-VL's cu_seqlens copy keeps the host values it copied; vllm.mm_encoder_attn takes "

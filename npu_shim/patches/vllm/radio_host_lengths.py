@@ -113,8 +113,7 @@ PATCH = Patch(
                             "(no _from_seq_lens; not patched), or a dense boolean mask, or no inter-image mask"},
     needs_npu=True,
     families=(
-        Family(("0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1",
-                "0.28.0", "0.29.0", "0.30.0", "0.33.0"), __name__ + ":TENSOR_ACCUMULATE", fence=">=0.19.0",
+        Family(__name__ + ":TENSOR_ACCUMULATE", fence=">=0.19.0",
                keeps="torch.tensor(list(accumulate(seq_lens, initial=0)), dtype=torch.int32, device=device)"),
     ),
     summary="RADIO's packed cu_seqlens keeps the host lengths it was built from; vllm.mm_encoder_attn takes "

@@ -58,10 +58,9 @@ PATCH = Patch(
                             "have no GLM-OCR"},
     needs_npu=True,
     families=(
-        Family(("0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1",
-                "0.28.0", "0.29.0"), FAMILIES + "TENSOR_TO", fence=">=0.19.0,<0.30.0",
+        Family(FAMILIES + "TENSOR_TO", fence=">=0.19.0,<0.30.0",
                keeps="cu_seqlens.to(self.device, non_blocking=True)"),
-        Family(("0.30.0",), FAMILIES + "PINNED_CAT", fence=">=0.30.0",
+        Family(FAMILIES + "PINNED_CAT", fence=">=0.30.0",
                keeps="torch.cat(..., out=<pinned buffer>).to(self.device, non_blocking=True)"),
     ),
     summary="GLM-OCR's vision tower: its own cu_seqlens copy gets the host lengths of its host grid; "

@@ -56,10 +56,10 @@ PATCH = Patch(
     outside_window={"vllm": "releases below the window were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.18.0", "0.22.1", "0.26.0"), "npu_shim.patches.vllm.kimi_vl_host_grid.families:HOST_GRID",
+        Family("npu_shim.patches.vllm.kimi_vl_host_grid.families:HOST_GRID",
                fence=">=0.18.0,<0.29.0",
                keeps="(grid_hw[:, 0] * grid_hw[:, 1]).to(hidden_states.device) and MoonViT's forward"),
-        Family(("0.29.0", "0.30.0"), "npu_shim.patches.vllm.kimi_vl_host_grid.families:HOST_LENGTHS",
+        Family("npu_shim.patches.vllm.kimi_vl_host_grid.families:HOST_LENGTHS",
                fence=">=0.29.0",
                keeps="upstream's field config (keep_on_cpu=True), (grid_hw[:, 0] * grid_hw[:, 1])"
                      ".to(hidden_states.device) and MoonViT's forward"),
