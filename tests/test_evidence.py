@@ -3,6 +3,7 @@ place that states them, shipped with the package, consistent with the declaratio
 only by ``npu-shim evidence --record`` from what the lanes and probes found applied."""
 import json
 import os
+import re
 
 import pytest
 from packaging.specifiers import SpecifierSet
@@ -93,3 +94,60 @@ def test_the_cli_records_the_reports_into_the_checkouts_file(tmp_path, capsys):
     assert evidence.main(args) == 1
     assert "CONFLICT p: lane x found family g on 1.0, recorded as read for f" in capsys.readouterr().out
 
+
+
+RELEASE = re.compile(r"(?<![\w.\-])\d+\.\d+(?!\d)")
+
+
+def _docstrings_and_fences(tree):
+    """Positions of the docstrings and of the string constants in ``fence=`` / ``requires=``."""
+    import ast
+
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) and isinstance(first.value.value, str):
+                found.add((first.value.lineno, first.value.col_offset))
+        if isinstance(node, ast.keyword) and node.arg in ("fence", "requires"):
+            found.update((sub.lineno, sub.col_offset) for sub in ast.walk(node.value) if isinstance(sub, ast.Constant))
+    return found
+
+
+def releases_named(root):
+    """``path:line: token`` for every string or comment in the patch modules that names a release
+    (``\\d+.\\d+``), docstrings (prose citing upstream) and fence= / requires= values left out."""
+    import ast
+    import io
+    import tokenize
+
+    hits = []
+    for directory, _, files in sorted(os.walk(os.path.join(root, "npu_shim", "patches"))):
+        for name in sorted(files):
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(directory, name)
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+            skip = _docstrings_and_fences(ast.parse(text))
+            for token in tokenize.generate_tokens(io.StringIO(text).readline):
+                if token.type in (tokenize.STRING, tokenize.COMMENT) and token.start not in skip \
+                        and RELEASE.search(token.string):
+                    hits.append("%s:%d: %s" % (os.path.relpath(path, root), token.start[0], token.string[:100]))
+    return hits
+
+
+def test_no_patch_module_names_a_release_outside_a_fence(tmp_path):
+    """A family's fence is the only version fact in the code: no string or comment of a patch
+    module names a release (the releases read are in npu_shim/releases_read.json, the window's
+    ends in requires=). Defect caught: a releases list, a digest comment or an outside_window
+    note typed into a module again, which the next release read makes stale."""
+    assert releases_named(REPO) == []
+    planted = tmp_path / "npu_shim" / "patches"
+    planted.mkdir(parents=True)
+    (planted / "demo.py").write_text('"""Read in 0.5.23 (a docstring may cite it)."""\n'
+                                     'X = Family("m", keeps="", fence=">=0.5.11,<0.5.24")\n'
+                                     'DIGEST = {"abc"}   # 0.5.11 .. 0.5.23\n'
+                                     'NOTE = "releases after 0.5.23 not read"\n')
+    assert releases_named(str(tmp_path)) == ["npu_shim/patches/demo.py:3: # 0.5.11 .. 0.5.23",
+                                             'npu_shim/patches/demo.py:4: "releases after 0.5.23 not read"']

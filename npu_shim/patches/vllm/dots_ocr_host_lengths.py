@@ -42,8 +42,8 @@ TOWER = "DotsVisionTransformer"
 FORWARD = TOWER + ".forward"
 
 # body_digest of the upstream bodies the replacement was written from
-FORWARD_GRID_THW = {"99e6b1fe9ad2"}            # 0.14.1 .. 0.27.1
-FORWARD_GRID_THW_TENSOR = {"c026f89413d6"}     # 0.28.0 .. 0.33.0
+FORWARD_GRID_THW = {"99e6b1fe9ad2"}            # the releases family grid-thw was read in
+FORWARD_GRID_THW_TENSOR = {"c026f89413d6"}     # the releases family grid-thw-tensor was read in
 ROT_POS_EMB = {"f5cadd726f51"}                 # every release read
 
 
@@ -120,7 +120,7 @@ PATCH = Patch(
     target=TARGET,
     replaces=(FORWARD,),
     requires={"vllm": ">=0.14.0"},
-    outside_window={"vllm": "0.13.0 has the same forward, but its towers cannot be built here (its "
+    outside_window={"vllm": "the release below the window has the same forward, but its towers cannot be built here (its "
                             "MMEncoderAttention lives in vllm.attention.layers): not run, not claimed; earlier "
                             "releases were not read for this patch"},
     needs_npu=True,

@@ -62,7 +62,7 @@ PATCH = Patch(
     target="vllm.model_executor.models.glm4_1v",
     replaces=(EMBEDDINGS + ".forward", TOWER + ".forward", TOWER + ".compute_attn_mask_seqlen"),
     requires={"vllm": ">=0.18.0,<0.28.0"},
-    outside_window={"vllm": "releases before 0.18.0 were not read for this patch; 0.28.0 and later build "
+    outside_window={"vllm": "releases below the window were not read for this patch; above it vLLM builds "
                             "GLM-4.1V's embedding sizes on the host and copy them non-blocking themselves"},
     needs_npu=True,
     families=(
