@@ -63,7 +63,7 @@ MUTANTS = (
             'for name, _ in BUILTIN_PATCHES if _released(name) and name != "vllm.kimi_vl_host_grid"]')),
     mutant("h", "the built package leaves out a file (npu-shim run's bootstrap) that the checkout has",
            "base", "FAILED tests/test_startup_paths.py",
-           ("setup.cfg", "npu_shim = _bootstrap/*.py\n", "")),
+           ("setup.cfg", "npu_shim = _bootstrap/*.py, releases_read.json\n", "npu_shim = releases_read.json\n")),
     mutant("i", "the edit primitive takes an anchor found more often than the edit names (an edit of the wrong place)",
            "base", "FAILED tests/test_source_edit.py",
            ("npu_shim/patches/_shared/source_edit.py", "if transformer.found != edit.count:",

@@ -20,7 +20,14 @@ reason printed as ``LANE FAILED: ...``) when
   status row's ``admitted``) is not applied with one of those families, or no test marked
   for it passed: a claim no test exercised on the lane standing for it is a defect;
 - the status command is missing or fails (the claim above cannot be checked then; the
-  table says so instead of rows, none are made up).
+  table says so instead of rows, none are made up);
+- npu_shim/releases_read.json (the releases each family was read in) records the installed
+  release for a family other than the one applied here, or for a patch not applied here
+  (evidence_conflicts).
+
+``run`` also writes ``evidence.json`` (evidence_found: each family applied here, with the release
+of its distribution), which ``npu-shim evidence --record`` adds to npu_shim/releases_read.json;
+the table lists the applied families that file does not record yet.
 
 "Tests passed" per patch is counted from the tests' markers: a test that exercises a patch
 carries ``pytest.mark.patch("<name>")``, which tests/conftest.py writes into the junit xml
@@ -232,6 +239,52 @@ def unexercised_claims(rows, per_patch):
             problems.append("%s: applied (%s) on the release its family claims, but no test marked for it passed "
                             "on this lane" % (row["name"], row["family"]))
     return problems
+
+
+EVIDENCE_FILE = "evidence.json"
+RECORD_COMMAND = "npu-shim evidence --record"
+
+
+def evidence_found(rows):
+    """``{patch: {family: release}}``: the families applied here on a release build (the status
+    rows' ``release``), what ``npu-shim evidence --record`` adds to npu_shim/releases_read.json."""
+    found = {}
+    for row in rows:
+        if row["state"] == "applied" and row.get("family") and row.get("release"):
+            found.setdefault(row["name"], {})[row["family"]] = row["release"]
+    return found
+
+
+def evidence_conflicts(rows):
+    """Where npu_shim/releases_read.json (the rows' ``read_as``: the families recorded as read in
+    the installed release) contradicts what the shim does here: a release recorded for one
+    family applied with another, or recorded for a family of a patch that is not applied."""
+    problems = []
+    for row in rows:
+        read_as = row.get("read_as") or []
+        if not read_as or row["state"] == "disabled":
+            continue
+        if row["state"] == "applied":
+            if row.get("release") and read_as != [row.get("family")]:
+                problems.append("%s: applied with family %s on %s, which npu_shim/releases_read.json records as "
+                                "read for %s" % (row["name"], row.get("family"), row["release"], " / ".join(read_as)))
+        else:
+            problems.append("%s: npu_shim/releases_read.json records this release as read for family %s, but the "
+                            "patch is %s: %s" % (row["name"], " / ".join(read_as), row["state"], row["reason"]))
+    return problems
+
+
+def unrecorded(rows):
+    """Applied families whose installed release npu_shim/releases_read.json does not record yet."""
+    return ["%s: family %s on %s" % (row["name"], row["family"], row["release"])
+            for row in rows if row["state"] == "applied" and row.get("release") and not row.get("read_as")]
+
+
+def write_evidence(out, lane, rows):
+    """The lane's findings for ``npu-shim evidence``: ``out/evidence.json``."""
+    source = ("probe %s" % lane) if lane.startswith("probe-") else ("lane %s" % lane)
+    with open(os.path.join(out, EVIDENCE_FILE), "w", encoding="utf-8") as handle:
+        json.dump({"source": source, "found": evidence_found(rows)}, handle, indent=1, sort_keys=True)
 
 
 def disk_use(top):
@@ -478,7 +531,10 @@ def cmd_run(args):
     if status_problem:
         problems.append("which patches claim this release cannot be checked: " + status_problem)
     problems += unexercised_claims(rows or [], summary["tests_per_patch"])
+    problems += evidence_conflicts(rows or [])
     summary["problems"] = problems
+    if rows:
+        write_evidence(args.out, args.lane, rows)
     if store:
         summary["bytecode_linked"], summary["bytecode_kept"] = linked, keep_bytecode(sys.prefix, store)
     summary["bytecode_mib_dropped"] = round(drop_bytecode(sys.prefix) / 2**20)
@@ -493,6 +549,8 @@ def cmd_run(args):
     else:
         print(lane_table(summary))
         print(STATUS_NOTE)
+        for line in unrecorded(rows):
+            print("not recorded as read yet (%s, after the lane): %s" % (RECORD_COMMAND, line))
     print(
         "lane %s: %s (pytest exit code %d, junit %s; %s)"
         % (args.lane, closing_line(counts), pytest_rc, summary["junit"], lane_costs(summary))

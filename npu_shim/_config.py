@@ -30,7 +30,10 @@ VARIABLES = (
     ("NPU_SHIM_DISABLE", "comma list of patch names", "these patches never apply (DISABLE wins over ENABLE)", ""),
     ("NPU_SHIM_STRICT", "boolean, default 0",
      "a patch that fails, or whose target does not have the expected shape inside its window, raises "
-     "from the import of its target instead of logging a warning", ""),
+     "from the import of its target instead of logging a warning; so does a release newer than every "
+     "release the accepting family was read in (npu_shim/releases_read.json), which is then not patched "
+     "(without strict it gets the family its code has, and its status says the release was not read yet)",
+     ""),
     ("NPU_SHIM_EMULATE", "boolean, default 0",
      "when the real torch_npu is not importable, `import torch_npu` resolves to the pure-PyTorch "
      "emulation (tests and development machines only)", ""),

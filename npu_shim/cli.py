@@ -4,6 +4,8 @@
     npu-shim run -- CMD [ARGS...]         run CMD with the shim installed at start-up
     npu-shim selftest [--json]            check every applicable patched path against float64
     npu-shim reference [--check]          write (or check) docs/reference.md, docs/lanes.md, docs/benchmarks.md
+    npu-shim evidence [--record] [DIR...] the releases the lanes' and probes' reports found each family
+                                          applied on; --record adds them to npu_shim/releases_read.json
 """
 import argparse
 import contextlib
@@ -84,6 +86,12 @@ def cmd_reference(args):
     return reference.main(args)
 
 
+def cmd_evidence(args):
+    from npu_shim import evidence
+
+    return evidence.main(args)
+
+
 def build_parser():
     parser = argparse.ArgumentParser(prog="npu-shim", description="Ascend NPU attention backports for pinned stacks.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -107,6 +115,13 @@ def build_parser():
     reference.add_argument("--output", default=os.path.join("docs", "reference.md"),
                            help="path of the reference inside the checkout")
     reference.set_defaults(func=cmd_reference)
+    record = sub.add_parser("evidence", help="the releases each family was found applied on in the lanes' and "
+                                             "probes' reports (--record: add them to npu_shim/releases_read.json)")
+    record.add_argument("--record", action="store_true", help="write npu_shim/releases_read.json under --root")
+    record.add_argument("--root", default=os.curdir, help="the checkout (default: the current directory)")
+    record.add_argument("reports", nargs="*", help="report folders to read evidence.json from "
+                                                   "(default: .nox/reports and .nox/probe-reports under --root)")
+    record.set_defaults(func=cmd_evidence)
     sub.add_parser("run", help="run a command with the shim installed at start-up (npu-shim run -- CMD ...)")
     return parser
 

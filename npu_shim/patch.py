@@ -48,12 +48,8 @@ class Family:
                   ``-``. Default: the implementation's attribute in that spelling
                   (``"...families:HOST_GRID"`` -> ``"host-grid"``), so the object
                   that holds the family's code and the family share one name.
-                  Reading one more release of the same shape changes
-                  ``releases`` only; the id stays.
-    ``releases``  evidence: the upstream releases read (and, where a lane exists,
-                  run) for this family, oldest first. They decide nothing: the
-                  fence and the structural check do. The reference shows them
-                  and the releases the lanes run (:attr:`release_span`).
+                  Reading one more release of the same shape changes the evidence
+                  only; the id stays.
     ``implementation``  where ``check`` and ``build`` live, imported only once
                   the target module is: ``"package.module"`` (module-level
                   functions) or ``"package.module:attribute"`` (an object with
@@ -64,7 +60,9 @@ class Family:
                   :class:`TargetMismatch` (another shape) or :class:`NotNeeded`
                   (fixed upstream) unless the installed code has the shape the
                   family was written for; it looks at structure only, the fence
-                  does versions. ``build(subject, context)`` returns ``{attribute
+                  does versions. What it returns (None, or the objects it looked
+                  up) the engine hands ``build`` as ``context.found``, on the same
+                  context. ``build(subject, context)`` returns ``{attribute
                   path relative to the subject: replacement}``, a non-empty subset
                   of the patch's ``replaces``, each function made by it presented
                   with ``context.present``.
@@ -73,22 +71,33 @@ class Family:
                   (pre-releases count as inside); "" = the patch's own window.
     ``dist``      the distribution ``fence`` reads; default: the patch's first
                   ``requires`` entry.
+    ``between_releases``  True for a family that serves only builds between releases
+                  (told apart by structure alone): it claims no release, so no lane
+                  requires it applied (:func:`npu_shim.engine.guards.admitting_families`).
+                  Every other family claims the releases its fence admits.
 
-    A family with neither an id nor an implementation attribute is named by its
-    releases (``"0.13.0-0.17.0rc1"``, ``"0.23.0rc1+"``), as before ids existed;
-    every built-in family has an id (tests/test_machinery.py).
+    The fence is the only version fact a family states. The releases it was read in are
+    evidence, recorded by a tool in ``npu_shim/releases_read.json``
+    (:mod:`npu_shim.evidence`), which the reference shows beside the releases the lanes
+    run (derived from their pin files).
+
+    A family with neither an id nor an implementation attribute is named by its module
+    (``"pkg.cp_fia"`` -> ``"cp-fia"``), or ``"unnamed"`` for an object; every built-in family
+    has an id or an attribute (tests/test_machinery.py).
     """
 
-    releases: Tuple[str, ...]
     implementation: Any      # "module" / "module:attribute", or the object itself
     keeps: str
     fence: str = ""
     dist: str = ""
     id: str = ""
+    between_releases: bool = False
 
     def __post_init__(self):
-        if isinstance(self.releases, str):
-            raise TypeError("Family.releases must be a tuple of release versions, not a string")
+        if isinstance(self.implementation, (tuple, list)):
+            raise TypeError("Family takes no releases any more: the fence is its only version fact, and "
+                            "the releases it was read in are recorded in npu_shim/releases_read.json "
+                            "(npu-shim evidence --record); drop the first argument %r" % (self.implementation,))
         if self.id and not _FAMILY_ID.match(self.id):
             raise ValueError("Family id %r: give lower-case words joined by '-', starting with a letter "
                              "(the shape of upstream code, e.g. 'fia-tnd'), not a release" % (self.id,))
@@ -102,21 +111,10 @@ class Family:
         """The family's id (see the class docstring)."""
         if self.id:
             return self.id
-        if isinstance(self.implementation, str) and ":" in self.implementation:
-            return self.implementation.rpartition(":")[2].lower().replace("_", "-")
-        return self.release_span
-
-    @property
-    def release_span(self) -> str:
-        """The releases read, as a span: ``"0.18.0rc1-0.18.0"``, ``"0.23.0rc1+"`` when the fence
-        has no upper bound, ``"unreleased"`` for builds between releases."""
-        if not self.releases:
-            return "unreleased"
-        if self.open_ended:
-            return self.releases[0] + "+"
-        if len(self.releases) == 1:
-            return self.releases[0]
-        return "%s-%s" % (self.releases[0], self.releases[-1])
+        if isinstance(self.implementation, str):
+            module, _, attribute = self.implementation.partition(":")
+            return (attribute or module.rpartition(".")[2]).lower().replace("_", "-")
+        return "unnamed"
 
     def load(self):
         """The object holding ``check`` and ``build`` (imports the implementation)."""
@@ -188,18 +186,23 @@ class FamilyContext:
     ``patch``   the name of the patch the family serves (a family module never states it)
     ``family``  the family's id (:attr:`Family.name`)
     ``module``  the module that holds the family's code (named in replacements' docstrings)
+    ``found``   what the family's ``check`` returned (None when it returned nothing): the
+                engine hands ``build`` the context ``check`` ran with, so what the check looked
+                up and proved (the function whose body it read, say) is what ``build`` replaces,
+                without a second look-up
 
     :meth:`count` bumps the patch's counters (:mod:`npu_shim.engine.counters`) and
     :meth:`present` is the one way to mark a replacement.
     """
 
-    __slots__ = ("patch", "family", "module")
+    __slots__ = ("patch", "family", "module", "found")
 
     # The attribute that names the patch on a replacement made by :meth:`present`.
     MARK = "__npu_shim_patch__"
 
     def __init__(self, patch: str, family: str = "", module: str = ""):
         self.patch, self.family, self.module = patch, family, module
+        self.found = None
 
     @classmethod
     def of(cls, patch: "Patch", family: "Family") -> "FamilyContext":
@@ -252,7 +255,7 @@ class _Inline:
 
     def check(self, module, context=None):
         if self._check is not None:
-            self._check(module)
+            return self._check(module)
 
     def build(self, module, context=None):
         return self._build(module)
@@ -296,7 +299,7 @@ class Patch:
         if self.check is not None or self.build is not None:
             if self.families:
                 raise TypeError("%s: declare families or check/build, not both" % self.name)
-            object.__setattr__(self, "families", (Family((), _Inline(self.check, self.build), keeps=""),))
+            object.__setattr__(self, "families", (Family(_Inline(self.check, self.build), keeps=""),))
         names = [family.name for family in self.families]
         if len(set(names)) != len(names):
             raise ValueError("%s: two families share a name: %s" % (self.name, names))

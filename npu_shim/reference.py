@@ -3,9 +3,10 @@
 Everything in ``docs/reference.md`` is a fact of the code, rendered here from
 the patch declarations (:class:`npu_shim.patch.Patch` and its families), the
 patch modules' docstrings (Why / How / Upstream fix / Remove when), the
-declared environment variables (``npu_shim._config.VARIABLES``), the lanes'
-pin files (``lanes/<lane>.txt``) and the figures the benchmarks wrote on their
-last run (``benchmarks/results/*.txt``, each with its date and machine).
+declared environment variables (``npu_shim._config.VARIABLES``), the releases
+each family was read in (``npu_shim/releases_read.json``, :mod:`npu_shim.evidence`),
+the lanes' pin files (``lanes/<lane>.txt``) and the figures the benchmarks wrote
+on their last run (``benchmarks/results/*.txt``, each with its date and machine).
 The lanes' seconds and test counts of the last recorded CI run
 (``benchmarks/results/ci-lanes.txt``) go into a report of their own,
 ``docs/lanes.md``, generated with it, so that a CI run rewrites that report and
@@ -22,7 +23,7 @@ import importlib
 import os
 import re
 
-from npu_shim import _config
+from npu_shim import _config, evidence
 from npu_shim.patches import BUILTIN_PATCHES
 
 OUTPUT = os.path.join("docs", "reference.md")
@@ -96,10 +97,17 @@ def render_patches(declared, root):
         out += ["", table(("family", "fence", "releases read", "releases the lanes run", "upstream op call kept",
                            "implementation"), [
             ("`%s`" % f.name, "%s `%s`" % (patch.family_dist(f), f.fence) if f.fence else "the window",
-             ", ".join(f.releases) or "none (builds between releases)",
+             releases_read_cell(patch, f),
              ", ".join(run[patch.name].get(f.name, ())) or "none", f.keeps, "`%s`" % f.implementation)
             for f in patch.families])]
     return out
+
+
+def releases_read_cell(patch, family):
+    """The releases ``family`` was read in (npu_shim/releases_read.json), for its table row."""
+    if family.between_releases:
+        return "none (builds between releases)"
+    return ", ".join(evidence.read(patch.name, family.name)) or "none recorded"
 
 
 def anchor(name):
@@ -132,13 +140,13 @@ def admitting(patch, dist, release):
 
     if dist in patch.requires and not within(patch.requires[dist], release):
         return []
-    return [f for f in patch.families if f.releases and patch.family_dist(f) == dist
+    return [f for f in patch.families if not f.between_releases and patch.family_dist(f) == dist
             and (not f.fence or within(f.fence, release))]
 
 
 def render_releases(declared, root):
     out = ["## What each upstream release gets", "",
-           "Every release a family was written from or a lane stands for, by distribution. A cell "
+           "Every release a family was read in or a lane stands for, by distribution. A cell "
            "names the family whose fence admits the release (`npu-shim status` shows the same name) "
            "and how far that is proven: **tested** (a lane stands for the release, and a lane fails "
            "when a family that claims its release is not applied or no test marked for the patch "
@@ -149,12 +157,13 @@ def render_releases(declared, root):
     for patch, _ in declared:
         for family in patch.families:
             dist = patch.family_dist(family)
-            if family.releases and dist not in dists:
+            if not family.between_releases and dist not in dists:
                 dists.append(dist)
     for dist in dists:
-        serving = [p for p, _ in declared if any(p.family_dist(f) == dist and f.releases for f in p.families)]
+        serving = [p for p, _ in declared
+                   if any(p.family_dist(f) == dist and not f.between_releases for f in p.families)]
         releases = sorted({r for p in serving for f in p.families if p.family_dist(f) == dist
-                           for r in f.releases} | set(lanes.get(dist, {})), key=version_key)
+                           for r in evidence.read(p.name, f.name)} | set(lanes.get(dist, {})), key=version_key)
         rows = []
         for release in releases:
             row = [release + (" (%s)" % ", ".join("`%s`" % lane for lane in lanes[dist][release])
@@ -266,7 +275,7 @@ def family_lanes(root, declared=None):
 def releases_run(root, declared=None):
     """``{patch name: {family: [releases]}}``: the releases of the family's distribution that
     the lanes it claims pin (:func:`family_lanes`), oldest first: with the fence, what the
-    reference shows of a family's range; ``Family.releases`` is what was read."""
+    reference shows of a family's range; :func:`evidence.read` is what was read."""
     table_ = lane_table(root)
     declared = declared or patches()
     claims = family_lanes(root, declared)

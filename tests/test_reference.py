@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from npu_shim import _config, reference
+from npu_shim import _config, evidence, reference
 from npu_shim.patches import BUILTIN_PATCHES
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,11 +34,27 @@ def test_the_cli_checks_the_reference():
 def test_a_declaration_changed_without_regenerating_fails_with_a_diff(monkeypatch, capsys):
     module = __import__("npu_shim.patches.vllm_ascend.mm_encoder_attn", fromlist=["PATCH"])
     newest = module.PATCH.families[-1]
-    grown = dataclasses.replace(newest, releases=newest.releases + ("0.99.0rc1",))
+    grown = dataclasses.replace(newest, fence=newest.fence + ",<0.99")
     monkeypatch.setattr(module, "PATCH", dataclasses.replace(module.PATCH, families=module.PATCH.families[:-1] + (grown,)))
     assert check() == 1
     out = capsys.readouterr().out
-    assert re.search(r"^\+.*0\.99\.0rc1", out, re.M), out
+    assert re.search(r"^\+.*<0\.99", out, re.M), out
+    assert "differs from the declarations" in out
+
+
+def test_a_release_recorded_as_read_without_regenerating_fails_with_a_diff(monkeypatch, capsys):
+    """The reference's "releases read" come from npu_shim/releases_read.json (npu_shim.evidence),
+    the one place that states them: a record added there changes the reference."""
+    from npu_shim import evidence
+
+    data = {patch: {family: dict(releases) for family, releases in by_family.items()}
+            for patch, by_family in evidence.load().items()}
+    newest = __import__("npu_shim.patches.vllm_ascend.mm_encoder_attn", fromlist=["PATCH"]).PATCH.families[-1]
+    data["vllm.mm_encoder_attn"][newest.name]["0.99.0rc1"] = "probe probe-vllm-ascend-0.99.0rc1"
+    monkeypatch.setitem(evidence._loaded, evidence.FILE, data)
+    assert check() == 1
+    out = capsys.readouterr().out
+    assert re.search(r"^\+\| `%s` .*0\.99\.0rc1" % newest.name, out, re.M), out
     assert "differs from the declarations" in out
 
 
@@ -118,7 +134,8 @@ def test_the_release_table_says_tested_only_where_a_lane_stands_for_the_release(
         return row.split("|")[2 + names.index(patch_name)].strip()
 
     encoder = next(patch for patch, _ in declared if patch.name == "vllm.mm_encoder_attn")
-    of_0_18, of_0_13 = (next(f.name for f in encoder.families if release in f.releases) for release in ("0.18.0", "0.13.0"))
+    of_0_18, of_0_13 = (next(f.name for f in encoder.families if release in evidence.read(encoder.name, f.name))
+                        for release in ("0.18.0", "0.13.0"))
     assert cell(tmp_path, "vllm-ascend", "0.18.0", "vllm.mm_encoder_attn") == "`%s` tested" % of_0_18
     assert cell(tmp_path, "vllm-ascend", "0.13.0", "vllm.mm_encoder_attn") == "`%s` read only" % of_0_13
     os.remove(str(tmp_path / "lanes" / "vllm-0.18.txt"))

@@ -215,3 +215,39 @@ def test_the_local_label_is_not_part_of_the_release(report, monkeypatch):
 
     monkeypatch.setattr(importlib.metadata, "version", lambda dist: "2.13.0+cpu")
     assert report.release_mismatches("torch 2.13.0") == []
+
+
+def test_the_lane_records_what_it_applied_and_fails_on_a_contradicted_record(report, tmp_path):
+    """Defect caught: npu_shim/releases_read.json records the installed release as read for a
+    family other than the one the shim applies here (or for a patch skipped here), and the lane
+    stays green. What it applied on a release build goes to evidence.json (npu-shim evidence)."""
+    import json
+
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuites><testsuite><testcase classname="t" name="a">'
+                     '<properties><property name="patch" value="p.agrees"/></properties></testcase>'
+                     '</testsuite></testsuites>')
+    rows_ = [
+        {"name": "p.agrees", "state": "applied", "family": "f1", "admitted": [], "reason": "ok",
+         "release": "1.0", "read_as": ["f1"]},
+        {"name": "p.new", "state": "applied", "family": "f2", "admitted": [], "reason": "ok",
+         "release": "1.1", "read_as": []},
+        {"name": "p.other", "state": "applied", "family": "f3", "admitted": [], "reason": "ok",
+         "release": "1.2", "read_as": ["f0"]},
+        {"name": "p.skipped", "state": "skipped", "family": None, "admitted": [], "reason": "structural check: x",
+         "release": None, "read_as": ["f4"]},
+        {"name": "p.dev", "state": "applied", "family": "f5", "admitted": [], "reason": "ok",
+         "release": None, "read_as": []},
+        {"name": "p.off", "state": "disabled", "family": None, "admitted": [], "reason": "off",
+         "release": None, "read_as": ["f6"]},
+    ]
+    summary = _run_gated(report, tmp_path / "out", junit, rows=rows_)
+    assert summary["problems"] == [
+        "p.other: applied with family f3 on 1.2, which npu_shim/releases_read.json records as read for f0",
+        "p.skipped: npu_shim/releases_read.json records this release as read for family f4, but the patch is "
+        "skipped: structural check: x",
+    ]
+    found = json.loads((tmp_path / "out" / "evidence.json").read_text())
+    assert found == {"source": "lane demo", "found": {"p.agrees": {"f1": "1.0"}, "p.new": {"f2": "1.1"},
+                                                      "p.other": {"f3": "1.2"}}}
+    assert report.unrecorded(rows_) == ["p.new: family f2 on 1.1"]

@@ -11,6 +11,7 @@ import types
 
 import pytest
 
+from npu_shim import evidence
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches.sglang import cp_fia_host_lengths as host_lengths
 from npu_shim.patches.sglang import small_page_fia as small_page
@@ -86,7 +87,7 @@ def test_a_family_whose_fence_holds_but_gates_differ_is_refused_with_every_reaso
 
 
 @pytest.mark.patch("sglang.small_page_fia")
-@pytest.mark.parametrize("release", [f.releases[0] for f in small_page.PATCH.families])
+@pytest.mark.parametrize("release", [evidence.read(small_page.PATCH.name, f.name)[0] for f in small_page.PATCH.families])
 @pytest.mark.parametrize("method, message", [
     (without_alibi_gate, "not this family's"),
     (renamed_parameters, "takes self, query"),
@@ -125,3 +126,29 @@ def test_the_closure_finds_host_lists_by_tensor_identity():
     assert host_lengths.host_lengths(meta, meta.cu_seqlens_q_prev_tensor, meta.kv_len_next_tensor) is None
     meta.kv_len_prev_list = None
     assert host_lengths.host_lengths(meta, meta.cu_seqlens_q_prev_tensor, meta.kv_len_prev_tensor) is None
+
+
+@pytest.mark.patch("sglang.small_page_fia")
+def test_the_open_ended_family_takes_only_a_set_of_if_tests_read(tmp_path):
+    """The newest family's fence is open above, so its check must prove the shape: a method with
+    every gate the family mirrors but a set of ``if`` tests no release had (here: the gates alone,
+    as a newer release that dropped or added a branch would look) is another shape. Defect
+    caught: the subset test alone accepts it, and a newer release's new gate is routed wrongly."""
+    import importlib.util
+
+    from npu_shim.engine import guards
+
+    newest = small_page.FAMILIES[-1]
+    lines = ["def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, q_rope=None, "
+             "k_rope=None, topk_indices=None, sinks=None):"]
+    lines += ["    if %s:\n        pass" % gate for gate in sorted(newest.gates)]
+    lines += ["    torch_npu.npu_fused_infer_attention_score()", "    torch_npu._npu_flash_attention_qlens()"]
+    (tmp_path / "gates_only.py").write_text("\n".join(lines) + "\n")
+    spec = importlib.util.spec_from_file_location("gates_only", str(tmp_path / "gates_only.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    target = target_with(module.forward_extend)
+    assert newest.matches(small_page.gate_conditions(target))           # every gate it mirrors is there
+    release = evidence.read(small_page.PATCH.name, small_page.PATCH.families[-1].name)[-1]
+    with pytest.raises(TargetMismatch, match="not a set read for this family"):
+        guards.select_family(small_page.PATCH, target, {"sglang": release})

@@ -22,7 +22,8 @@ TOY_PATCH = textwrap.dedent('''
             counters.count("toy.counted", "upstream_calls")
             return original()
         return {{"greet": greet}}
-    family = Family(("1.0", "1.9"), SimpleNamespace(check=lambda module, context: None, build=build), keeps="greet")
+    family = Family(SimpleNamespace(check=lambda module, context: None, build=build), keeps="greet",
+                    id="toy-counted")
     npu_shim.register(Patch(name="toy.counted", target="toy_counted", replaces=("greet",),
                             families=(family,)))
 ''')
@@ -42,7 +43,7 @@ def test_stats_reports_state_reason_family_and_counters(toy, run_python):
         print(json.dumps(npu_shim.stats()))
     '''))
     rows = __import__("json").loads(out.stdout)
-    assert rows["toy.counted"] == {"state": "applied", "reason": "applied", "family": "1.0-1.9",
+    assert rows["toy.counted"] == {"state": "applied", "reason": "applied", "family": "toy-counted",
                                    "calls": 3, "upstream_calls": 3, "host_copies": 0,
                                    "upstream_host_copies": 0}
     assert set(rows) >= {"transformers.attn_check", "vllm.moonvit_attn", "sglang.cp_fia"}
@@ -94,7 +95,7 @@ def test_forked_child_counts_from_zero():
     counters.reset()
 
 
-EXIT_LINE = re.compile(r"^npu-shim\[pid (\d+)\]: toy.counted family=1.0-1.9 calls=(\d+) "
+EXIT_LINE = re.compile(r"^npu-shim\[pid (\d+)\]: toy.counted family=toy-counted calls=(\d+) "
                        r"upstream_calls=(\d+) host_copies=0 upstream_host_copies=0$")
 
 

@@ -74,13 +74,13 @@ def subject_of(patch: Patch, module):
 def admitting_families(patch: Patch, versions: dict) -> list:
     """Names of the families whose version fence (inside the patch's own window) admits
     ``versions``: the families that claim the installed release, by versions alone. The lanes
-    require each such patch to be applied and exercised (lanes/report.py). A family that names
-    no release (builds between releases, told apart by structure alone) claims none."""
+    require each such patch to be applied and exercised (lanes/report.py). A family declared
+    ``between_releases`` (builds between releases, told apart by structure alone) claims none."""
     if not patch.named_families or guard_failure(patch, versions):
         return []
     admitted = []
     for family in patch.families:
-        if not family.releases:
+        if family.between_releases:
             continue
         if family.fence:
             dist = patch.family_dist(family)
@@ -92,6 +92,16 @@ def admitting_families(patch: Patch, versions: dict) -> list:
                 continue
         admitted.append(family.name)
     return admitted
+
+
+def read_as(patch: Patch, versions: dict) -> list:
+    """Names of the families of ``patch`` recorded as read in the installed release of their
+    distribution (:func:`npu_shim.evidence.read_as`); none outside the patch's window."""
+    if not patch.named_families or guard_failure(patch, versions):
+        return []
+    from npu_shim import evidence
+
+    return evidence.read_as(patch, versions)
 
 
 def development_build(version) -> str:
@@ -113,17 +123,58 @@ def structure_note(patch: Patch, family: Family, versions: dict, by_structure: b
     if not by_structure or not family.fence:
         return ""
     dist = patch.family_dist(family)
-    version = versions.get(dist) or installed_version(dist)
+    version = versions[dist] if dist in versions else installed_version(dist)
     kind = development_build(version)
     return "family chosen by structure: %s %s is a %s build" % (dist, version, kind) if kind else ""
 
 
-def select_family(patch: Patch, module, versions: dict = None, by_structure: bool = True):
-    """``(family, implementation, subject)`` for the installed code, or raise with every
-    family's reason: :class:`NotNeeded` when every family in its fence says "fixed
-    upstream", else :class:`TargetMismatch`.
+class Chosen(tuple):
+    """What :func:`select_family` returns: ``(family, implementation, subject)``, and
+    ``context``, the :class:`FamilyContext` the family's check ran with (its ``found`` is what
+    the check returned), which :func:`build_values` hands the family's build."""
 
-    ``versions``: ``{dist: version}``; default: the installed distributions.
+    def __new__(cls, family, implementation, subject, context):
+        chosen = super().__new__(cls, (family, implementation, subject))
+        chosen.context = context
+        return chosen
+
+
+def run_check(patch: Patch, family: Family, implementation, subject) -> FamilyContext:
+    """The family's check on ``subject``; returns its context, ``found`` set to what the
+    check returned (raises what the check raises)."""
+    context = FamilyContext.of(patch, family)
+    context.found = implementation.check(subject, context)
+    return context
+
+
+def unread_release(patch: Patch, family: Family, versions: dict) -> str:
+    """``""``, or what status says (``"sglang 0.5.24 not read yet (...)"``) when the installed
+    release of ``family``'s distribution is newer than every release the family was read in (npu_shim/releases_read.json): the family's
+    structural check accepted that release's code, which nobody has read yet. Development and
+    local builds have their own note (:func:`structure_note`); a family declared
+    ``between_releases`` serves no release."""
+    if not patch.named_families or family.between_releases or not (family.dist or patch.requires):
+        return ""
+    dist = patch.family_dist(family)
+    version = versions[dist] if dist in versions else installed_version(dist)
+    if version is None or development_build(version):
+        return ""
+    from npu_shim import evidence
+
+    newest = evidence.unread(patch, family, version)
+    if not newest:
+        return ""
+    return "%s %s not read yet (newest read for family %s: %s)" % (dist, version, family.name, newest)
+
+
+def select_family(patch: Patch, module, versions: dict = None, by_structure: bool = True):
+    """``(family, implementation, subject)`` for the installed code (a :class:`Chosen`, whose
+    ``context`` carries what the check found to the build), or raise with every family's
+    reason: :class:`NotNeeded` when every family in its fence says "fixed upstream", else
+    :class:`TargetMismatch`.
+
+    ``versions``: ``{dist: version}``, as the engine read them once for this application
+    (:func:`versions_of`); a distribution a fence reads that is missing from it is looked up.
     ``by_structure``: where the version a family's fence reads is a development or local
     build (:func:`development_build`), that fence is not read: the family is tried on the
     installed code, and exactly one family's check may accept it (none, or two: skipped
@@ -152,7 +203,7 @@ def select_family(patch: Patch, module, versions: dict = None, by_structure: boo
                 continue
         implementation = family.load()
         try:
-            implementation.check(subject, FamilyContext.of(patch, family))
+            context = run_check(patch, family, implementation, subject)
         except NotNeeded as exc:
             if len(patch.families) == 1:
                 raise
@@ -163,7 +214,7 @@ def select_family(patch: Patch, module, versions: dict = None, by_structure: boo
                 raise   # one family: its own reason, as it said it
             reasons.append("%s (%s %s): %s" % (family.name, dist, family.fence or "window", exc))
             continue
-        return family, implementation, subject
+        return Chosen(family, implementation, subject, context)
     if fixed and not reasons:
         raise NotNeeded(fixed)
     raise TargetMismatch("no family accepts %s: %s" % (_what(subject), "; ".join(([fixed] if fixed else []) + reasons)))
@@ -185,28 +236,31 @@ def _select_by_structure(patch: Patch, subject, versions: dict, unfenced: set):
                 continue
         implementation = family.load()
         try:
-            implementation.check(subject, FamilyContext.of(patch, family))
+            context = run_check(patch, family, implementation, subject)
         except NotNeeded as exc:
             fixed.append("%s: not needed: %s" % (family.name, exc))
             continue
         except TargetMismatch as exc:
             reasons.append("%s: %s" % (family.name, exc))
             continue
-        accepted.append((family, implementation))
+        accepted.append((family, implementation, context))
     builds = ", ".join("%s %s is a %s build" % (d, versions[d], development_build(versions[d]))
                        for d in sorted(unfenced))
     if len(accepted) == 1:
-        return accepted[0][0], accepted[0][1], subject
+        family, implementation, context = accepted[0]
+        return Chosen(family, implementation, subject, context)
     if accepted:
         raise TargetMismatch("families %s all accept %s, so none is chosen by structure (%s)"
-                             % (", ".join(f.name for f, _ in accepted), _what(subject), builds))
+                             % (", ".join(f.name for f, _, _ in accepted), _what(subject), builds))
     if fixed and not reasons:
         raise NotNeeded("; ".join(fixed) + " (%s)" % builds)
     raise TargetMismatch("no family accepts %s by structure (%s): %s"
                          % (_what(subject), builds, "; ".join(fixed + reasons)))
 
 
-def build_values(patch: Patch, family: Family, implementation, subject) -> dict:
-    """What the family's build returns, keyed by paths relative to the target module."""
-    values = implementation.build(subject, FamilyContext.of(patch, family))
+def build_values(patch: Patch, family: Family, implementation, subject, context: FamilyContext = None) -> dict:
+    """What the family's build returns, keyed by paths relative to the target module.
+    ``context``: the one its check ran with (:attr:`Chosen.context`, carrying what the check
+    found); default: a fresh one, ``found`` None."""
+    values = implementation.build(subject, context if context is not None else FamilyContext.of(patch, family))
     return {patch.relative_path(path): value for path, value in values.items()}

@@ -10,9 +10,15 @@ A patch goes through these steps when its target module finishes importing
 5. a declared attribute missing -> TargetMismatch; the family whose fence holds
    and whose check accepts the code (``guards.select_family``): every family says
    NotNeeded -> ``skipped``; none accepts -> ``skipped`` with every family's
-   reason (strict: raises)
-6. the family's ``build`` + atomic write      -> ``applied`` (family recorded) /
+   reason (strict: raises). A release newer than every release the family was
+   read in (npu_shim/releases_read.json) gets the family its code has, and the
+   status says so ("applied by structure; sglang 0.5.24 not read yet"); strict
+   refuses it (``skipped``, raises)
+6. the family's ``build`` (handed the context its check ran with: ``context.found`` is
+   what the check returned) + atomic write    -> ``applied`` (family recorded) /
    ``failed`` (strict: raises)
+
+The installed versions are read once per application (step 3) and passed to every later step.
 """
 from __future__ import annotations
 
@@ -164,27 +170,28 @@ def disarm() -> None:
             record.set(DISABLED, "uninstalled by npu_shim.uninstall()")
 
 
-def _preflight(record: Record, settings):
-    """(state, reason) if the patch cannot go on, else None. Order: env, body, versions, NPU."""
+def _preflight(record: Record, settings, versions: dict):
+    """(state, reason) if the patch cannot go on, else None. Order: env, body, versions, NPU.
+    ``versions``: the patch's installed versions, read once by the caller (guards.versions_of)."""
     patch = record.patch
     off = settings.disabled_reason(patch.name)
     if off:
         return DISABLED, off
     if not patch.implemented:
         return SKIPPED, NOT_IMPLEMENTED
-    why = guards.guard_failure(patch, guards.versions_of(patch)) or guards.npu_failure(patch)
+    why = guards.guard_failure(patch, versions) or guards.npu_failure(patch)
     if why:
         return SKIPPED, why
     return None
 
 
-def _structural_check(patch: Patch, module):
-    """``(family, implementation, subject)`` that accepts the installed code, or raise."""
+def _structural_check(patch: Patch, module, versions: dict, settings):
+    """The :class:`guards.Chosen` family that accepts the installed code, or raise."""
     for path in patch.replaces:
         slot = Slot(module, path)   # raises TargetMismatch for a missing owner
         if not slot.is_item and not slot.exists():
             raise TargetMismatch("%s.%s not found" % (module.__name__, path))
-    return guards.select_family(patch, module, by_structure=_config.settings().family_by_structure)
+    return guards.select_family(patch, module, versions, by_structure=settings.family_by_structure)
 
 
 def on_target_imported(record: Record, module) -> None:
@@ -202,13 +209,17 @@ def _decide_and_apply(record: Record, module) -> None:
     with _startup_state.lock:
         if record.undo is not None:
             return
-        stop = _preflight(record, settings)
+        # The installed versions, read once for this application: the guard, the fences, the
+        # status reason and its notes all take these.
+        versions = guards.versions_of(patch)
+        stop = _preflight(record, settings, versions)
         if stop:
             record.set(*stop)
             logger.debug("%s %s: %s", patch.name, stop[0], stop[1])
             return
         try:
-            family, implementation, subject = _structural_check(patch, module)
+            chosen = _structural_check(patch, module, versions, settings)
+            family, implementation, subject = chosen
         except NotNeeded as exc:
             record.set(SKIPPED, str(exc))
             logger.debug("%s skipped: %s", patch.name, exc)
@@ -221,18 +232,25 @@ def _decide_and_apply(record: Record, module) -> None:
             record.set(FAILED, "check raised %s: %s" % (type(exc).__name__, exc))
             _complain(settings, patch, record.reason, exc)
             return
+        unread = guards.unread_release(patch, family, versions)
+        if unread and settings.strict:
+            # strict: a family applies only up to the newest release it was read in
+            record.set(SKIPPED, "family %s accepts the code, but %s; NPU_SHIM_STRICT=1 applies a family only "
+                                "to releases it was read in or older" % (family.name, unread))
+            _complain(settings, patch, record.reason)
+            return
         try:
-            values = guards.build_values(patch, family, implementation, subject)
+            values = guards.build_values(patch, family, implementation, subject, chosen.context)
             record.undo = apply_atomically(module, patch, values)
         except Exception as exc:
             record.set(FAILED, "%s: %s" % (type(exc).__name__, exc))
             _complain(settings, patch, record.reason, exc)
             return
         record.family = family
-        versions = guards.versions_of(patch)
         reason = "; ".join("%s %s" % kv for kv in versions.items()) or "applied"
-        note = guards.structure_note(patch, family, versions, settings.family_by_structure)
-        record.set(APPLIED, reason + ("; " + note if note else ""))
+        notes = [guards.structure_note(patch, family, versions, settings.family_by_structure),
+                 "applied by structure; " + unread if unread else ""]
+        record.set(APPLIED, "; ".join([reason] + [note for note in notes if note]))
         logger.info("applied %s to %s (%s%s)", patch.name, patch.target, record.reason,
                     ", family %s" % family.name if patch.named_families else "")
         if settings.exit_summary:
@@ -282,13 +300,18 @@ def status(import_targets: bool = False) -> list:
     for record in list(_records.values()):
         patch = record.patch
         state, reason = record.state, record.reason
+        versions = guards.versions_of(patch)
         if record.undo is None and state == PENDING:
             # Not decided yet: show what the guards already say about it.
-            stop = _preflight(record, settings)
+            stop = _preflight(record, settings, versions)
             if stop:
                 state, reason = stop
         named = record.undo is not None and patch.named_families
         family = record.family.name if named else None
+        release = None
+        if named and (record.family.dist or patch.requires):
+            release = versions.get(patch.family_dist(record.family))
+            release = None if guards.development_build(release) else release
         rows.append(
             {
                 "name": patch.name,
@@ -297,10 +320,16 @@ def status(import_targets: bool = False) -> list:
                 "state": state,
                 "family": family,
                 "families": [f.name for f in patch.families] if patch.named_families else [],
-                "admitted": guards.admitting_families(patch, guards.versions_of(patch)),
+                "admitted": guards.admitting_families(patch, versions),
+                # the installed release of the applied family's distribution (None: not applied,
+                # or a development or local build), and the families recorded as read in the
+                # installed releases (npu_shim/releases_read.json; inside the window only):
+                # lanes/report.py records the one and checks the other
+                "release": release,
+                "read_as": guards.read_as(patch, versions),
                 "reason": reason,
                 "requires": dict(patch.requires),
-                "versions": guards.versions_of(patch),
+                "versions": versions,
                 "needs_npu": patch.needs_npu,
                 "summary": patch.summary,
                 "switches": settings.switches(patch.name),
@@ -313,7 +342,7 @@ def status(import_targets: bool = False) -> list:
 def _import_targets(settings) -> None:
     for record in list(_records.values()):
         patch = record.patch
-        if _preflight(record, settings) or patch.target in sys.modules:
+        if _preflight(record, settings, guards.versions_of(patch)) or patch.target in sys.modules:
             continue
         try:
             importlib.import_module(patch.target)

@@ -58,8 +58,8 @@ def test_skipped_with_reason(moonvit, lane_pins):
     assert importlib.util.find_spec("torch_npu") is not None   # not stopped by a missing NPU
     row = next(r for r in npu_shim.status() if r["name"] == "vllm.moonvit_attn")
     assert row["state"] == "skipped", row
-    assert row["reason"] == ("vllm %s is outside >=0.8.5,<0.14 (0.14+ runs MoonViT attention through "
-                             "MMEncoderAttention)" % row["versions"]["vllm"])
+    assert row["reason"] == ("vllm %s is outside >=0.8.5,<0.14 (above the window vLLM runs MoonViT attention "
+                             "through MMEncoderAttention)" % row["versions"]["vllm"])
     assert row["versions"] == lane_pins("vllm")
 
 

@@ -210,7 +210,7 @@ def test_outside_the_window_skipped_and_host_lengths_cost_nothing_upstream(visio
 
     row = next(r for r in npu_shim.status() if r["name"] == NAME)
     assert row["state"] == "skipped" and "is outside" in row["reason"], row
-    assert "before 0.5.16 there is no vision attention metadata" in row["reason"]
+    assert "below the window there is no vision attention metadata" in row["reason"]
     assert not hasattr(vision, "prepare_vision_attention_metadata")
     for lengths in ((64,), (64, 100, 36)):
         case = sglang_vision.make_case(lengths, dtype=torch.bfloat16)

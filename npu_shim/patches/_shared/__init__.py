@@ -2,7 +2,8 @@
 
     structure     what the checks read of a target's structure: a module's class, a class's own
                   function, the digest of a body a replacement was written from; a class's own
-                  function replaced and presented in one call (:func:`structure.replace_own`)
+                  function replaced and presented in one call (:func:`structure.replace_own`),
+                  the one the check found and returned (``context.found``) where it did
     code          what a function's code says: the names it refers to (one scanner, own code or
                   nested code too) and its source with the white space folded
     host_record   the host lengths kept on a device tensor, and the hook that keeps them at a host

@@ -21,10 +21,20 @@ def own_function(cls, name):
     return function
 
 
+def found(context, path, look_up):
+    """What the family's check found at ``path`` (its ``context.found``, when the check returned
+    ``{path: object}``), else ``look_up()``: build replaces the very object the check read."""
+    held = context.found if isinstance(context.found, dict) else {}
+    return held[path] if path in held else look_up()
+
+
 def replace_own(module, class_name, name, make, context, what):
     """The replacement of ``class_name.name`` (the class in ``module`` defines it itself):
-    ``make(module, original, context)``, presented with ``context.present`` and ``what``."""
-    original = own_function(module_class(module, class_name), name)
+    ``make(module, original, context)``, presented with ``context.present`` and ``what``.
+    The original is the function the check found there (:func:`found`, e.g. returned by
+    :func:`expect_own_body`), else looked up."""
+    original = found(context, "%s.%s" % (class_name, name),
+                     lambda: own_function(module_class(module, class_name), name))
     return context.present(make(module, original, context), original, what)
 
 
@@ -52,8 +62,17 @@ def body_digest(function):
 
 
 def expect_body(function, digests, what):
-    """TargetMismatch unless ``function``'s :func:`body_digest` is one of ``digests``."""
-    found = body_digest(function)
-    if found not in digests:
+    """``function``; TargetMismatch unless its :func:`body_digest` is one of ``digests``."""
+    digest = body_digest(function)
+    if digest not in digests:
         raise TargetMismatch("%s is not the body %s was written from (digest %s, known %s)"
-                             % (function.__qualname__, what, found, ", ".join(sorted(digests))))
+                             % (function.__qualname__, what, digest, ", ".join(sorted(digests))))
+    return function
+
+
+def expect_own_body(module, class_name, name, digests, what):
+    """``{"class_name.name": function}``, the class's own function whose body is one of
+    ``digests`` (:func:`expect_body`), for a check to return: :func:`replace_own` then
+    replaces that very function (:func:`found`)."""
+    function = own_function(module_class(module, class_name), name)
+    return {"%s.%s" % (class_name, name): expect_body(function, digests, what)}

@@ -190,9 +190,10 @@ PATCH = Patch(
     target=TARGET,
     replaces=("AscendAttnBackend.%s" % METHOD,),
     requires={"sglang": ">=0.5.11"},
-    outside_window={"sglang": "no do_cp_attn_fia before 0.5.11"},
+    outside_window={"sglang": "no do_cp_attn_fia below the window"},
     needs_npu=True,
-    families=(Family((), __name__, id="paged-fia-tnd", keeps="torch.ops.npu.npu_fused_infer_attention_score, input_layout TND, paged"),),
+    families=(Family(__name__, id="paged-fia-tnd", between_releases=True,
+                     keeps="torch.ops.npu.npu_fused_infer_attention_score, input_layout TND, paged"),),
     summary="split Q at total_q_prev_tokens; per-sequence CP lengths (bs >= 1, GQA, diff-KV)",
     # None: every length the patched method hands the op is a host list.
     selftest=Selftest("npu_shim.selftest.sglang_cp_fia", host_syncs=0),

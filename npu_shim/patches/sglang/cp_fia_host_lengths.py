@@ -1,4 +1,4 @@
-"""sglang.cp_fia_host_lengths — CP prefill FIA on Ascend without device->host syncs (sglang 0.5.23).
+"""sglang.cp_fia_host_lengths — CP prefill FIA on Ascend without device->host syncs (sglang 0.5.23+).
 
 Why: in sglang 0.5.23 ``AscendAttnBackend.do_cp_attn_fia`` hands a closure
   (``_fia_cp_attn(q_chunk, cu_seqlens_q_cp, cache_seqlens_cp, max_seqlen_q_cp)``)
@@ -22,12 +22,12 @@ How: replace the method with one that does what upstream's does — the same
   passes something else) is converted as upstream does, with ``.tolist()``,
   and counted as ``host_copies``. The strategy keeps its own slicing of the
   prev/next halves and its pad-row handling.
-Upstream fix: none yet (0.5.23 is the newest release).
+Upstream fix: none in the releases read (docs/reference.md).
 Remove when: sglang passes host lengths to the FIA closure (or the closure
   reads the metadata's lists itself).
 
-Where it applies (decided by the structure of the installed code, fenced to
-0.5.23, the only release with that structure; 0.5.13 - 0.5.22 pass the
+Where it applies (decided by the structure of the installed code; the window opens at
+0.5.23, the first release with that structure, and is open above; 0.5.13 - 0.5.22 pass the
 metadata's host lists to FIA directly and make no sync there):
 
 * ``AscendAttnBackend.do_cp_attn_fia`` calls ``get_cp_strategy`` /
@@ -35,13 +35,18 @@ metadata's host lists to FIA directly and make no sync there):
   ``npu_fused_infer_attention_score`` and ``tolist``;
 * ``ZigzagCPStrategy.run_attention`` passes ``cu_seqlens_q_prev_tensor``,
   ``kv_len_prev_tensor``, ``cu_seqlens_q_next_tensor``, ``kv_len_next_tensor``;
-* ``ZigzagContextParallelMetadata`` has those fields and the host lists above.
+* ``ZigzagContextParallelMetadata`` has those fields and the host lists above;
+* the method's body is one the replacement was written from (``BODIES``, by
+  ``body_digest``): the replacement writes the FIA call out with upstream's arguments,
+  so a newer release gets the family only with a body read (its status then says the
+  release was not read yet).
 """
 import types
 from itertools import accumulate
 
 from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
 from npu_shim.patches._shared.code import names_in_code
+from npu_shim.patches._shared.structure import expect_body, found
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 METHOD = "do_cp_attn_fia"
@@ -63,6 +68,9 @@ HALVES = (
 )
 PASSED_TENSORS = frozenset(name for half in HALVES for name in half[:2])
 METADATA_FIELDS = frozenset(name for half in HALVES for name in half)
+# body_digest of the upstream method the replacement was written from (it writes the FIA call
+# out with upstream's arguments, so it accepts only a body read; the releases: docs/reference.md)
+BODIES = {"949c91c36aed"}
 
 
 
@@ -120,6 +128,7 @@ def check(module, context) -> None:
     if missing:
         raise TargetMismatch("%s does not use %s" % (METHOD, ", ".join(sorted(missing))))
     check_strategy_module()
+    return {"AscendAttnBackend.%s" % METHOD: expect_body(method, BODIES, "the %s replacement" % context.patch)}
 
 
 def host_lengths(meta, cu_seqlens_q, kv_lens):
@@ -178,7 +187,8 @@ def make_do_cp_attn_fia(module, context):
                                      attention_backend=flash_attention)
         return out.view(-1, layer.tp_q_head_num * layer.v_head_dim)
 
-    return context.present(do_cp_attn_fia, module.AscendAttnBackend.__dict__[METHOD],
+    original = found(context, "AscendAttnBackend.%s" % METHOD, lambda: module.AscendAttnBackend.__dict__[METHOD])
+    return context.present(do_cp_attn_fia, original,
                            "lengths from the CP metadata's host lists (no read back per chunk)")
 
 
@@ -193,11 +203,10 @@ PATCH = Patch(
     name="sglang.cp_fia_host_lengths",
     target=TARGET,
     replaces=("AscendAttnBackend.%s" % METHOD,),
-    requires={"sglang": ">=0.5.23,<0.5.24"},
-    outside_window={"sglang": "before 0.5.23 FIA gets the metadata's host lists directly (no sync); "
-                              "releases after 0.5.23 not verified"},
+    requires={"sglang": ">=0.5.23"},
+    outside_window={"sglang": "below the window FIA gets the metadata's host lists directly (no sync)"},
     needs_npu=True,
-    families=(Family(("0.5.23",), __name__, id="strategy-metadata",
+    families=(Family(__name__, id="strategy-metadata",
                keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND, upstream's arguments"),),
     summary="CP prefill FIA closure reads the zigzag metadata's host lists: 0 device->host syncs per layer",
     # None: the lengths come from the metadata's host lists, not its device tensors.

@@ -32,9 +32,17 @@ ALREADY_REFUSED = "upstream already refuses NPU prefill CP at start-up"
 MESSAGE = (
     "sglang %s cannot run prefill context parallelism on Ascend NPU: its NPU KV gather "
     "(sglang.srt.layers.utils.cp_utils.cp_all_gather_rerange_kv_cache) is a stub that raises "
-    "at the first CP prefill. sglang 0.5.23 has a working NPU CP path; upgrade to it, or start "
-    "without --enable-prefill-cp (refused by npu-shim's sglang.cp_npu_refuse)."
+    "at the first CP prefill. sglang %s (where this patch's window ends) has a working NPU CP path; "
+    "upgrade to it, or start without --enable-prefill-cp (refused by npu-shim's sglang.cp_npu_refuse)."
 )
+
+
+def window_end():
+    """The release where the patch's window ends (its ``<`` bound): the first with a working
+    NPU CP path."""
+    from packaging.specifiers import SpecifierSet
+
+    return next(spec.version for spec in SpecifierSet(PATCH.requires["sglang"]) if spec.operator == "<")
 
 
 def check(module, context) -> None:
@@ -68,7 +76,7 @@ def make_validate(module, upstream, context):
         if module.resolving_view(server_args).enable_prefill_cp and module.get_platform().is_npu:
             from importlib.metadata import version
 
-            raise ValueError(MESSAGE % version("sglang"))
+            raise ValueError(MESSAGE % (version("sglang"), window_end()))
 
     # upstream's __name__ kept: run_hook keys on it
     return context.present(validate_prefill_cp_platform, upstream,
@@ -83,12 +91,12 @@ PATCH = Patch(
     name="sglang.cp_npu_refuse",
     target=TARGET,
     replaces=(CHECK,),
-    # 0.5.20's gather is the same stub, but its own start-up check refuses NPU prefill CP
-    # (check() says so too, by structure): no family claims it.
+    # The release below the window has the same stub gather, but its own start-up check refuses
+    # NPU prefill CP (check() says so too, by structure): no family claims it.
     requires={"sglang": ">=0.5.21,<0.5.23"},
-    outside_window={"sglang": "the NPU KV gather is a stub only in 0.5.20-0.5.22, and 0.5.20's "
-                              + ALREADY_REFUSED},
-    families=(Family(("0.5.21", "0.5.22"), __name__, id="platform-validation", keeps="upstream's validate_prefill_cp_platform for every other case"),),
+    outside_window={"sglang": "the NPU KV gather is a stub only from the release below the window to the "
+                              "window's end, and in that first release " + ALREADY_REFUSED},
+    families=(Family(__name__, id="platform-validation", keeps="upstream's validate_prefill_cp_platform for every other case"),),
     summary="refuse --enable-prefill-cp on NPU at start-up (the NPU KV gather is a stub)",
     # None: argument resolution touches no tensor.
     selftest=Selftest("npu_shim.selftest.sglang_cp_npu_refuse", host_syncs=0),

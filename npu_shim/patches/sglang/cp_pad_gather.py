@@ -94,7 +94,7 @@ def check(module, context) -> None:
         raise TargetMismatch("AscendAttnBackend does not define %s itself" % METHOD)
     names = code_names(method)
     if not METHOD_NAMES <= names or "total_q_next_tokens" in names:
-        raise TargetMismatch("%s does not have the 0.5.16 shape (split at total_q_prev_tokens, "
+        raise TargetMismatch("%s does not have this family's shape (split at total_q_prev_tokens, "
                              "every row after it to FIA)" % METHOD)
 
 
@@ -158,10 +158,10 @@ PATCH = Patch(
     target=TARGET,
     replaces=(GATHER, "AscendAttnBackend.%s" % METHOD),
     requires={"sglang": ">=0.5.16,<0.5.20"},
-    outside_window={"sglang": "CP-v2 pad rows exist from 0.5.16; from 0.5.20 the NPU KV gather is "
-                              "a stub that raises (sglang.cp_npu_refuse)"},
+    outside_window={"sglang": "CP-v2 pad rows exist from the window's start; from its end the NPU KV gather "
+                              "is a stub that raises (sglang.cp_npu_refuse)"},
     needs_npu=True,
-    families=(Family(("0.5.16", "0.5.17", "0.5.18", "0.5.19"), __name__, id="rerange-kv-gather",
+    families=(Family(__name__, id="rerange-kv-gather",
                keeps="upstream's cp_all_gather_rerange_kv_cache and do_cp_attn_fia (npu_fused_infer_attention_score TND)"),),
     summary="NPU CP KV gather keeps each rank's real rows; pad rows never reach FIA",
     # None: the lengths of the real rows come from the metadata's host lists.

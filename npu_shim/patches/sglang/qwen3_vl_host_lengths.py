@@ -123,9 +123,9 @@ class _Tower:
 
 
 # body_digest of the upstream bodies the replacement was written from
-FORWARD_0_5_11 = {"b34dacc032b7"}      # 0.5.11, 0.5.12
-FORWARD_0_5_13 = {"34710e038fb2"}      # 0.5.13, 0.5.14
-FORWARD_0_5_15 = {"6dece9da51ef"}      # 0.5.15
+FORWARD_0_5_11 = {"b34dacc032b7"}      # family blocking-x
+FORWARD_0_5_13 = {"34710e038fb2"}      # family non-blocking-x
+FORWARD_0_5_15 = {"6dece9da51ef"}      # family vectorized-pos-embed
 
 BLOCKING_X = _Tower(FORWARD_0_5_11, x_non_blocking=False, vectorized=False)
 NON_BLOCKING_X = _Tower(FORWARD_0_5_13, x_non_blocking=True, vectorized=False)
@@ -138,15 +138,15 @@ PATCH = Patch(
     target=TARGET,
     replaces=(FORWARD,),
     requires={"sglang": ">=0.5.11,<0.5.16"},
-    outside_window={"sglang": "from 0.5.16 the tower hands its host cu_seqlens to the vision attention metadata "
-                              "(sglang.vision_host_lengths); releases before 0.5.11 were not read for this patch"},
+    outside_window={"sglang": "above the window the tower hands its host cu_seqlens to the vision attention "
+                              "metadata (sglang.vision_host_lengths); releases below the window were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.5.11", "0.5.12"), __name__ + ":BLOCKING_X", fence=">=0.5.11,<0.5.13", keeps=KEEPS),
-        Family(("0.5.13", "0.5.14"), __name__ + ":NON_BLOCKING_X", fence=">=0.5.13,<0.5.15", keeps=KEEPS),
-        Family(("0.5.15",), __name__ + ":VECTORIZED_POS_EMBED", fence=">=0.5.15,<0.5.16", keeps=KEEPS),
+        Family(__name__ + ":BLOCKING_X", fence=">=0.5.11,<0.5.13", keeps=KEEPS),
+        Family(__name__ + ":NON_BLOCKING_X", fence=">=0.5.13,<0.5.15", keeps=KEEPS),
+        Family(__name__ + ":VECTORIZED_POS_EMBED", fence=">=0.5.15,<0.5.16", keeps=KEEPS),
     ),
-    summary="Qwen3-VL's tower (0.5.11 - 0.5.15) hands its blocks the host cu_seqlens it built instead of a device "
+    summary="Qwen3-VL's tower (before the vision attention metadata) hands its blocks the host cu_seqlens it built instead of a device "
             "copy its attention reads back: 0 reads per forward (upstream: 1 per layer; "
             "sglang.vision_device_lengths alone: 1)",
     # 0: what this patch is for; a read is the defect back.

@@ -58,6 +58,10 @@ swa-fia-fa   0.5.15-0.5.23  as swa-fia; ASCEND_USE_FA comes first
 
 (checked on every wheel from 0.5.11 to 0.5.23 by reading the syntax tree;
 run in the lanes on 0.5.12-0.5.17 and 0.5.19-0.5.23, 0.5.18 standing with 0.5.17.)
+The newest family's fence is open above: its gates are a subset of the method's ``if``
+tests, so it also requires the whole set of ``if`` tests to be one read
+(``conditions_read``, by ``conditions_digest``); a newer release with such a method gets it,
+and its status says the release was not read yet.
 """
 import ast
 import inspect
@@ -66,6 +70,7 @@ import textwrap
 
 from npu_shim.patch import Family, Patch, TargetMismatch, Selftest
 from npu_shim.patches._shared.code import code_names
+from npu_shim.patches._shared.structure import found
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 METHOD = "forward_extend"
@@ -75,7 +80,7 @@ FIA_OP = "npu_fused_infer_attention_score"
 FIA_KEPT = ("sglang's own FIA prefill branch of the release (npu_fused_infer_attention_score), "
             "as with ASCEND_USE_FIA=1; page size >= 128 keeps _npu_flash_attention_qlens")
 SMALLEST_SAFE_PAGE = 128   # PR #39905: qlens right at 128, wrong at 16/32/64
-# The wrapper reads these by position and name, as every release 0.5.11-0.5.23 declares them.
+# The wrapper reads these by position and name, as every release read declares them.
 PARAMETERS = ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "q_rope", "k_rope",
               "topk_indices", "sinks")
 
@@ -106,17 +111,27 @@ class GateFamily:
 
     gates = frozenset()
     absent = frozenset()     # gates whose presence means another family
+    # conditions_digest of the if tests read, for the family whose fence is open above: its gates
+    # are a subset of the method's if tests, so a gate a newer release adds would go unseen;
+    # only a set of if tests read proves the replacement still routes as upstream does
+    conditions_read = None
 
     def matches(self, conditions):
         return self.gates <= conditions and not self.absent & conditions
 
     def check(self, module, context):
-        if not self.matches(gate_conditions(module)):
+        conditions = gate_conditions(module)
+        if not self.matches(conditions):
             raise TargetMismatch("the gates of %s before the qlens call are not this family's" % METHOD)
+        if self.conditions_read is not None and conditions_digest(conditions) not in self.conditions_read:
+            raise TargetMismatch("the if tests of %s are not a set read for this family (digest %s, known %s)"
+                                 % (METHOD, conditions_digest(conditions), ", ".join(sorted(self.conditions_read))))
+        return {"AscendAttnBackend.%s" % METHOD: module.AscendAttnBackend.__dict__[METHOD]}
 
     def build(self, module, context):
-        original = module.AscendAttnBackend.__dict__[METHOD]
-        return {"AscendAttnBackend.%s" % METHOD: make_forward_extend(original, self, context)}
+        path = "AscendAttnBackend.%s" % METHOD
+        original = found(context, path, lambda: module.AscendAttnBackend.__dict__[METHOD])
+        return {path: make_forward_extend(original, self, context)}
 
     def speculative(self, mode):
         return mode.is_target_verify() or mode.is_draft_extend() or mode.is_draft_extend_v2()
@@ -176,6 +191,7 @@ class SwaFia(GateFamily):
 class SwaFiaFa(SwaFia):
     gates = SwaFia.gates | {"self.use_fa"}
     absent = frozenset()
+    conditions_read = frozenset({"8547f59e9445", "2bbdba1e405d", "050eb05c58b8"})
 
     def takes_other_kernel(self, backend):
         return backend.use_fa
@@ -192,6 +208,13 @@ def if_conditions(function) -> frozenset:
         raise TargetMismatch("cannot read the source of %s (%s)" % (METHOD, exc)) from None
     tree = ast.parse(source)
     return frozenset(ast.unparse(node.test) for node in ast.walk(tree) if isinstance(node, ast.If))
+
+
+def conditions_digest(conditions) -> str:
+    """A hash of a set of ``if`` tests (:func:`if_conditions`), sorted."""
+    import hashlib
+
+    return hashlib.sha256("\n".join(sorted(conditions)).encode()).hexdigest()[:12]
 
 
 def gate_conditions(module) -> frozenset:
@@ -258,16 +281,15 @@ PATCH = Patch(
     name="sglang.small_page_fia",
     target=TARGET,
     replaces=("AscendAttnBackend.%s" % METHOD,),
-    requires={"sglang": ">=0.5.12,<0.5.24"},
-    outside_window={"sglang": "before 0.5.12 the FIA prefill branch ignores the paged KV cache (wrong with a "
-                              "cached prefix: nothing right to route to); releases after 0.5.23 not verified"},
+    requires={"sglang": ">=0.5.12"},
+    outside_window={"sglang": "below the window the FIA prefill branch ignores the paged KV cache (wrong with "
+                              "a cached prefix: nothing right to route to)"},
     needs_npu=True,
     families=(
-        Family(("0.5.12",), __name__ + ":SINKS_ONLY", fence=">=0.5.12,<0.5.13", keeps=FIA_KEPT),
-        Family(("0.5.13",), __name__ + ":HYBRID_SWA", fence=">=0.5.13,<0.5.14", keeps=FIA_KEPT),
-        Family(("0.5.14",), __name__ + ":SWA_FIA", fence=">=0.5.14,<0.5.15", keeps=FIA_KEPT),
-        Family(("0.5.15", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21", "0.5.22", "0.5.23"),
-               __name__ + ":SWA_FIA_FA", fence=">=0.5.15,<0.5.24", keeps=FIA_KEPT),
+        Family(__name__ + ":SINKS_ONLY", fence=">=0.5.12,<0.5.13", keeps=FIA_KEPT),
+        Family(__name__ + ":HYBRID_SWA", fence=">=0.5.13,<0.5.14", keeps=FIA_KEPT),
+        Family(__name__ + ":SWA_FIA", fence=">=0.5.14,<0.5.15", keeps=FIA_KEPT),
+        Family(__name__ + ":SWA_FIA_FA", fence=">=0.5.15", keeps=FIA_KEPT),
     ),
     summary="prefill with page size < 128 goes through sglang's FIA path, not the legacy qlens op",
     # None: forward_extend's FIA route takes its lengths from the metadata's host lists.

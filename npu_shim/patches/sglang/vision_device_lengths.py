@@ -128,17 +128,17 @@ PATCH = Patch(
     target=TARGET,
     replaces=(FORWARD,),
     requires={"sglang": ">=0.5.11,<0.5.16"},
-    outside_window={"sglang": "from 0.5.16 the vision attention metadata carries the lengths "
-                              "(sglang.vision_host_lengths); releases before 0.5.11 not verified"},
+    outside_window={"sglang": "above the window the vision attention metadata carries the lengths "
+                              "(sglang.vision_host_lengths); releases below it were not read"},
     needs_npu=True,
     families=(
-        Family(("0.5.11", "0.5.12", "0.5.13"), __name__ + ":BEFORE_METADATA_UNPAD", fence=">=0.5.11,<0.5.14",
+        Family(__name__ + ":BEFORE_METADATA_UNPAD", fence=">=0.5.11,<0.5.14",
                keeps="torch_npu._npu_flash_attention_unpad in upstream's forward, upstream's arguments"),
-        Family(("0.5.14", "0.5.15"), __name__ + ":BEFORE_METADATA_FIA", fence=">=0.5.14,<0.5.16",
+        Family(__name__ + ":BEFORE_METADATA_FIA", fence=">=0.5.14,<0.5.16",
                keeps="torch_npu.npu_fused_infer_attention_score (input_layout TND) in upstream's forward, "
                      "upstream's arguments"),
     ),
-    summary="VisionAscendAttention before the metadata (0.5.11 - 0.5.15): a device cu_seqlens is read back "
+    summary="VisionAscendAttention before the metadata: a device cu_seqlens is read back "
             "once per tower forward, not once per layer (Qwen3-VL: 1 read per forward)",
     selftest=Selftest("npu_shim.selftest.sglang_vision_device_lengths", host_syncs=1),
 )

@@ -1,4 +1,4 @@
-"""sglang.vision_host_lengths — sglang's vision towers on Ascend without device->host reads of cu_seqlens (0.5.16 - 0.5.23).
+"""sglang.vision_host_lengths — sglang's vision towers on Ascend without device->host reads of cu_seqlens (0.5.16+).
 
 Why: from sglang 0.5.16 the vision towers (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V
   and the other models built on ``VisionAttention``) compute their attention
@@ -44,6 +44,11 @@ Releases before 0.5.16 (read from the wheels, measured on the lanes with sglang'
 host lengths (0 reads there); Qwen3-VL hands it a device copy of its host lengths (1 read per
 layer): ``sglang.vision_device_lengths`` serves those releases (1 read per forward).
 
+The newest family's fence is open above: it accepts only the ``VisionAscendAttention.forward``
+bodies read (``bodies``, by ``body_digest``), since the replacement writes the FIA call out with
+upstream's arguments; a newer release with such a body gets it, and its status says the release
+was not read yet.
+
 A model module binds ``prepare_vision_attention_metadata`` by name when it
 imports; the replacement forwards to whatever the vision module holds now when
 it is no longer that (after ``npu_shim.uninstall()``: upstream's).
@@ -51,7 +56,7 @@ it is no longer that (after ``npu_shim.uninstall()``: upstream's).
 import inspect
 
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
-from npu_shim.patches._shared.structure import own_function
+from npu_shim.patches._shared.structure import expect_body, found, own_function
 from npu_shim.patches._shared.code import names_in_code
 
 TARGET = "sglang.srt.layers.attention.vision"
@@ -174,8 +179,11 @@ class _Family:
                       per-image lengths: wrong for FIA TND) or "cu_seqlens"
     """
 
-    def __init__(self, metadata_max, fallback, padded, reads):
+    def __init__(self, metadata_max, fallback, padded, reads, bodies=None):
         self.metadata_max, self.fallback, self.padded, self.reads = metadata_max, fallback, padded, reads
+        # body_digest of the forwards read, for the family whose fence is open above: where no
+        # newer release was read, only a forward read proves the FIA call is still upstream's
+        self.bodies = bodies
 
     # -- structure ---------------------------------------------------------------------------
     def check(self, module, context):
@@ -212,11 +220,14 @@ class _Family:
                                  % ("lacks" if self.padded else "handles"))
         if self.fallback and "sdpa_fallback" not in names:
             raise TargetMismatch("VisionAscendAttention.forward has attention_mask but no sdpa_fallback")
+        if self.bodies is not None:
+            expect_body(forward, self.bodies, "the %s replacement" % context.patch)
+        return {METADATA: prepare, FORWARD: forward}
 
     # -- replacements ------------------------------------------------------------------------
     def build(self, module, context):
-        upstream_prepare = getattr(module, METADATA)
-        upstream_forward = own_function(module.VisionAscendAttention, "forward")
+        upstream_prepare = found(context, METADATA, lambda: getattr(module, METADATA))
+        upstream_forward = found(context, FORWARD, lambda: own_function(module.VisionAscendAttention, "forward"))
         prepare = self.make_prepare(module, upstream_prepare, context)
         forward = self.make_forward(module, upstream_forward, context)
         context.present(prepare, upstream_prepare,
@@ -261,7 +272,7 @@ class _Family:
                     attention_mask=None, **kwargs):
             context.count("calls")
             if not family.fallback and attention_mask is not None:
-                kwargs["attention_mask"], attention_mask = attention_mask, None   # 0.5.16 ignores it
+                kwargs["attention_mask"], attention_mask = attention_mask, None   # family seq-lens ignores it
             if forward_metadata is None or attention_mask is not None:
                 context.count("upstream_calls")
                 if family.fallback:
@@ -278,8 +289,8 @@ class _Family:
                                     **kwargs)
                 import torch
 
-                # 0.5.16's own branch reads seq_lens back and is wrong for two images or more:
-                # read cu_seqlens once instead, as 0.5.17 does.
+                # family seq-lens' own branch reads seq_lens back and is wrong for two images or
+                # more: read cu_seqlens once instead, as family cu-seqlens does.
                 context.count("host_copies")
                 values = forward_metadata.cu_seqlens.to("cpu").to(torch.int32).tolist()
             cumulative = values[1:]
@@ -293,7 +304,8 @@ class _Family:
 
 SEQ_LENS = _Family(metadata_max=False, fallback=False, padded=False, reads="seq_lens")
 CU_SEQLENS = _Family(metadata_max=True, fallback=True, padded=False, reads="cu_seqlens")
-CU_SEQLENS_PADDED = _Family(metadata_max=True, fallback=True, padded=True, reads="cu_seqlens")
+CU_SEQLENS_PADDED = _Family(metadata_max=True, fallback=True, padded=True, reads="cu_seqlens",
+                            bodies={"6ad79b33dac0"})
 
 KEEPS = "torch_npu.npu_fused_infer_attention_score, input_layout TND, upstream's arguments"
 
@@ -301,18 +313,18 @@ PATCH = Patch(
     name="sglang.vision_host_lengths",
     target=TARGET,
     replaces=(METADATA, FORWARD),
-    requires={"sglang": ">=0.5.16,<0.5.24"},
-    outside_window={"sglang": "before 0.5.16 there is no vision attention metadata: sglang.vision_device_lengths "
-                              "serves 0.5.11 - 0.5.15; releases after 0.5.23 not verified"},
+    requires={"sglang": ">=0.5.16"},
+    outside_window={"sglang": "below the window there is no vision attention metadata: "
+                              "sglang.vision_device_lengths serves those releases"},
     needs_npu=True,
     families=(
-        Family(("0.5.16",), __name__ + ":SEQ_LENS", fence=">=0.5.16,<0.5.17",
-               keeps=KEEPS + "; cumulative lengths, as 0.5.17 passes them"),
-        Family(("0.5.17", "0.5.18", "0.5.19"), __name__ + ":CU_SEQLENS", fence=">=0.5.17,<0.5.20", keeps=KEEPS),
-        Family(("0.5.20", "0.5.21", "0.5.22", "0.5.23"), __name__ + ":CU_SEQLENS_PADDED",
-               fence=">=0.5.20,<0.5.24", keeps=KEEPS + "; upstream's padded-layout drop and restore"),
+        Family(__name__ + ":SEQ_LENS", fence=">=0.5.16,<0.5.17",
+               keeps=KEEPS + "; cumulative lengths, as family cu-seqlens passes them"),
+        Family(__name__ + ":CU_SEQLENS", fence=">=0.5.17,<0.5.20", keeps=KEEPS),
+        Family(__name__ + ":CU_SEQLENS_PADDED",
+               fence=">=0.5.20", keeps=KEEPS + "; upstream's padded-layout drop and restore"),
     ),
     summary="vision attention metadata keeps the tower's host cu_seqlens; VisionAscendAttention takes them: "
-            "0 reads per tower forward; 0.5.16 passes FIA cumulative lengths (two or more images work)",
+            "0 reads per tower forward; family seq-lens passes FIA cumulative lengths (two or more images work)",
     selftest=Selftest("npu_shim.selftest.sglang_vision_host_lengths", host_syncs=0),
 )

@@ -110,11 +110,11 @@ PATCH = Patch(
     replaces=("PreTrainedModel.%s" % METHOD,),
     requires={"transformers": ">=4.55,<6", "vllm": ">=0.8.5,<0.14"},
     outside_window={
-        "transformers": "the name check lives in other methods before 4.55; 6.x not verified",
+        "transformers": "the name check lives in other methods below the window; releases above it not read",
         "vllm": "ascend_fa can be requested only where vllm.moonvit_attn applies",
     },
     needs_npu=True,   # needed only where vllm.moonvit_attn (an NPU patch) can serve the name
-    families=(Family(("4.55.0", "4.56.0", "4.57.6", "5.23.0"), __name__, id="allow-list",
+    families=(Family(__name__, id="allow-list",
                keeps="transformers' own get_correct_attn_implementation for every other name and model"),),
     summary="accept attn_implementation='ascend_fa' for vLLM's MoonViT while vllm.moonvit_attn serves it",
     # One: MoonViT's single read of cu_seqlens per forward, whatever the depth; none where

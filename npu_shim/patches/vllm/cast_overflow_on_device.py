@@ -56,7 +56,7 @@ class _AskThenClamp:
             raise TargetMismatch("%s takes %s; the family knows %s" % (FUNCTION, params, PARAMS))
         names = names_in_code(function.__code__, nested=False)
         if "clamp" in names and not {"isinf", "isnan", "any"} & names:
-            raise NotNeeded("%s clamps without asking the device whether anything overflowed (vLLM 0.22+)"
+            raise NotNeeded("%s clamps without asking the device whether anything overflowed (as vLLM does above the window)"
                             % FUNCTION)
         missing = [name for name in ASKS if name not in names]
         if missing:
@@ -95,12 +95,11 @@ PATCH = Patch(
     target=TARGET,
     replaces=(FUNCTION,),
     requires={"vllm": ">=0.13.0,<0.22.0"},
-    outside_window={"vllm": "from 0.22 vLLM clamps without asking (no read); releases before 0.13.0 were not "
-                            "read for this patch"},
+    outside_window={"vllm": "above the window vLLM clamps without asking (no read); releases below it were "
+                            "not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.13.0", "0.14.1", "0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.1", "0.20.2", "0.21.0"),
-               __name__ + ":ASK_THEN_CLAMP", fence=">=0.13.0,<0.22.0",
+        Family(__name__ + ":ASK_THEN_CLAMP", fence=">=0.13.0,<0.22.0",
                keeps="upstream's clamp to finfo.max - offset; the overflow test's ops (isinf, isnan, any)"),
     ),
     summary="cast_overflow_tensors (Qwen2.5-VL's tower in float16, i.e. on 310P; Whisper, MiniCPM-o) decides "

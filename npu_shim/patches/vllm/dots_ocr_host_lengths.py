@@ -42,8 +42,8 @@ TOWER = "DotsVisionTransformer"
 FORWARD = TOWER + ".forward"
 
 # body_digest of the upstream bodies the replacement was written from
-FORWARD_GRID_THW = {"99e6b1fe9ad2"}            # 0.14.1 .. 0.27.1
-FORWARD_GRID_THW_TENSOR = {"c026f89413d6"}     # 0.28.0 .. 0.33.0
+FORWARD_GRID_THW = {"99e6b1fe9ad2"}            # the releases family grid-thw was read in
+FORWARD_GRID_THW_TENSOR = {"c026f89413d6"}     # the releases family grid-thw-tensor was read in
 ROT_POS_EMB = {"f5cadd726f51"}                 # every release read
 
 
@@ -120,15 +120,14 @@ PATCH = Patch(
     target=TARGET,
     replaces=(FORWARD,),
     requires={"vllm": ">=0.14.0"},
-    outside_window={"vllm": "0.13.0 has the same forward, but its towers cannot be built here (its "
+    outside_window={"vllm": "the release below the window has the same forward, but its towers cannot be built here (its "
                             "MMEncoderAttention lives in vllm.attention.layers): not run, not claimed; earlier "
                             "releases were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.14.1", "0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.1", "0.20.2", "0.21.0", "0.22.1",
-                "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1"), __name__ + ":GRID_THW", fence=">=0.14.0,<0.28.0",
+        Family(__name__ + ":GRID_THW", fence=">=0.14.0,<0.28.0",
                keeps="upstream's tower ops in upstream's order on host-built lengths; copies non_blocking=True"),
-        Family(("0.28.0", "0.29.0", "0.30.0", "0.33.0"), __name__ + ":GRID_THW_TENSOR", fence=">=0.28.0",
+        Family(__name__ + ":GRID_THW_TENSOR", fence=">=0.28.0",
                keeps="upstream's tower ops in upstream's order on host-built lengths; copies non_blocking=True"),
     ),
     summary="dots.ocr's tower builds cu_seqlens from the host grid list and copies it, the grid and its rotary "

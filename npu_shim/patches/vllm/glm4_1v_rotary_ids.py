@@ -33,7 +33,7 @@ TOWER = "Glm4vVisionTransformer"
 METHOD = "rot_pos_emb"
 
 # body_digest of the upstream body the replacement was written from
-ROT_POS_EMB = {"73f9c2ff5981"}        # 0.18.0, 0.18.1, 0.19.0, 0.19.1, 0.20.0, 0.20.2, 0.21.0
+ROT_POS_EMB = {"73f9c2ff5981"}        # every release read (docs/reference.md)
 
 
 class _RotaryIds:
@@ -44,7 +44,7 @@ class _RotaryIds:
     def build(self, module, context):
         return {TOWER + "." + METHOD: replace_own(module, TOWER, METHOD, self.make, context,
                                                   "the host position ids copied to the device "
-                                                  "non-blocking, as vLLM 0.22.1 does (no blocking copy)")}
+                                                  "non-blocking, as vLLM does above the window (no blocking copy)")}
 
     def make(self, module, original, context):
         import torch
@@ -65,7 +65,7 @@ class _RotaryIds:
             pos_ids = torch.cat(pos_ids, dim=0)
             max_grid_size = grid_thw[:, 1:].max()
             cos, sin = self.rotary_pos_emb.get_cos_sin(max_grid_size)
-            # vLLM 0.22.1's line: the index goes over without blocking
+            # vLLM's line above the window: the index goes over without blocking
             pos_ids = pos_ids.to(cos.device, non_blocking=True)
             cos_combined = cos[pos_ids].flatten(1)
             sin_combined = sin[pos_ids].flatten(1)
@@ -81,18 +81,17 @@ PATCH = Patch(
     target=TARGET,
     replaces=(TOWER + "." + METHOD,),
     requires={"vllm": ">=0.18.0,<0.22.0"},
-    outside_window={"vllm": "0.22.0 and later move the ids to the device themselves (0.22.0 - 0.28.0 with the line "
-                            "this patch backports, 0.29.0 on by building them there); releases before 0.18.0 were "
-                            "not read for this patch"},
+    outside_window={"vllm": "above the window vLLM moves the ids to the device itself (first with the line this "
+                            "patch backports, later by building them there); releases below the window were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0", "0.20.2", "0.21.0"), __name__ + ":BLOCKING_INDEX",
+        Family(__name__ + ":BLOCKING_INDEX",
                fence=">=0.18.0,<0.22.0",
-               keeps="upstream's ids, get_cos_sin and indexing in upstream's order, with vLLM 0.22.1's "
+               keeps="upstream's ids, get_cos_sin and indexing in upstream's order, with the later vLLM's "
                      "pos_ids.to(cos.device, non_blocking=True)"),
     ),
     summary="GLM-4.1V's (and GLM-OCR's) rot_pos_emb copies its host position ids to the device non-blocking "
-            "before indexing the device cos/sin tables, as vLLM 0.22.1 does: 0 blocking host->device copies "
+            "before indexing the device cos/sin tables, as vLLM does above the window: 0 blocking host->device copies "
             "there (upstream: 2 per forward)",
     # 0 host synchronisations (reads and blocking copies) over a whole tower forward: a blocking
     # copy of the ids is the defect back.

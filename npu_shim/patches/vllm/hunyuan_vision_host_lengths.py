@@ -90,7 +90,7 @@ class _Tower:
         return forward
 
 
-# body_digest of the upstream body the replacement was written from (0.13.0 .. 0.28.0)
+# body_digest of the upstream body the replacement was written from (every release read)
 FORWARD_0_13 = {"20663de2126c"}
 
 HOST_SPLIT = _Tower(FORWARD_0_13)
@@ -100,15 +100,13 @@ PATCH = Patch(
     target=TARGET,
     replaces=(FORWARD,),
     requires={"vllm": ">=0.14.0,<0.29.0"},
-    outside_window={"vllm": "0.13.0 has the same forward, but its towers cannot be built here (its "
+    outside_window={"vllm": "the release below the window has the same forward, but its towers cannot be built here (its "
                             "MMEncoderAttention lives in vllm.attention.layers, which the census harness does "
                             "not route): not run, not claimed; earlier releases were not read for this patch; "
-                            "from 0.29.0 vLLM has no hunyuan_vision module (read in 0.29.0, 0.30.0, 0.33.0)"},
+                            "above the window vLLM has no hunyuan_vision module (as far as read)"},
     needs_npu=True,
     families=(
-        Family(("0.14.1", "0.15.0", "0.16.0", "0.17.0", "0.18.0", "0.19.1", "0.20.2", "0.21.0",
-                "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1", "0.28.0"),
-               __name__ + ":HOST_SPLIT", fence=">=0.14.0,<0.29.0",
+        Family(__name__ + ":HOST_SPLIT", fence=">=0.14.0,<0.29.0",
                keeps="upstream's tower ops in upstream's order; cu_seqlens.to(device=self.device, non_blocking=True)"),
     ),
     summary="HunYuan-Vision's tower splits its output by the host cu_seqlens it built instead of reading its "

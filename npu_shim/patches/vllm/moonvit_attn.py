@@ -184,10 +184,9 @@ PATCH = Patch(
         "MoonVitEncoderLayer.attention_qkvpacked",
     ),
     requires={"vllm": ">=0.8.5,<0.14"},
-    outside_window={"vllm": "0.14+ runs MoonViT attention through MMEncoderAttention"},
+    outside_window={"vllm": "above the window vLLM runs MoonViT attention through MMEncoderAttention"},
     needs_npu=True,
-    families=(Family(("0.8.5", "0.9.0", "0.9.2", "0.10.0", "0.10.1.1", "0.10.2", "0.11.0", "0.11.2", "0.12.0",
-                      "0.13.0"), __name__, id="dispatch-table",
+    families=(Family(__name__, id="dispatch-table",
                keeps="none upstream (sdpa with an S x S mask); adds torch_npu.npu_fusion_attention TND"),),
     summary="register ascend_fa (one fused varlen call per layer, no S x S mask) and select it on NPU",
     # One: the attention path's single read of cu_seqlens per forward, whatever the depth.

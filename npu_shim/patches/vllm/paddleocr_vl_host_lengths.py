@@ -38,7 +38,7 @@ from npu_shim.patches._shared import host_record
 TARGET = "vllm.model_executor.models.paddleocr_vl"
 FUNCTION = "async_tensor_h2d"
 VLLM_HOME = "vllm.utils.torch_utils"
-# vLLM's signature: (data, device, dtype) through 0.29.0, then also out= (0.30.0 on)
+# vLLM's signature: (data, device, dtype), in the later releases read also out=
 PARAMS = (("data", "device", "dtype"), ("data", "device", "dtype", "out"))
 
 
@@ -108,7 +108,7 @@ class _ModuleCopy:
         return {FUNCTION: async_tensor_h2d}
 
 
-# upstream's statement (white space ignored), 0.28.0 .. 0.33.0
+# upstream's statement (white space ignored), in every release read
 ASYNC_H2D = _ModuleCopy("cu_seqlens = async_tensor_h2d(cu_seqlens, dtype=torch.int32, device=")
 
 PATCH = Patch(
@@ -116,18 +116,20 @@ PATCH = Patch(
     target=TARGET,
     replaces=(FUNCTION,),
     requires={"vllm": ">=0.28.0"},
-    outside_window={"vllm": "0.26.0 and 0.27.1 copy cu_seqlens with torch.tensor(...).to(device) after reading "
-                            "the device grid back (not patched); releases before 0.26.0 were not read"},
+    outside_window={"vllm": "the two releases read below the window copy cu_seqlens with "
+                            "torch.tensor(...).to(device) after reading the device grid back (not patched); "
+                            "older ones were not read"},
     needs_npu=True,
     families=(
-        Family(("0.28.0", "0.29.0", "0.30.0", "0.33.0"), __name__ + ":ASYNC_H2D", fence=">=0.28.0",
+        Family(__name__ + ":ASYNC_H2D", fence=">=0.28.0",
                keeps="async_tensor_h2d(cu_seqlens, dtype=torch.int32, device=...)"),
     ),
     summary="PaddleOCR-VL's cu_seqlens copy keeps the host values it copied; vllm.mm_encoder_attn takes "
             "them instead of reading back: 0 reads per forward (without it: 1 per image; vllm-ascend "
             "alone: 1 per layer and image)",
-    # 0 where the grid is on the host (0.29.0 on): what this patch is for; a read is the defect back.
-    # 0.28.0's field config sends the grid to the device: encode_image's .tolist() of each image's
+    # 0 where the grid is on the host (the later releases read): what this patch is for; a read is
+    # the defect back. The first release read's field config sends the grid to the device:
+    # encode_image's .tolist() of each image's
     # grid row is left, one for each of the selftest's two images.
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run",
                       host_syncs={"grid on the host": 0, "grid on the device": 2}, arguments={"tower": "PaddleOCR-VL"}),

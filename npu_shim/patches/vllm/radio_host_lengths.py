@@ -97,7 +97,7 @@ class _Accumulate:
         return {METHOD: _inter_image_mask_metadata_from_seq_lens}
 
 
-# upstream's statements (white space folded), 0.19.1 .. 0.33.0
+# upstream's statements (white space folded), in every release read
 TENSOR_ACCUMULATE = _Accumulate(
     "cu_seqlens = torch.tensor( list(accumulate(seq_lens, initial=0)), dtype=torch.int32, device=device )",
     "max_seqlen = torch.tensor(max(seq_lens), dtype=torch.int32)",
@@ -109,12 +109,11 @@ PATCH = Patch(
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + "." + METHOD,),
     requires={"vllm": ">=0.19.0"},
-    outside_window={"vllm": "0.18.0 builds cu_seqlens in inter_image_mask_metadata (no _from_seq_lens; not "
-                            "patched), 0.14.1 .. 0.17.0 a dense boolean mask, 0.13.0 no inter-image mask"},
+    outside_window={"vllm": "below the window, the releases read build cu_seqlens in inter_image_mask_metadata "
+                            "(no _from_seq_lens; not patched), or a dense boolean mask, or no inter-image mask"},
     needs_npu=True,
     families=(
-        Family(("0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1",
-                "0.28.0", "0.29.0", "0.30.0", "0.33.0"), __name__ + ":TENSOR_ACCUMULATE", fence=">=0.19.0",
+        Family(__name__ + ":TENSOR_ACCUMULATE", fence=">=0.19.0",
                keeps="torch.tensor(list(accumulate(seq_lens, initial=0)), dtype=torch.int32, device=device)"),
     ),
     summary="RADIO's packed cu_seqlens keeps the host lengths it was built from; vllm.mm_encoder_attn takes "

@@ -58,28 +58,29 @@ PATCH = Patch(
     # Every attribute some family replaces (each replaces a subset).
     replaces=(CLASS_NAME + ".__init__", CLASS_NAME + ".forward_oot"),
     requires={"vllm-ascend": ">=0.13.0rc1"},
-    outside_window={"vllm-ascend": "before 0.13.0 vllm-ascend had no AscendMMEncoderAttention"},
+    outside_window={"vllm-ascend": "below the window vllm-ascend had no AscendMMEncoderAttention"},
     needs_npu=True,
     families=(
-        Family(("0.13.0", "0.14.0rc1", "0.15.0rc1", "0.16.0rc1", "0.17.0rc1"), FAMILIES + "v013", id="unpad-per-layer-lengths",
+        Family(FAMILIES + "v013", id="unpad-per-layer-lengths",
                fence=">=0.13.0rc1,<0.18.0rc1",
                keeps="torch_npu._npu_flash_attention_unpad, K/V repeated to the query heads "
                      "(NPU_SHIM_MM_ENCODER_TND=1: npu-shim's TND npu_fusion_attention)"),
-        Family(("0.18.0rc1", "0.18.0"), FAMILIES + "v018", id="fusion-attention-tnd", fence=">=0.18.0rc1,<0.19.0rc1",
+        Family(FAMILIES + "v018", id="fusion-attention-tnd", fence=">=0.18.0rc1,<0.19.0rc1",
                keeps="torch_npu.npu_fusion_attention, input_layout TND"),
-        Family(("0.19.1rc1", "0.20.2rc1", "0.21.0rc1"), FAMILIES + "v019", id="device-operator-fa", fence=">=0.19.0rc1,<0.22.0rc1",
+        Family(FAMILIES + "v019", id="device-operator-fa", fence=">=0.19.0rc1,<0.22.0rc1",
                keeps="DeviceOperator.npu_flash_attention"),
-        Family(("0.22.1rc1",), FAMILIES + "v022", id="fia-tnd-sequence-lengths", fence=">=0.22.0rc1,<0.23.0rc1",
+        Family(FAMILIES + "v022", id="fia-tnd-sequence-lengths", fence=">=0.22.0rc1,<0.23.0rc1",
                keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND "
-                     "(NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1: 0.18.0's npu_fusion_attention TND)"),
-        Family(("0.23.0rc1", "0.23.0", "0.23.0.post1", "0.24.0rc1", "0.25.1rc1", "0.26.0rc1",
-                "0.27.1rc1", "0.28.0rc1", "0.29.0rc1", "0.30.0rc1", "0.30.0rc2"), FAMILIES + "v023", id="fia-tnd-cu-seqlens",
+                     "(NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1: family fusion-attention-tnd's npu_fusion_attention "
+                     "TND)"),
+        Family(FAMILIES + "v023", id="fia-tnd-cu-seqlens",
                fence=">=0.23.0rc1",
                keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND "
-                     "(NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1: 0.18.0's npu_fusion_attention TND)"),
+                     "(NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1: family fusion-attention-tnd's npu_fusion_attention "
+                     "TND)"),
     ),
     summary="host seq lens once per encoder forward (no prefix cache, no global), honour scale; "
-            "during vllm-ascend's encoder ACL-graph capture (0.22.1rc1+) upstream's forward_oot "
+            "during vllm-ascend's encoder ACL-graph capture (families fia-tnd-*) upstream's forward_oot "
             "runs untouched (counted as upstream_calls)",
     # One: the single copy of a device cu_seqlens per encoder forward, whatever the depth.
     selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_attn", host_syncs=1),

@@ -38,17 +38,15 @@ PATCH = Patch(
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".forward_oot",),
     requires={"vllm-ascend": ">=0.14.0rc1,!=0.15.*,!=0.16.*,!=0.17.*"},
-    outside_window={"vllm-ascend": "no 310P MMEncoderAttention class before 0.14.0rc1 "
-                                   "nor in 0.15.0rc1-0.17.0rc1"},
+    outside_window={"vllm-ascend": "no 310P MMEncoderAttention class below the window nor in the releases "
+                                   "it leaves out"},
     needs_npu=True,
     families=(
-        Family(("0.14.0rc1",), FAMILIES + "v014_310p", id="ascend-subclass-unpad", fence=">=0.14.0rc1,<0.15.0rc1",
+        Family(FAMILIES + "v014_310p", id="ascend-subclass-unpad", fence=">=0.14.0rc1,<0.15.0rc1",
                keeps="torch_npu._npu_flash_attention_unpad, no padding"),
-        Family(("0.18.0rc1", "0.18.0", "0.19.1rc1", "0.20.2rc1", "0.21.0rc1", "0.22.1rc1"),
-               FAMILIES + "v018_310p", id="vllm-subclass-unpad", fence=">=0.18.0rc1,<0.23.0rc1",
+        Family(FAMILIES + "v018_310p", id="vllm-subclass-unpad", fence=">=0.18.0rc1,<0.23.0rc1",
                keeps="torch_npu._npu_flash_attention_unpad"),
-        Family(("0.23.0rc1", "0.23.0", "0.23.0.post1", "0.24.0rc1", "0.25.1rc1", "0.26.0rc1",
-                "0.27.1rc1", "0.28.0rc1", "0.29.0rc1", "0.30.0rc1", "0.30.0rc2"), FAMILIES + "v023_310p", id="unpad-v2-capability",
+        Family(FAMILIES + "v023_310p", id="unpad-v2-capability",
                fence=">=0.23.0rc1",
                keeps="torch_npu._npu_flash_attention_unpad_v2(kernel_type=2) where torch_npu has it, "
                      "else torch_npu._npu_flash_attention_unpad"),

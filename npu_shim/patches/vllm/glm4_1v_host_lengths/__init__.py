@@ -62,16 +62,16 @@ PATCH = Patch(
     target="vllm.model_executor.models.glm4_1v",
     replaces=(EMBEDDINGS + ".forward", TOWER + ".forward", TOWER + ".compute_attn_mask_seqlen"),
     requires={"vllm": ">=0.18.0,<0.28.0"},
-    outside_window={"vllm": "releases before 0.18.0 were not read for this patch; 0.28.0 and later build "
+    outside_window={"vllm": "releases below the window were not read for this patch; above it vLLM builds "
                             "GLM-4.1V's embedding sizes on the host and copy them non-blocking themselves"},
     needs_npu=True,
     families=(
-        Family(("0.18.0",), FAMILIES + "COPY_THEN_TOLIST", fence=">=0.18.0,<0.19.0",
+        Family(FAMILIES + "COPY_THEN_TOLIST", fence=">=0.18.0,<0.19.0",
                keeps="cu_seqlens.to(self.device, non_blocking=True) and the embeddings' repeat / cat"),
-        Family(("0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0"), FAMILIES + "TOWER_COPY",
+        Family(FAMILIES + "TOWER_COPY",
                fence=">=0.19.0,<0.24.0",
                keeps="cu_seqlens.to(self.device, non_blocking=True) and the embeddings' repeat / cat"),
-        Family(("0.26.0", "0.27.1"), FAMILIES + "ENCODER_METADATA", fence=">=0.24.0,<0.28.0",
+        Family(FAMILIES + "ENCODER_METADATA", fence=">=0.24.0,<0.28.0",
                keeps="pos_embeds_interpolate's coordinate ops and the embeddings' repeat / cat"),
     ),
     summary="GLM-4.1V's vision embeddings take lengths and shapes from the host and copy non-blocking; "

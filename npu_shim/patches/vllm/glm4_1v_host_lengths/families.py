@@ -25,10 +25,10 @@ from npu_shim.patches._shared.structure import expect_body, own_function
 HOST = torch.device("cpu")
 
 # Digests (npu_shim.patches._shared.structure.body_digest) of the upstream bodies the replacements were written from.
-EMBEDDINGS_FORWARD = {"090f8cdf22f6"}            # 0.18.0, 0.19.1, 0.20.2, 0.21.0, 0.22.1, 0.23.0, 0.26.0, 0.27.1
-TOWER_FORWARD_0_18 = {"531813d30257"}            # 0.18.0
-POS_EMBEDS_INTERPOLATE = {"fa612a8b4f47"}        # 0.26.0, 0.27.1
-FIXED_UPSTREAM = ("async_tensor_h2d", "np.repeat")   # 0.28.0's host-side sizes
+EMBEDDINGS_FORWARD = {"090f8cdf22f6"}            # every release read (docs/reference.md)
+TOWER_FORWARD_0_18 = {"531813d30257"}            # family copy-then-tolist
+POS_EMBEDS_INTERPOLATE = {"fa612a8b4f47"}        # the releases family encoder-metadata was read in
+FIXED_UPSTREAM = ("async_tensor_h2d", "np.repeat")   # the host-side sizes of the releases above the window
 
 
 def _classes(module):
@@ -104,7 +104,7 @@ def embeddings_forward(original, context):
 
 
 def tower_forward_0_18(original, context):
-    """0.18.0's ``Glm4vVisionTransformer.forward`` with ``seqlens`` from the host ``cu_seqlens``."""
+    """Family copy-then-tolist's ``Glm4vVisionTransformer.forward`` with ``seqlens`` from the host ``cu_seqlens``."""
 
     def forward(self, x, grid_thw):
         if isinstance(grid_thw, list):
@@ -149,7 +149,7 @@ def tower_forward_0_18(original, context):
 
 
 def host_pos_embeds_interpolate(self, grid_thw):
-    """0.26.0's ``pos_embeds_interpolate`` with the image shape on the host and the
+    """Family encoder-metadata's ``pos_embeds_interpolate`` with the image shape on the host and the
     coordinates copied non-blocking (upstream: ``torch.tensor(..., device=device)`` and
     the embeddings' blocking ``.to(device)``)."""
     device = self.embeddings.position_embedding.weight.device
@@ -180,7 +180,7 @@ def host_pos_embeds_interpolate(self, grid_thw):
 
 
 def tower_forward_with_host_shapes(original, context):
-    """0.26.0's ``Glm4vVisionTransformer.forward``: for the call that builds its own metadata,
+    """Family encoder-metadata's ``Glm4vVisionTransformer.forward``: for the call that builds its own metadata,
     ``pos_embeds_interpolate`` is :func:`host_pos_embeds_interpolate`."""
 
     def forward(self, x, grid_thw, *args, **kwargs):
@@ -223,7 +223,7 @@ class _CopyThenTolist:
     def check(self, module, context):
         embeddings, tower = _classes(module)
         _check_embeddings(embeddings)
-        expect_body(own_function(tower, "forward"), TOWER_FORWARD_0_18, "0.18.0's tower forward")
+        expect_body(own_function(tower, "forward"), TOWER_FORWARD_0_18, "family copy-then-tolist's tower forward")
 
     def build(self, module, context):
         embeddings, tower = _classes(module)

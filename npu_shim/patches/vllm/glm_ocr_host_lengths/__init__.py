@@ -53,15 +53,14 @@ PATCH = Patch(
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".compute_attn_mask_seqlen", CLASS_NAME + ".forward"),
     requires={"vllm": ">=0.19.0"},
-    outside_window={"vllm": "0.16.0 .. 0.18.0 have the same forward, but their lanes pin a transformers "
-                            "without GLM-OCR's configuration: not run, not claimed; 0.15.0 and earlier "
+    outside_window={"vllm": "the releases just below the window have the same forward, but their lanes pin a "
+                            "transformers without GLM-OCR's configuration: not run, not claimed; older ones "
                             "have no GLM-OCR"},
     needs_npu=True,
     families=(
-        Family(("0.19.1", "0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1",
-                "0.28.0", "0.29.0"), FAMILIES + "TENSOR_TO", fence=">=0.19.0,<0.30.0",
+        Family(FAMILIES + "TENSOR_TO", fence=">=0.19.0,<0.30.0",
                keeps="cu_seqlens.to(self.device, non_blocking=True)"),
-        Family(("0.30.0",), FAMILIES + "PINNED_CAT", fence=">=0.30.0",
+        Family(FAMILIES + "PINNED_CAT", fence=">=0.30.0",
                keeps="torch.cat(..., out=<pinned buffer>).to(self.device, non_blocking=True)"),
     ),
     summary="GLM-OCR's vision tower: its own cu_seqlens copy gets the host lengths of its host grid; "

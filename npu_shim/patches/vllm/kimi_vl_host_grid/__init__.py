@@ -53,18 +53,18 @@ PATCH = Patch(
     target="vllm.model_executor.models.kimi_vl",
     replaces=(PROCESSOR + "._get_mm_fields_config", TOWER + ".forward"),
     requires={"vllm": ">=0.18.0"},
-    outside_window={"vllm": "releases before 0.18.0 were not read for this patch"},
+    outside_window={"vllm": "releases below the window were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.18.0", "0.22.1", "0.26.0"), "npu_shim.patches.vllm.kimi_vl_host_grid.families:HOST_GRID",
+        Family("npu_shim.patches.vllm.kimi_vl_host_grid.families:HOST_GRID",
                fence=">=0.18.0,<0.29.0",
                keeps="(grid_hw[:, 0] * grid_hw[:, 1]).to(hidden_states.device) and MoonViT's forward"),
-        Family(("0.29.0", "0.30.0"), "npu_shim.patches.vllm.kimi_vl_host_grid.families:HOST_LENGTHS",
+        Family("npu_shim.patches.vllm.kimi_vl_host_grid.families:HOST_LENGTHS",
                fence=">=0.29.0",
                keeps="upstream's field config (keep_on_cpu=True), (grid_hw[:, 0] * grid_hw[:, 1])"
                      ".to(hidden_states.device) and MoonViT's forward"),
     ),
-    summary="Kimi-VL's image_grid_hws kept on the host (vLLM 0.29's keep_on_cpu) and the host cu_seqlens "
+    summary="Kimi-VL's image_grid_hws kept on the host (vLLM's later keep_on_cpu) and the host cu_seqlens "
             "kept on MoonViT's device cu_seqlens: 0 reads per MoonViT forward",
     # None: what this patch is for; a read per layer or per forward is the defect back.
     selftest=Selftest("npu_shim.selftest.vllm_kimi_vl_host_grid", host_syncs=0),

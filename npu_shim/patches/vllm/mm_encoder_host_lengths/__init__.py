@@ -46,12 +46,12 @@ PATCH = Patch(
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".maybe_recompute_cu_seqlens",),
     requires={"vllm": ">=0.18.0"},
-    outside_window={"vllm": "before 0.18.0 vLLM had no MMEncoderAttention.maybe_recompute_cu_seqlens"},
+    outside_window={"vllm": "below the window vLLM had no MMEncoderAttention.maybe_recompute_cu_seqlens"},
     needs_npu=True,
     families=(
-        Family(("0.18.0", "0.22.1"), FAMILIES + "FROM_NUMPY", fence=">=0.18.0,<0.24.0",
+        Family(FAMILIES + "FROM_NUMPY", fence=">=0.18.0,<0.24.0",
                keeps="torch.from_numpy(cu_seqlens).to(device, non_blocking=True)"),
-        Family(("0.24.0", "0.25.1", "0.26.0", "0.30.0"), FAMILIES + "ASYNC_H2D", fence=">=0.24.0",
+        Family(FAMILIES + "ASYNC_H2D", fence=">=0.24.0",
                keeps="async_tensor_h2d(cu_seqlens, device=device)"),
     ),
     summary="the host cu_seqlens vLLM copies to the device is kept on the device tensor; "

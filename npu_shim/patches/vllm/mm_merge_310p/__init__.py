@@ -49,14 +49,12 @@ PATCH = Patch(
     target=TARGET,
     replaces=(FUNCTION,),
     requires={"vllm": ">=0.20.0"},
-    outside_window={"vllm": "before 0.20 vLLM merges with masked_scatter_ (vLLM #22105), not the "
+    outside_window={"vllm": "below the window vLLM merges with masked_scatter_ (vLLM #22105), not the "
                             "boolean-mask assignment whose 310P IndexPut kernel fails"},
     needs_npu=True,
     selftest=Selftest("npu_shim.selftest.vllm_mm_merge_310p", host_syncs={"310P": 0, "A2/A3": 0}),
     families=(
-        Family(("0.20.2", "0.21.0", "0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1",
-                "0.28.0", "0.29.0", "0.30.0"),
-               "npu_shim.patches.vllm.mm_merge_310p.families:BOOLEAN_MASK_ASSIGNMENT", fence=">=0.20.0",
+        Family("npu_shim.patches.vllm.mm_merge_310p.families:BOOLEAN_MASK_ASSIGNMENT", fence=">=0.20.0",
                keeps="upstream's function on every device class but 310P; on 310P "
                      "torch.nonzero + index_copy_ (vllm-ascend PR #12914)"),
     ),

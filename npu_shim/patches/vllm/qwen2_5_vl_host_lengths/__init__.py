@@ -40,13 +40,13 @@ PATCH = Patch(
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".compute_attn_mask_seqlen",),
     requires={"vllm": ">=0.18.0,<0.22.0"},
-    outside_window={"vllm": "releases before 0.18.0 were not read for this patch; 0.22.0 and later copy "
-                            "cu_seqlens through maybe_recompute_cu_seqlens (vllm.mm_encoder_host_lengths)"},
+    outside_window={"vllm": "releases below the window were not read for this patch; from its end on, "
+                            "cu_seqlens is copied through maybe_recompute_cu_seqlens (vllm.mm_encoder_host_lengths)"},
     needs_npu=True,
     families=(
-        Family(("0.18.0", "0.18.1", "0.19.0", "0.19.1", "0.20.0", "0.20.2"), FAMILIES + "FORWARD_COPY",
+        Family(FAMILIES + "FORWARD_COPY",
                fence=">=0.18.0,<0.21.0", keeps="cu_seqlens.to(device=self.device, non_blocking=True)"),
-        Family(("0.21.0",), FAMILIES + "METADATA_COPY", fence=">=0.21.0,<0.22.0",
+        Family(FAMILIES + "METADATA_COPY", fence=">=0.21.0,<0.22.0",
                keeps="cu_seqlens.to(device=device, non_blocking=True)"),
     ),
     summary="Qwen2.5-VL's own non-blocking cu_seqlens copies keep the host arrays on the device "

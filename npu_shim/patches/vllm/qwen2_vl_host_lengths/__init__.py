@@ -41,13 +41,12 @@ PATCH = Patch(
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".compute_attn_mask_seqlen", CLASS_NAME + ".prepare_encoder_metadata"),
     requires={"vllm": ">=0.22.0"},
-    outside_window={"vllm": "releases before 0.22.0 were not read for this patch"},
+    outside_window={"vllm": "releases below the window were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.22.1", "0.23.0", "0.24.0", "0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.29.0"),
-               FAMILIES + "TENSOR_TO", fence=">=0.22.0,<0.30.0",
+        Family(FAMILIES + "TENSOR_TO", fence=">=0.22.0,<0.30.0",
                keeps="cu_seqlens.to(device=device, non_blocking=True)"),
-        Family(("0.30.0",), FAMILIES + "ASYNC_H2D", fence=">=0.30.0",
+        Family(FAMILIES + "ASYNC_H2D", fence=">=0.30.0",
                keeps="async_tensor_h2d(cu_seqlens, device)"),
     ),
     summary="Qwen2-VL's own cu_seqlens copy keeps the host array on the device tensor; "

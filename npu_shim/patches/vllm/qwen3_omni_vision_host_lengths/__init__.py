@@ -45,13 +45,13 @@ PATCH = Patch(
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".compute_attn_mask_seqlen", CLASS_NAME + ".forward"),
     requires={"vllm": ">=0.24.0"},
-    outside_window={"vllm": "0.22.1 and 0.23.0 do not copy cu_seqlens to the device (it stays where "
-                            "grid_thw is); earlier releases were not read for this patch"},
+    outside_window={"vllm": "the two releases read below the window do not copy cu_seqlens to the device (it "
+                            "stays where grid_thw is); earlier releases were not read for this patch"},
     needs_npu=True,
     families=(
-        Family(("0.24.0", "0.25.1", "0.26.0", "0.27.1", "0.28.0", "0.29.0"), FAMILIES + "TENSOR_TO",
+        Family(FAMILIES + "TENSOR_TO",
                fence=">=0.24.0,<0.30.0", keeps="cu_seqlens.to(self.device, non_blocking=True)"),
-        Family(("0.30.0",), FAMILIES + "ASYNC_H2D", fence=">=0.30.0",
+        Family(FAMILIES + "ASYNC_H2D", fence=">=0.30.0",
                keeps="async_tensor_h2d(cu_seqlens, self.device)"),
     ),
     summary="Qwen3-Omni's vision tower: its own cu_seqlens copy gets the host lengths of its host grid; "

@@ -101,7 +101,7 @@ def build_forward(cls, host_lengths, context):
     original_forward = vars(cls)["forward_oot"]
     upstream_globals = original_forward.__globals__
     block_size, no_band = (upstream_globals[name] for name in CONSTANTS)
-    # 0.26.0rc1 hands K/V over with .contiguous(), 0.23.0rc1 .. 0.25.1rc1 as they are.
+    # Later releases of the family hand K/V over with .contiguous(), the first ones as they are.
     contiguous_kv = C.calls_name(vars(cls)["_run_vit_fia"], "contiguous")
     fusion = _config.settings().mm_encoder_fusion_attention
 
@@ -138,10 +138,10 @@ def fusion_attention(upstream_globals, q, k, v, lengths_q, lengths_kv, heads, sc
     (``NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1``)."""
     lengths_q, lengths_kv = [int(n) for n in lengths_q], [int(n) for n in lengths_kv]
     if lengths_q != lengths_kv:
-        raise ValueError("%s=1 makes vllm-ascend 0.18.0's npu_fusion_attention call, which takes one list of "
+        raise ValueError("%s=1 makes family fusion-attention-tnd's npu_fusion_attention call, which takes one list of "
                          "lengths for queries and keys; this call has query lengths %s and key lengths %s "
                          "(unset the switch for it)" % (FUSION_SWITCH, lengths_q, lengths_kv))
-    seq_lens = torch.diff(torch.tensor([0] + lengths_q, dtype=torch.int32))    # per segment, as 0.18.0's
+    seq_lens = torch.diff(torch.tensor([0] + lengths_q, dtype=torch.int32))    # per segment, as that family's
     return v018.attend(upstream_globals, q, k, v, seq_lens, heads, scale)
 
 

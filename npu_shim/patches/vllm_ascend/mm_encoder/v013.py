@@ -32,19 +32,19 @@ from npu_shim.patch import TargetMismatch
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 BASE_NAME = "MMEncoderAttention"
-FIXED_UPSTREAM_HOOK = "maybe_compute_seq_lens"   # vllm-ascend 0.18.0+: another family
+FIXED_UPSTREAM_HOOK = "maybe_compute_seq_lens"   # the later families' shape
 UPSTREAM_OP = "_npu_flash_attention_unpad"
-OPTIMIZED_MODEL_SWITCH = "USE_OPTIMIZED_MODEL"   # 0.13.0/0.14.0rc1 pad only while it is on
+OPTIMIZED_MODEL_SWITCH = "USE_OPTIMIZED_MODEL"   # the first releases of the family pad only while it is on
 
 FORWARD_PARAMS = ("self", "query", "key", "value", "cu_seqlens", "max_seqlen")
-FORWARD_OPTIONAL = ((), ("sequence_lengths",))    # 0.16.0rc1 / 0.17.0rc1 accept (and ignore) it
+FORWARD_OPTIONAL = ((), ("sequence_lengths",))    # the last releases of the family accept (and ignore) it
 INIT_PARAMS = ("self", "num_heads", "head_size", "scale", "num_kv_heads", "prefix")
-INIT_OPTIONAL = ((), ("multimodal_config",))      # 0.13.0 / 0.14.0rc1
+INIT_OPTIONAL = ((), ("multimodal_config",))      # the first releases of the family
 
 
 def check(cls, context):
     if FIXED_UPSTREAM_HOOK in vars(cls):
-        raise TargetMismatch("%s defines %s (the 0.18.0+ shape)" % (cls.__name__, FIXED_UPSTREAM_HOOK))
+        raise TargetMismatch("%s defines %s (a later family's shape)" % (cls.__name__, FIXED_UPSTREAM_HOOK))
     if not any(base.__name__ == BASE_NAME for base in cls.__mro__[1:]):
         raise TargetMismatch("%s no longer derives from vLLM's %s" % (cls.__name__, BASE_NAME))
     forward = C.own_function(cls, "forward_oot")
@@ -60,7 +60,7 @@ def build(cls, context):
     upstream_globals = original_forward.__globals__
     init_signature = inspect.signature(original_init)
     takes_sequence_lengths = "sequence_lengths" in inspect.signature(original_forward).parameters
-    # 0.13.0/0.14.0rc1: pad only while envs_ascend.USE_OPTIMIZED_MODEL; read where upstream reads it.
+    # The first releases: pad only while envs_ascend.USE_OPTIMIZED_MODEL; read where upstream reads it.
     pads_if_optimized = C.calls_name(original_forward, OPTIMIZED_MODEL_SWITCH)
     upstream_copies_uniform = _builds_uniform_on_query_device(original_forward)
     use_tnd = _config.settings().mm_encoder_tnd
@@ -78,7 +78,7 @@ def build(cls, context):
         return C.LayerState(C.default_scale(layer), C.PAD_TO if pad else layer.head_size, kernel)
 
     def __init__(self, *args, **kwargs):
-        # Upstream hands every argument to the base class, then (0.15.0rc1) parses the
+        # Upstream hands every argument to the base class, then (later releases) parses the
         # prefix; here the base gets the same arguments and nothing is parsed.
         bound = init_signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
@@ -86,7 +86,7 @@ def build(cls, context):
         del arguments["self"]
         super(cls, self).__init__(**arguments)
         state = C.layer_state(self, make_state)
-        # Upstream 0.15.0rc1+ expose these two; keep them, holding what is really used.
+        # Upstream's later releases expose these two; keep them, holding what is really used.
         self.scale_value = state.scale
         self.enable_pad = state.pad_to != self.head_size
 
@@ -117,7 +117,7 @@ def build(cls, context):
     if takes_sequence_lengths:
         def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None,
                         sequence_lengths=None):
-            # Upstream 0.16.0rc1/0.17.0rc1 ignore sequence_lengths too (vLLM does not pass it).
+            # Upstream's last releases of the family ignore sequence_lengths too (vLLM does not pass it).
             return forward(self, query, key, value, cu_seqlens)
     else:
         def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None):

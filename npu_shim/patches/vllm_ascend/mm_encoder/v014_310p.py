@@ -34,7 +34,7 @@ SEQ_LEN_DTYPE = torch.int32        # upstream: .to("cpu", dtype=torch.int32)
 
 def check(cls, context):
     if F.ASCEND_MAIN_CLASS not in [base.__name__ for base in cls.__mro__[1:]]:
-        raise TargetMismatch("%s no longer derives from vllm-ascend's %s (the 0.14.0rc1 shape does)"
+        raise TargetMismatch("%s no longer derives from vllm-ascend's %s (this family's shape does)"
                              % (cls.__name__, F.ASCEND_MAIN_CLASS))
     forward = C.own_function(cls, "forward_oot")
     C.check_params(forward, FORWARD_PARAMS, ((),), cls.__name__ + ".forward_oot")

@@ -34,7 +34,7 @@ def check_family(cls, op_name, op_owner):
     if not any(base.__name__ == BASE_NAME for base in cls.__mro__[1:]):
         raise TargetMismatch("%s no longer derives from vLLM's %s" % (cls.__name__, BASE_NAME))
     if SEQ_LENS_HOOK not in vars(cls):
-        raise TargetMismatch("%s has no %s (the 0.18.0 .. 0.22.1rc1 shape has)"
+        raise TargetMismatch("%s has no %s (this family's shape has)"
                              % (cls.__name__, SEQ_LENS_HOOK))
     forward = C.own_function(cls, "forward_oot")
     C.check_params(forward, FORWARD_PARAMS, ((),), cls.__name__ + ".forward_oot")
@@ -42,7 +42,7 @@ def check_family(cls, op_name, op_owner):
     if op_owner not in forward.__globals__ or op_name not in names or op_owner not in names:
         raise TargetMismatch("%s.forward_oot no longer calls %s.%s" % (cls.__name__, op_owner, op_name))
     if "actual_seq_lengths" in names or "npu_fused_infer_attention_score" in names:
-        raise TargetMismatch("%s.forward_oot is the 0.22.1rc1+ fused-infer shape" % cls.__name__)
+        raise TargetMismatch("%s.forward_oot is the later families' fused-infer shape" % cls.__name__)
 
 
 def host_seq_lens(layer, query, cu_seqlens, sequence_lengths, context):

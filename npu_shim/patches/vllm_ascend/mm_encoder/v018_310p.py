@@ -35,7 +35,7 @@ from npu_shim.patch import TargetMismatch
 from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
-# The 310P layer's state, apart from the main class's: 0.14.0rc1's 310P class derives
+# The 310P layer's state, apart from the main class's: family ascend-subclass-unpad's 310P class derives
 # from AscendMMEncoderAttention, which vllm.mm_encoder_attn may have patched too.
 STATE_ATTR = "_npu_shim_mm_encoder_310p_state"
 BASE_NAME = "MMEncoderAttention"
@@ -113,7 +113,7 @@ def check_family(cls, op_names, absent_names=()):
     if BASE_NAME not in bases:
         raise TargetMismatch("%s no longer derives from vLLM's %s" % (cls.__name__, BASE_NAME))
     if ASCEND_MAIN_CLASS in bases:
-        raise TargetMismatch("%s derives from %s (the 0.14.0rc1 shape)" % (cls.__name__, ASCEND_MAIN_CLASS))
+        raise TargetMismatch("%s derives from %s (family ascend-subclass-unpad's shape)" % (cls.__name__, ASCEND_MAIN_CLASS))
     forward = C.own_function(cls, "forward_oot")
     C.check_params(forward, FORWARD_PARAMS, ((),), cls.__name__ + ".forward_oot")
     names = names_in_code(forward.__code__, nested=False)

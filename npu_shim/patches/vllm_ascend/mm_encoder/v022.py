@@ -37,7 +37,7 @@ def check(cls, context):
     fia.check_family(cls, eager_uses=(LENGTHS_METHOD,), fia_uses=("scale_value",))
     for name in (SEQ_LENS_HOOK, LENGTHS_METHOD):
         if name not in vars(cls):
-            raise TargetMismatch("%s has no %s (the 0.22.1rc1 shape has)" % (cls.__name__, name))
+            raise TargetMismatch("%s has no %s (this family's shape has)" % (cls.__name__, name))
 
 
 def build(cls, context):
