@@ -489,10 +489,11 @@ class Forward(types.SimpleNamespace):
     TORCH_SDPA); the ``grid`` and pixels ``x`` they all ran on."""
 
 
-def side_by_side(stack, name, device_class="A2", forwards=2):
+def side_by_side(stack, name, device_class="A2", forwards=2, *, grid_on_device=False):
     """The three towers of ``name`` (one seed), each run over the same inputs for ``forwards``
     grids (:func:`grids`): a list of :class:`Forward`. Upstream runs vLLM's own code of the
-    tower's module (:func:`towers.upstream_methods`: what a tower patch replaced, put back)."""
+    tower's module (:func:`towers.upstream_methods`: what a tower patch replaced, put back).
+    ``grid_on_device``: see :func:`call`."""
     attention, untouched = stack.attention[device_class], stack.upstream[device_class]
     dtype = towers.hardware_dtype(device_class)
     patched = build(stack, name, attention, dtype=dtype)
@@ -502,10 +503,10 @@ def side_by_side(stack, name, device_class="A2", forwards=2):
     for forward in range(forwards):
         grid = grids(forward, name)
         x = pixel_values(name, patched, grid, seed=forward)
-        out, syncs = call(name, patched, attention, x, grid)
+        out, syncs = call(name, patched, attention, x, grid, grid_on_device=grid_on_device)
         with towers.upstream_methods(_MODULES[name]):
-            up, up_syncs = call(name, upstream, untouched, x, grid)
-        sd, _ = call(name, sdpa, None, x, grid)
+            up, up_syncs = call(name, upstream, untouched, x, grid, grid_on_device=grid_on_device)
+        sd, _ = call(name, sdpa, None, x, grid, grid_on_device=grid_on_device)
         runs.append(Forward(index=forward, grid=grid, x=x, out=out, syncs=syncs, up=up, up_syncs=up_syncs,
                             sdpa=sd))
     return runs
@@ -531,17 +532,25 @@ def device_args(name, arg):
     return list(arg) if isinstance(arg, tuple) else [arg] if spec.grid_on_device else []
 
 
-def call(name, tower, attention_class, x, grid):
+def call(name, tower, attention_class, x, grid, *, grid_on_device=False):
     """One whole tower forward in ``torch.inference_mode()`` with ``attention_class``
-    registered, device->host reads counted: (output, counter)."""
+    registered, device->host reads counted: (output, counter). The grid's tensors are where vLLM
+    has them (:func:`device_args`); with ``grid_on_device`` a grid tensor is a device stand-in
+    whatever vLLM does (a patch that takes host lengths from a host grid must tell it from one)."""
     import torch
 
     from npu_shim.testing import count_host_syncs
 
     spec = CENSUS[name]
     arg = spec.grid_arg(grid)
+    if grid_on_device:
+        placed = [arg] if isinstance(arg, torch.Tensor) else device_args(name, arg)
+        if not placed:
+            raise ValueError("census tower %s: its grid argument holds no tensor to place" % name)
+    else:
+        placed = device_args(name, arg)
     with torch.inference_mode(), towers.registered(attention_class):
-        with count_host_syncs(device_tensors=[x] + device_args(name, arg), device_modules=[tower]) as syncs:
+        with count_host_syncs(device_tensors=[x] + placed, device_modules=[tower]) as syncs:
             out = spec.call(tower, x, arg)
     return out, syncs
 

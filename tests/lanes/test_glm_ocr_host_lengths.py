@@ -8,7 +8,8 @@ ops and a stand-in device). Here, for both device classes: 0 device->host reads 
 tower forward with the shim, upstream's count (vllm-ascend's untouched class) beside it
 (one per layer), output ``torch.equal`` to upstream's and close to vLLM's TORCH_SDPA tower
 and a float64 copy (``npu_shim.testing.attention_f64``); the copy is upstream's (same op,
-same arguments) and the kept host array holds its values; each family's check accepts only
+same arguments) and the kept host array holds its values; a grid on the device (a stand-in,
+``cpu:0``) is not taken for host data; each family's check accepts only
 its own release's code; the disable switch brings the attention's read back with the same
 output; strict mode raises on a shape no family knows; the selftest.
 """
@@ -147,6 +148,55 @@ def test_host_lengths_come_only_from_a_host_grid(stack):
     assert record.take(device) is None
     families.keep_host(device, torch.tensor(grid))
     assert record.take(device).tolist() == [0, 64, 112, 160]
+
+
+def test_a_device_grid_is_not_taken_for_host_data(stack):
+    """The stand-in rule (``host_data.is_host``): a grid on the device, whose stand-in answers
+    ``cpu:0`` (type "cpu"), is not the host's: no host lengths, no read, nothing kept. The old
+    rule (``device.type != "cpu"`` alone) built lengths from it (``repeat_interleave`` with
+    device repeats: a read) and kept them on ``cu_seqlens`` as if the host held them."""
+    import torch
+
+    from npu_shim.patches._shared import host_record as record
+    from npu_shim.patches.vllm.glm_ocr_host_lengths import families
+    from npu_shim.testing import count_host_syncs
+    from npu_shim.testing.syncs import DEVICE
+
+    grid = torch.tensor([[1, 8, 8], [2, 4, 12]])
+    with count_host_syncs(device_tensors=[grid], follow_placement=True) as syncs:
+        assert families.host_lengths(grid) is None
+        device = torch.tensor([0, 64, 112, 160], dtype=torch.int32, device=DEVICE)
+        families.keep_host(device, grid)
+        assert record.take(device) is None
+    assert syncs.count == 0, [str(e) for e in syncs.events]
+
+
+def test_a_device_grid_keeps_the_towers_reads_and_reads_cu_seqlens_once(stack, device_class):
+    """The whole tower with its grid on the device: the patch reads nothing and keeps nothing
+    (no read in its code or host_data's), the tower's own reads of the grid are upstream's, and
+    the attention reads ``cu_seqlens`` back once per forward (``vllm.mm_encoder_attn``) where
+    upstream reads it in every layer; output ``torch.equal`` to upstream's. Under the old rule
+    the patch read the device grid itself and handed the attention device lengths as host ones
+    (vLLM 0.30.0: 27 reads per forward where upstream makes 26 and this makes 24). The
+    attention's own counter (``npu_shim.stats``, host_copies) counts its reads of the device
+    stand-in as the sync counter does (old rule, ``device.type != "cpu"``: none)."""
+    from npu_shim.engine import counters
+    from npu_shim.testing import census
+
+    attention = {"A2": "vllm.mm_encoder_attn", "310P": "vllm.mm_encoder_attn_310p"}[device_class]
+    before = counters.snapshot().get(attention, counters.empty_row())["host_copies"]
+    runs = census.side_by_side(stack, TOWER, device_class, grid_on_device=True)
+    copied = counters.snapshot()[attention]["host_copies"] - before
+    assert copied == sum(e.location.startswith("mm_encoder/") for run in runs for e in run.syncs.events) == len(runs)
+    for run in runs:
+        syncs, up_syncs = run.syncs, run.up_syncs
+        print("%s vllm %s %s forward %d, device grid: upstream %s -> shim %s"
+              % (TOWER, release(), device_class, run.index, up_syncs.summary(), syncs.summary()))
+        own = [str(e) for e in syncs.events if e.location.startswith(("glm_ocr_host_lengths/", "_shared/"))]
+        assert own == [], own
+        assert syncs.count == up_syncs.count - UPSTREAM_READS + 1, \
+            ([str(e) for e in syncs.events], [str(e) for e in up_syncs.events])
+        census.assert_matches_references(stack, TOWER, run, TOWER_TOL)
 
 
 def test_each_family_accepts_only_its_own_release(stack):

@@ -102,8 +102,12 @@ def test_upstream_fails_on_310p_and_the_patch_merges(utils, soc, mask_on_device)
     soc("310P")
     failed, _ = run(upstream_of(utils), inputs, embeddings, mask, mask_on_device=mask_on_device, defect=True)
     assert isinstance(failed, ValueError) and "507018" in str(failed.__cause__), repr(failed)
+    from npu_shim.engine import counters
+
+    before = counters.snapshot().get(NAME, counters.empty_row())
     merged, syncs = run(getattr(utils, FUNCTION), inputs, embeddings, mask,
                         mask_on_device=mask_on_device, defect=True)
+    after = counters.snapshot()[NAME]
     assert isinstance(merged, torch.Tensor), repr(merged)
     assert merged.dtype == torch.float16
     assert torch.equal(merged, expected)
@@ -112,6 +116,9 @@ def test_upstream_fails_on_310p_and_the_patch_merges(utils, soc, mask_on_device)
     # nonzero of a device mask reads its size back, as upstream's index_put_ does; a host mask: none
     assert syncs.count == upstream_syncs.count == (1 if mask_on_device else 0), syncs.summary()
     assert syncs.h2d_count == 0, syncs.summary()
+    # the patch's own counters (npu_shim.stats) say the same: a device mask (the stand-in's
+    # cpu:0 is not the host, host_data.is_host) is one read, the shim's and upstream's
+    assert [after[e] - before[e] for e in ("host_copies", "upstream_host_copies")] == [syncs.count] * 2, after
 
 
 @pytest.mark.parametrize("items", [[3, 5], [2, 4], [1, 1]], ids=["one too many", "one too few", "two rows"])

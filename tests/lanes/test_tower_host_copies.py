@@ -130,6 +130,42 @@ def test_qwen3_omni_a_device_grid_keeps_nothing(stack):
     assert families.host_lengths(meta) is None
 
 
+@pytest.mark.claimed("vllm.qwen3_omni_vision_host_lengths")
+def test_qwen3_omni_a_device_stand_in_grid_is_not_host_data(stack):
+    """The stand-in rule (``host_data.is_host``): a grid on the device, whose stand-in answers
+    ``cpu:0`` (type "cpu"), gives no host lengths and is not read. The old rule
+    (``device.type != "cpu"`` alone) took it for a host grid and read it (``.numpy()``)."""
+    import torch
+
+    from npu_shim.patches.vllm.qwen3_omni_vision_host_lengths import families
+    from npu_shim.testing import count_host_syncs
+
+    grid = torch.tensor([[1, 8, 8], [2, 4, 12]])
+    with count_host_syncs(device_tensors=[grid], follow_placement=True) as syncs:
+        assert families.host_lengths(grid) is None
+    assert syncs.count == 0, [str(e) for e in syncs.events]
+
+
+@pytest.mark.claimed("vllm.qwen3_omni_vision_host_lengths")
+def test_qwen3_omni_a_device_grid_keeps_the_towers_reads_and_reads_cu_seqlens_once(stack, device_class):
+    """The whole tower with its grid on the device: no read in the patch's code (or
+    host_data's), the attention reads ``cu_seqlens`` back once per forward where upstream reads
+    it in every layer, the tower's own reads of the grid are upstream's; output ``torch.equal``
+    to upstream's. Under the old rule the patch read the device grid itself."""
+    from npu_shim.testing import census
+
+    for run in census.side_by_side(stack, "Qwen3-Omni", device_class, grid_on_device=True):
+        syncs, up_syncs = run.syncs, run.up_syncs
+        print("Qwen3-Omni vllm %s %s forward %d, device grid: upstream %s -> shim %s"
+              % (release(), device_class, run.index, up_syncs.summary(), syncs.summary()))
+        own = [str(e) for e in syncs.events
+               if e.location.startswith(("qwen3_omni_vision_host_lengths/", "_shared/"))]
+        assert own == [], own
+        assert syncs.count == up_syncs.count - UPSTREAM_READS + 1, \
+            ([str(e) for e in syncs.events], [str(e) for e in up_syncs.events])
+        census.assert_matches_references(stack, "Qwen3-Omni", run, TOWER_TOL)
+
+
 @pytest.mark.parametrize("name", TOWERS_PER_FAMILY)
 def test_disabled_the_attention_read_comes_back(stack, name):
     """With the patch disabled (NPU_SHIM_DISABLE) the tower's cu_seqlens is read back once

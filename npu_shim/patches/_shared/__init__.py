@@ -8,7 +8,8 @@
                   nested code too) and its source with the white space folded
     host_record   the host lengths kept on a device tensor, and the hook that keeps them at a host
                   tensor's next copy (``vllm.mm_encoder_host_lengths`` and the tower patches)
-    host_data     what counts as host data (a grid tensor on the host, not a device stand-in)
+    host_data     what counts as host data (on ``cpu`` with no index: never a device stand-in), a
+                  host grid, host integers, and the ``cu_seqlens`` towers build from a grid
     transient     state hung on upstream's tensors and layers that never travels with them
 
 Nothing here names a patch: a family gets its patch's name, counters and the one way to

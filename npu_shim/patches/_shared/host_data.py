@@ -10,9 +10,14 @@ is on ``cpu`` with no index, so the tests' device tensors are never taken for ho
     cu_seqlens_of(grid)    the int32 cumulative lengths ``[0, t*h*w per frame...]`` towers build from
                            a grid, as upstream builds them (``repeat_interleave(h * w, t)``, int32
                            ``cumsum``, a 0 in front), on the grid's device
+    host_ints(values)      True for a list or tuple of integers (Python or NumPy; no bools): numbers
+                           the host holds, never a device tensor inside
+    host_int32(data)       1-D host integers (a list/tuple, an integer NumPy array or an integer host
+                           tensor) as an int32 host tensor of their own; None otherwise (a device
+                           tensor, and float, complex or bool data: not lengths)
 """
 
-__all__ = ["is_host", "host_grid", "host_grid_tensor", "cu_seqlens_of"]
+__all__ = ["is_host", "host_grid", "host_grid_tensor", "cu_seqlens_of", "host_ints", "host_int32"]
 
 
 def is_host(tensor) -> bool:
@@ -31,15 +36,10 @@ def host_grid_tensor(grid_thw) -> bool:
 def host_grid(grid_thw):
     """``grid_thw`` as a 2-D int32 host tensor where the host holds it (a list or tuple of
     ``[t, h, w]`` integer triples, or a host grid tensor), else None."""
-    import numbers
-
     import torch
 
     if isinstance(grid_thw, (list, tuple)):
-        if not grid_thw or not all(
-                isinstance(row, (list, tuple)) and len(row) == 3
-                and all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in row)
-                for row in grid_thw):
+        if not grid_thw or not all(host_ints(row) and len(row) == 3 for row in grid_thw):
             return None
         return torch.tensor(grid_thw, dtype=torch.int32)
     if host_grid_tensor(grid_thw):
@@ -55,6 +55,36 @@ def cu_seqlens_of(grid_thw):
     lengths = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0]).cumsum(
         dim=0, dtype=torch.int32)
     return torch.cat([lengths.new_zeros(1), lengths])
+
+
+def host_ints(values) -> bool:
+    """True for a list or tuple whose items are all integers (``numbers.Integral``: Python or NumPy
+    integers), bools left out; a tensor among them (a device scalar above all) makes it False."""
+    import numbers
+
+    return isinstance(values, (list, tuple)) and all(
+        isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in values)
+
+
+def host_int32(data):
+    """``data`` (host integers: a list or tuple, an integer NumPy array or an integer host tensor)
+    as a 1-D int32 host tensor of its own (a copy); None for anything else: a device tensor (the
+    stand-in rule of :func:`is_host`), float, complex or bool data (not lengths), or more than one
+    dimension."""
+    import numpy
+    import torch
+
+    if isinstance(data, (list, tuple)):
+        if not host_ints(data):
+            return None
+        host = torch.tensor(data, dtype=torch.int32)
+    elif isinstance(data, numpy.ndarray) and numpy.issubdtype(data.dtype, numpy.integer):
+        host = torch.from_numpy(data).to(torch.int32, copy=True)
+    elif is_host(data) and not (data.is_floating_point() or data.is_complex() or data.dtype == torch.bool):
+        host = data.to(torch.int32, copy=True)
+    else:
+        return None
+    return host if host.dim() == 1 else None
 
 
 def _bool():

@@ -8,6 +8,7 @@ on the copy. No torch import at module level: the values are whatever the caller
 """
 import weakref
 
+from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches._shared.transient import Transient
 
 ATTR = "_npu_shim_host_lengths"
@@ -72,9 +73,8 @@ def _to_keeping_host(host_ref):
 
 
 def keep_at_next_copy(host):
-    """``host`` (a 1-D CPU tensor): its next ``.to(...)`` keeps it on the tensor returned."""
-    import torch
-
-    if isinstance(host, torch.Tensor) and host.device.type == "cpu" and host.dim() == 1 \
-            and HOOK not in host.__dict__:
+    """``host`` (a 1-D host tensor, :func:`~npu_shim.patches._shared.host_data.is_host`): its next
+    ``.to(...)`` keeps it on the tensor returned; a device tensor (a stand-in's ``cpu:0``
+    included) gets no hook."""
+    if is_host(host) and host.dim() == 1 and HOOK not in host.__dict__:
         host.__dict__[HOOK] = _to_keeping_host(weakref.ref(host))

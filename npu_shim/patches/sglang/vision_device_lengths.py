@@ -34,7 +34,8 @@ import weakref
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.structure import own_function
 from npu_shim.patches._shared.code import names_in_code
-from npu_shim.patches.sglang.vision_host_lengths import FIA, on_host, version_of
+from npu_shim.patches._shared.host_data import is_host
+from npu_shim.patches.sglang.vision_host_lengths import FIA, version_of
 
 TARGET = "sglang.srt.layers.attention.vision"
 FORWARD = "VisionAscendAttention.forward"
@@ -102,7 +103,7 @@ class _BeforeMetadata:
             import torch
 
             context.count("calls")
-            if (not isinstance(cu_seqlens, torch.Tensor) or on_host(cu_seqlens)
+            if (not isinstance(cu_seqlens, torch.Tensor) or is_host(cu_seqlens)
                     or module.envs.SGLANG_VIT_ENABLE_CUDA_GRAPH.get()):
                 # host lengths (0 reads upstream too), None / SingletonCache, or graph mode
                 context.count("upstream_calls")

@@ -58,6 +58,7 @@ import inspect
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.structure import expect_body, found, own_function
 from npu_shim.patches._shared.code import names_in_code
+from npu_shim.patches._shared.host_data import is_host
 
 TARGET = "sglang.srt.layers.attention.vision"
 METADATA = "prepare_vision_attention_metadata"
@@ -69,12 +70,6 @@ HOST_ATTR = "_npu_shim_host_cu_seqlens"
 
 FIA = "npu_fused_infer_attention_score"
 FIA_ARGUMENTS = ("actual_seq_lengths", "actual_seq_lengths_kv", "input_layout", "sparse_mode")
-
-
-def on_host(tensor):
-    # A device stand-in on a CPU-only machine answers cpu:0 (npu_shim.testing.syncs.DEVICE).
-    device = tensor.device
-    return device.type == "cpu" and device.index is None
 
 
 def version_of(tensor):
@@ -107,7 +102,7 @@ def host_values(cu_seqlens):
     """The host list of a host ``cu_seqlens`` and the largest segment, or None."""
     import torch
 
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or not on_host(cu_seqlens):
+    if not is_host(cu_seqlens) or cu_seqlens.dim() != 1:
         return None
     values = [int(x) for x in cu_seqlens.to(torch.int32).tolist()]
     widest = max((b - a for a, b in zip(values, values[1:])), default=None)

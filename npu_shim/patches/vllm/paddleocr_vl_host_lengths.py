@@ -30,36 +30,18 @@ Remove when: PaddleOCR-VL copies ``cu_seqlens`` through ``maybe_recompute_cu_seq
   vllm-ascend's attention takes host lengths from vLLM.
 """
 import inspect
-import numbers
 
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared import host_record
+# the data it was handed as int32 host lengths; None for a device tensor (a stand-in's cpu:0
+# included) or data that are not integers
+from npu_shim.patches._shared.host_data import host_int32
 
 TARGET = "vllm.model_executor.models.paddleocr_vl"
 FUNCTION = "async_tensor_h2d"
 VLLM_HOME = "vllm.utils.torch_utils"
 # vLLM's signature: (data, device, dtype), in the later releases read also out=
 PARAMS = (("data", "device", "dtype"), ("data", "device", "dtype", "out"))
-
-
-def host_int32(data):
-    """``data`` (host integers: a list or tuple, a NumPy array or a CPU tensor) as a 1-D int32 CPU
-    tensor of its own (a copy); None for anything else, a device tensor above all."""
-    import numpy
-    import torch
-
-    if isinstance(data, (list, tuple)):
-        if not all(isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in data):
-            return None
-        host = torch.tensor(data, dtype=torch.int32)
-    elif isinstance(data, numpy.ndarray) and numpy.issubdtype(data.dtype, numpy.integer):
-        host = torch.from_numpy(data).to(torch.int32, copy=True)
-    elif isinstance(data, torch.Tensor) and data.device.type == "cpu" and data.device.index is None and not (
-            data.is_floating_point() or data.is_complex() or data.dtype == torch.bool):      # cpu:0: a stand-in
-        host = data.to(torch.int32, copy=True)
-    else:
-        return None
-    return host if host.dim() == 1 else None
 
 
 def _squeezed(text):

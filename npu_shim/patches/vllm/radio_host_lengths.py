@@ -33,10 +33,10 @@ Remove when: RADIO copies ``cu_seqlens`` through ``maybe_recompute_cu_seqlens``,
 """
 import inspect
 import itertools
-import numbers
 
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.host_data import host_ints
 from npu_shim.patches._shared.code import names_in_code, source_text
 from npu_shim.patches._shared.structure import own_function
 
@@ -51,8 +51,7 @@ def host_lengths(seq_lens):
     (int32, ``accumulate`` behind a 0); None unless every item is a host integer."""
     import torch
 
-    if not isinstance(seq_lens, (list, tuple)) or not all(
-            isinstance(n, numbers.Integral) and not isinstance(n, bool) for n in seq_lens):
+    if not host_ints(seq_lens):
         return None
     return torch.tensor(list(itertools.accumulate(seq_lens, initial=0)), dtype=torch.int32)
 

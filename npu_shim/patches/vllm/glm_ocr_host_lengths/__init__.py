@@ -18,7 +18,8 @@ How: ``forward`` and ``compute_attn_mask_seqlen`` (inherited from GLM-4.1V's
   same arguments). The tower hands ``compute_attn_mask_seqlen`` the device
   tensor its copy just returned. When the running ``forward`` (noted
   thread-locally) was given a host grid (a list, which upstream turns into an
-  int32 host tensor, or a 2-D CPU tensor), the wrapper builds the host lengths
+  int32 host tensor, or a 2-D integer tensor on the host: ``host_data.host_grid``,
+  where a device stand-in's ``cpu:0`` is not the host), the wrapper builds the host lengths
   from that grid with the tower's own ops (``repeat_interleave``, ``cumsum``
   in int32, a 0 in front) and, where length and dtype (int32) match the
   device tensor, keeps them on it with

@@ -17,10 +17,9 @@ GLM-4.1V's method, or its revert, is followed).
 import inspect
 import threading
 
-import torch
-
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.host_data import cu_seqlens_of, host_grid
 from npu_shim.patches._shared.code import names_in_code, source_text
 from npu_shim.patches._shared.structure import own_function
 
@@ -35,15 +34,11 @@ HANDED = "x = blk( x, cu_seqlens=cu_seqlens,"
 
 
 def host_lengths(grid_thw):
-    """``cu_seqlens`` of a host grid (a list of ``[t, h, w]`` or a 2-D CPU tensor), built as the
-    tower builds it (int32); None if the grid is not on the host."""
-    if isinstance(grid_thw, list):
-        grid_thw = torch.tensor(grid_thw, dtype=torch.int32)          # upstream's first line
-    if not isinstance(grid_thw, torch.Tensor) or grid_thw.device.type != "cpu" or grid_thw.dim() != 2:
-        return None
-    lengths = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0]).cumsum(
-        dim=0, dtype=torch.int32)
-    return torch.cat([lengths.new_zeros(1), lengths])
+    """``cu_seqlens`` of a host grid (a list of ``[t, h, w]``, which upstream's first line turns
+    into an int32 host tensor, or a 2-D integer host tensor), built as the tower builds it (int32);
+    None if the host does not hold the grid (a device tensor, a stand-in's ``cpu:0`` included)."""
+    grid = host_grid(grid_thw)
+    return None if grid is None else cu_seqlens_of(grid)
 
 
 def keep_host(device, grid_thw):

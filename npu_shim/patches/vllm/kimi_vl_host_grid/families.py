@@ -21,6 +21,7 @@ from npu_shim.patch import TargetMismatch
 from npu_shim.patches.vllm.kimi_vl_host_grid import PROCESSOR, TOWER
 from npu_shim.patches._shared import host_record
 from npu_shim.patches._shared.code import source_text
+from npu_shim.patches._shared.host_data import is_host
 
 FIELD = "image_grid_hws"
 DECLARED = 'image_grid_hws=MultiModalFieldConfig.batched("image")'
@@ -28,7 +29,6 @@ DECLARED_ON_HOST = 'image_grid_hws=MultiModalFieldConfig.batched("image", keep_o
 ENCODER_SHAPE = ("(grid_hw[:, 0] * grid_hw[:, 1]).to(hidden_states.device)",
                  "cu_seqlens = lengths.cumsum(dim=0, dtype=torch.int32)",
                  "block( hidden_states, cu_seqlens,")
-HOST = torch.device("cpu")
 
 
 def _text(function):
@@ -99,8 +99,7 @@ class _HostGrid:
             return fields
 
         def forward(self, pixel_values, grid_hw, *args, **kwargs):
-            if (args or kwargs.get("encoder_metadata") is not None or not isinstance(grid_hw, torch.Tensor)
-                    or grid_hw.device != HOST or grid_hw.dim() != 2):
+            if args or kwargs.get("encoder_metadata") is not None or not is_host(grid_hw) or grid_hw.dim() != 2:
                 return forward_original(self, pixel_values, grid_hw, *args, **kwargs)
             host = host_cu_seqlens(grid_hw)
 

@@ -16,6 +16,7 @@ import torch
 
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches._shared.code import names_in_code
+from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches.vllm.mm_merge_310p import FUNCTION
 
 PARAMS = ("inputs_embeds", "multimodal_embeddings", "is_multimodal")
@@ -84,7 +85,7 @@ class _BooleanMaskAssignment:
             if len(multimodal_embeddings) == 0:
                 return inputs_embeds
             flat = module._flatten_embeddings(multimodal_embeddings)
-            if is_multimodal.device.type != "cpu":
+            if not is_host(is_multimodal):
                 context.count("host_copies")          # nonzero of a device mask: its size is read back
                 context.count("upstream_host_copies")  # upstream's index_put_ makes the same read
             positions = torch.nonzero(is_multimodal, as_tuple=True)[0].to(inputs_embeds.device,

@@ -18,6 +18,7 @@ import torch
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches._shared import host_record
 from npu_shim.patches._shared.code import names_in_code, source_text
+from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches._shared.structure import own_function
 
 METHOD = "compute_attn_mask_seqlen"
@@ -31,9 +32,9 @@ def keep_host(metadata, seen):
     if len(seen) != 1 or not isinstance(metadata, dict):
         return
     host, device = seen[0], metadata.get("cu_seqlens")
-    if not (isinstance(host, torch.Tensor) and isinstance(device, torch.Tensor)):
+    if not (is_host(host) and isinstance(device, torch.Tensor)):
         return
-    if (host.device.type != "cpu" or host.dim() != 1 or device.shape != host.shape
+    if (host.dim() != 1 or device.shape != host.shape
             or device.dtype != host.dtype or host_record.ATTR in device.__dict__):
         return
     host_record.remember(device, host)

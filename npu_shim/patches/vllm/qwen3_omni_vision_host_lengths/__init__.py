@@ -15,9 +15,11 @@ How: ``forward`` and ``compute_attn_mask_seqlen`` are wrapped; both upstream
   bodies run untouched, the copy included (same op, same arguments). The
   tower hands ``compute_attn_mask_seqlen`` the device tensor its copy just
   returned. When the running ``forward`` (noted thread-locally) was given a
-  host ``grid_thw`` tensor, the wrapper builds the host lengths from that
-  grid exactly as the tower's own next lines build ``cu_seqlens_np``
-  (``np.repeat(h * w, t).cumsum(int32)`` behind a 0) and, where length and
+  host ``grid_thw`` tensor (an integer ``[t, h, w]`` tensor on ``cpu`` with no
+  index: ``host_data.host_grid_tensor``, a device stand-in's ``cpu:0`` is not
+  the host), the wrapper builds the host lengths from that grid as the tower
+  builds ``cu_seqlens`` (``host_data.cu_seqlens_of``: ``repeat_interleave(h * w,
+  t).cumsum(int32)`` behind a 0; the values of its ``cu_seqlens_np``) and, where length and
   dtype (int32) match the device tensor, keeps them on it with
   :func:`npu_shim.patches._shared.host_record.remember`; the
   attention's host read takes them once instead of reading back. A

@@ -14,11 +14,9 @@ device tensor it is given).
 import inspect
 import threading
 
-import numpy as np
-import torch
-
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches._shared import host_record
+from npu_shim.patches._shared.host_data import cu_seqlens_of, host_grid_tensor
 from npu_shim.patches._shared.code import names_in_code, source_text
 from npu_shim.patches._shared.structure import own_function
 
@@ -32,13 +30,10 @@ REBUILT = ("cu_seqlens_np = np.repeat( grid_thw_np[:, 1] * grid_thw_np[:, 2], gr
 
 
 def host_lengths(grid_thw):
-    """``cu_seqlens`` of a host ``grid_thw`` tensor, as the tower's ``cu_seqlens_np``; None if
-    the grid is not a 2-D host tensor."""
-    if not isinstance(grid_thw, torch.Tensor) or grid_thw.device.type != "cpu" or grid_thw.dim() != 2:
-        return None
-    grid = grid_thw.numpy()
-    lengths = np.repeat(grid[:, 1] * grid[:, 2], grid[:, 0]).cumsum(axis=0, dtype=np.int32)
-    return torch.from_numpy(np.concatenate([np.zeros(1, dtype=np.int32), lengths]))
+    """``cu_seqlens`` of a host ``grid_thw`` tensor, as the tower builds it (int32; the same values
+    as its ``cu_seqlens_np``); None if the grid is not a 2-D integer host tensor (the tower takes
+    no list; a device stand-in's ``cpu:0`` is not the host)."""
+    return cu_seqlens_of(grid_thw) if host_grid_tensor(grid_thw) else None
 
 
 def keep_host(device, grid_thw):

@@ -56,6 +56,7 @@ import torch
 
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches._shared.transient import Transient
+from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches._shared.structure import own_function
 
@@ -96,7 +97,7 @@ def host_values(layer, values, context):
         host = vllms_host_copy(values) if copy is None else None
         if host is None:
             host = values.cpu()                                     # the one read per forward
-            if values.device.type != "cpu":
+            if not is_host(values):
                 context.count("host_copies")
         copy = _HostCopy(host, values.data_ptr(), version)
         setattr(values, HOST_ATTR, copy)

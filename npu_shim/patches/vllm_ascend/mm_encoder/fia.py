@@ -47,6 +47,7 @@ import torch
 
 from npu_shim import _config
 from npu_shim.patch import TargetMismatch
+from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 from npu_shim.patches.vllm_ascend.mm_encoder import v018
 
@@ -148,7 +149,7 @@ def fusion_attention(upstream_globals, q, k, v, lengths_q, lengths_kv, heads, sc
 def host_tensor(layer, values, context):
     """``values`` on the host, read at most once per encoder forward; counts the copy
     upstream would have made in this layer."""
-    if values.device.type != "cpu":
+    if not is_host(values):
         context.count("upstream_host_copies")
     return C.host_values(layer, values, context)
 

@@ -29,6 +29,7 @@ import torch
 
 from npu_shim import _config
 from npu_shim.patch import TargetMismatch
+from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 BASE_NAME = "MMEncoderAttention"
@@ -97,10 +98,10 @@ def build(cls, context):
         if cu_seqlens is None:
             # bsz sequences of q_len tokens, as upstream assumes: built on the host, no copy.
             seq_len = torch.full((bsz,), q_len, dtype=torch.int32)
-            uniform_copy = upstream_copies_uniform and query.device.type != "cpu"
+            uniform_copy = upstream_copies_uniform and not is_host(query)
             context.count("upstream_host_copies", int(uniform_copy))
         else:
-            if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
+            if isinstance(cu_seqlens, torch.Tensor) and not is_host(cu_seqlens):
                 context.count("upstream_host_copies")
             seq_len = torch.diff(C.host_values(layer, cu_seqlens, context))
         if state.kernel is not None:

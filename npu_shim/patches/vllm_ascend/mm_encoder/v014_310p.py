@@ -25,6 +25,7 @@ import torch
 
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches._shared.code import names_in_code
+from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 from npu_shim.patches.vllm_ascend.mm_encoder import v018_310p as F
 
@@ -54,7 +55,7 @@ def build(cls, context):
     def forward_oot(self, query, key, value, cu_seqlens=None, max_seqlen=None, **kwargs):
         context.count("calls")
         state = C.layer_state(self, make_state, F.STATE_ATTR)
-        if cu_seqlens is None and query.device.type != "cpu":
+        if cu_seqlens is None and not is_host(query):
             context.count("upstream_host_copies")   # upstream builds it on query.device
         seq_len = F.host_seq_len(self, query, cu_seqlens, context).to(SEQ_LEN_DTYPE)
         out = F.attend(self, state, upstream_globals["torch_npu"], query, key, value, seq_len)

@@ -21,6 +21,7 @@ import torch
 
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches._shared.code import names_in_code
+from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 BASE_NAME = "MMEncoderAttention"
@@ -55,7 +56,7 @@ def host_seq_lens(layer, query, cu_seqlens, sequence_lengths, context):
         # Uniform lengths (Hunyuan-OCR passes none): built on the host, as upstream does.
         bsz, q_len = query.shape[:2]
         return torch.full((bsz,), q_len, dtype=torch.int32)
-    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+    if isinstance(values, torch.Tensor) and not is_host(values):
         context.count("upstream_host_copies")   # upstream: .to("cpu") in every layer
     host = C.host_values(layer, values, context)
     return host if sequence_lengths is not None else torch.diff(host)

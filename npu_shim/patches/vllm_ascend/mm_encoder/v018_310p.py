@@ -33,6 +33,7 @@ import torch
 
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches._shared.code import names_in_code
+from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 
 # The 310P layer's state, apart from the main class's: family ascend-subclass-unpad's 310P class derives
@@ -89,7 +90,7 @@ def host_seq_len(layer, query, cu_seqlens, context):
         # bsz sequences of q_len tokens, as upstream's host arange (int32) gives them.
         bsz, q_len = query.shape[:2]
         return torch.full((bsz,), q_len, dtype=torch.int32)
-    if isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.device.type != "cpu":
+    if isinstance(cu_seqlens, torch.Tensor) and not is_host(cu_seqlens):
         context.count("upstream_host_copies")   # upstream: .to("cpu") in every layer
     return torch.diff(C.host_values(layer, cu_seqlens, context))
 
