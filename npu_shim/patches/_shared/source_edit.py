@@ -241,7 +241,7 @@ def _compile(function, node, cell_names: Iterable[str]):
     code = function.__code__
     factory = ast.parse("def %s(%s):\n    return %s" % (_FACTORY, ", ".join(cell_names), node.name)).body[0]
     factory.body.insert(0, node)
-    # upstream's module-level imports, compiled (never run) beside it: CPython 3.11 compiles a call
+    # upstream's module-level imports, compiled (never run) beside it: some CPython versions compile a call
     # on an imported module's attribute (``torch.cat(...)``) differently from one on another global
     module = ast.fix_missing_locations(ast.Module(body=_module_imports(function) + [factory], type_ignores=[]))
     compiled = compile(module, code.co_filename, "exec", flags=code.co_flags & _FUTURE_FLAGS, dont_inherit=True)
