@@ -28,8 +28,7 @@ CLASS = {"Qwen2.5-VL": qwen2_5_vl.TOWER, "GLM-4V": glm4v.EMBEDDINGS, "Qwen3-VL":
 NAMES = tuple(d.PATCH.name for d in DECLARATIONS.values())
 # the towers whose check still accepts only the bodies it was written from (cleared in a fresh
 # interpreter: "another body"); the others are edits of upstream's method
-DIGESTS = {"Qwen2.5-VL": "[declaration.FORWARD_BEFORE_METADATA, declaration.FORWARD_METADATA]",
-           "Qwen3-VL": "[declaration.FORWARD_0_5_11, declaration.FORWARD_0_5_13, declaration.FORWARD_0_5_15]"}
+DIGESTS = {"Qwen3-VL": "[declaration.FORWARD_0_5_11, declaration.FORWARD_0_5_13, declaration.FORWARD_0_5_15]"}
 # the towers whose patch claims the installed release
 TOWERS = tuple(name for name, d in DECLARATIONS.items() if claims.claimed_family(d.PATCH.name) is not None)
 
