@@ -7,8 +7,8 @@ beside it; outputs ``torch.equal``) is ``test_sglang_towers.py``; here, on sglan
 (:mod:`npu_shim.testing.sglang_towers`, its parameters standing in for device tensors, an NPU
 answered): ``rot_pos_emb`` alone makes no blocking copy where upstream's makes one, and returns
 upstream's tensor bit for bit; the ids reach the device with ``non_blocking=True``; a grid not on
-the host and a host that is not an NPU get upstream's method; the check refuses a body the
-replacement was not written from; uninstall puts upstream's back; the disable switch and strict
+the host and a host that is not an NPU get upstream's method; the check refuses a body without
+the anchor of the edit, and the other family refuses this release's; uninstall puts upstream's back; the disable switch and strict
 mode in a fresh interpreter.
 """
 import json
@@ -133,11 +133,8 @@ def _another_rot_pos_emb(self, grid_thw):
     return grid_thw
 
 
-def test_the_check_refuses_a_body_it_was_not_written_from():
-    from npu_shim.patches._shared.structure import body_digest
-
+def test_the_check_refuses_a_body_without_its_anchor():
     family = claims.claimed_family(NAME).load()
-    assert body_digest(upstream()) in family.digests
     other_family = patch.TABLE_BY_SIZE if family is patch.TABLE_BY_POSITIONS else patch.TABLE_BY_POSITIONS
     cls = getattr(module(), patch.TOWER)
     unpatched = type(cls.__name__, (), dict(vars(cls), rot_pos_emb=upstream()))
@@ -153,7 +150,7 @@ def test_the_check_refuses_a_body_it_was_not_written_from():
     family.check(holding(unpatched), context)
     for what, target, check in (("another body", holding(other), family),
                                 ("the other release's body", holding(unpatched), other_family)):
-        with pytest.raises(TargetMismatch, match="not the body"):
+        with pytest.raises(TargetMismatch, match="anchor 'rotary_pos_emb_full = .*' found 0 times"):
             check.check(target, context)
             pytest.fail(what)
     with pytest.raises(TargetMismatch, match="lacks is_npu"):
@@ -175,9 +172,10 @@ SUBPROCESS = """
 import importlib, json, sys
 import npu_shim
 from npu_shim.patches.sglang import qwen2_5_vl_rotary_ids as declaration
-if sys.argv[1] == "other-body":     # as if the installed release had another body
-    for digests in (declaration.ROT_POS_EMB_BY_SIZE, declaration.ROT_POS_EMB_BY_POSITIONS):
-        digests.clear()
+if sys.argv[1] == "other-body":     # as if the installed release had another body: one without the anchor
+    from npu_shim.patches._shared.source_edit import InsertBefore
+    for family in (declaration.TABLE_BY_SIZE, declaration.TABLE_BY_POSITIONS):
+        family.edits = (InsertBefore("not_in_upstream()", "pass"),) + tuple(family.edits)
 m = importlib.import_module(declaration.TARGET)
 row = next(r for r in npu_shim.status() if r["name"] == declaration.PATCH.name)
 f = vars(getattr(m, declaration.TOWER))[declaration.METHOD]
@@ -201,9 +199,10 @@ def test_another_body_skips_or_raises_in_strict_mode(strict, run_python, make_en
                       check=False, timeout=600)
     if strict == "1":
         assert proc.returncode != 0
-        assert "PatchError" in proc.stderr and NAME in proc.stderr and "not the body" in proc.stderr, \
-            proc.stderr[-2000:]
+        assert "PatchError" in proc.stderr and NAME in proc.stderr, proc.stderr[-2000:]
+        assert "'not_in_upstream()' found 0 times" in proc.stderr, proc.stderr[-2000:]
     else:
         assert proc.returncode == 0, proc.stderr[-2000:]
         state, reason, replaced = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert state == "skipped" and "not the body" in reason and replaced is False, (state, reason)
+        assert state == "skipped" and "'not_in_upstream()' found 0 times" in reason and replaced is False, \
+            (state, reason)

@@ -4,9 +4,9 @@ declarations: ``pytest.mark.claimed``; a tower is tested where its patch has a f
 installed release).
 
 The whole-tower gate (reads, blocking copies, ``torch.equal`` to upstream, float64) is
-``test_sglang_towers.py``; here: the family that applies, the checks refusing a body the
-replacement was not written from (in process, and in a fresh interpreter: skipped with the reason,
-or PatchError in strict mode, the target importing either way), the fallbacks to upstream's code
+``test_sglang_towers.py``; here: the family that applies, the checks refusing a body that lacks the
+anchors of the edit (in process, and in a fresh interpreter: skipped with the reason, or PatchError
+in strict mode, the target importing either way), the other families refusing this release's body, the fallbacks to upstream's code
 where the host has no copy (a grid on the device, lengths on the device), uninstall, the switch and
 the selftests.
 """
@@ -28,10 +28,6 @@ CLASS = {"Qwen2.5-VL": qwen2_5_vl.TOWER, "GLM-4V": glm4v.EMBEDDINGS, "Qwen3-VL":
 NAMES = tuple(d.PATCH.name for d in DECLARATIONS.values())
 # the towers whose patch claims the installed release
 TOWERS = tuple(name for name, d in DECLARATIONS.items() if claims.claimed_family(d.PATCH.name) is not None)
-# every body each check accepts (cleared in a fresh interpreter: "another body")
-DIGESTS = {"Qwen2.5-VL": "[declaration.FORWARD_BEFORE_METADATA, declaration.FORWARD_METADATA]",
-           "GLM-4V": "[declaration.EMBEDDINGS_FORWARD]",
-           "Qwen3-VL": "[declaration.FORWARD_0_5_11, declaration.FORWARD_0_5_13, declaration.FORWARD_0_5_15]"}
 
 pytestmark = [pytest.mark.claimed(*NAMES), pytest.mark.patch(*NAMES)]
 
@@ -63,23 +59,34 @@ def _another_forward(self, *args, **kwargs):
     return None
 
 
+def _holding(module, name, forward):
+    """``module`` as a namespace whose class ``CLASS[name]`` has ``forward``."""
+    cls = getattr(module, CLASS[name])
+    fake = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("__")})
+    setattr(fake, CLASS[name], type(cls.__name__, (), dict(vars(cls), forward=forward)))
+    return fake
+
+
 @pytest.mark.parametrize("name", TOWERS)
-def test_the_check_refuses_a_body_it_was_not_written_from(modules, name):
+def test_the_check_refuses_a_body_without_its_anchors(modules, name):
     from npu_shim.patch import TargetMismatch
-    from npu_shim.patches._shared.structure import body_digest
 
     declaration = DECLARATIONS[name]
     module = modules[name]
-    family = claims.claimed_family(declaration.PATCH.name).load()
+    claimed = claims.claimed_family(declaration.PATCH.name)
+    family = claimed.load()
     upstream = _patched(modules, name).__wrapped_upstream__
-    known = declaration.EMBEDDINGS_FORWARD if name == "GLM-4V" else family.digests
-    assert body_digest(upstream) in known
-    cls = getattr(module, CLASS[name])
-    other = type(cls.__name__, (), dict(vars(cls), forward=_another_forward))
-    fake = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("__")})
-    setattr(fake, CLASS[name], other)
-    with pytest.raises(TargetMismatch, match="not the body"):
-        family.check(fake, FamilyContext(declaration.PATCH.name))
+    context = FamilyContext(declaration.PATCH.name)
+    family.check(_holding(module, name, upstream), context)
+    with pytest.raises(TargetMismatch, match="anchor .* found 0 times"):
+        family.check(_holding(module, name, _another_forward), context)
+    # one family per shape: the others refuse this release's body (a development build's family
+    # is chosen by structure alone)
+    for other in declaration.PATCH.families:
+        if other.name != claimed.name:
+            with pytest.raises(TargetMismatch):
+                other.load().check(_holding(module, name, upstream), context)
+                pytest.fail("family %s accepts the body of %s's" % (other.name, claimed.name))
 
 
 def test_qwen2_5_vl_grid_on_the_device_runs_upstreams_forward(modules):
@@ -152,9 +159,11 @@ SUBPROCESS = """
 import importlib, json, sys
 import npu_shim
 from npu_shim.patches.sglang import %(module)s as declaration
-if sys.argv[1] == "other-body":     # as if the installed release had another body
-    for digests in %(digests)s:
-        digests.clear()
+if sys.argv[1] == "other-body":     # as if the installed release had another body: one without an anchor
+    from npu_shim.patches._shared.source_edit import InsertBefore
+    for family in declaration.PATCH.families:
+        implementation = family.load()
+        implementation.edits = (InsertBefore("not_in_upstream()", "pass"),) + tuple(implementation.edits)
 m = importlib.import_module(declaration.TARGET)
 row = next(r for r in npu_shim.status() if r["name"] == declaration.PATCH.name)
 f = vars(getattr(m, %(cls)r))["forward"]
@@ -163,8 +172,7 @@ print(json.dumps([row["state"], row["reason"], hasattr(f, "__npu_shim_patch__")]
 
 
 def _subprocess_code(name):
-    return SUBPROCESS % {"module": DECLARATIONS[name].__name__.rsplit(".", 1)[1], "digests": DIGESTS[name],
-                         "cls": CLASS[name]}
+    return SUBPROCESS % {"module": DECLARATIONS[name].__name__.rsplit(".", 1)[1], "cls": CLASS[name]}
 
 
 @pytest.mark.claimed(*NAMES, per_family=True)
@@ -188,8 +196,9 @@ def test_another_body_skips_or_raises_in_strict_mode(modules, name, strict, run_
     if strict == "1":
         assert proc.returncode != 0
         assert "PatchError" in proc.stderr and DECLARATIONS[name].PATCH.name in proc.stderr, proc.stderr[-2000:]
-        assert "not the body" in proc.stderr, proc.stderr[-2000:]
+        assert "'not_in_upstream()' found 0 times" in proc.stderr, proc.stderr[-2000:]
     else:
         assert proc.returncode == 0, proc.stderr[-2000:]
         state, reason, patched = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert state == "skipped" and "not the body" in reason and patched is False, (state, reason)
+        assert state == "skipped" and "'not_in_upstream()' found 0 times" in reason and patched is False, \
+            (state, reason)

@@ -13,65 +13,84 @@ Why: ``Qwen2_5_VisionTransformer.forward`` (the same code in 0.5.11 - 0.5.15, an
   host->device copies per tower forward (``models/qwen2_5_vl.py:521,560,561`` in 0.5.23,
   measured with sglang's own tower on the lanes, ``npu_shim.testing.sglang_towers``), before
   the first token of every image request.
-How: ``Qwen2_5_VisionTransformer.forward`` is replaced, on NPU, by upstream's body with
-  the bounds built where upstream ends up wanting them, on the host: the window bounds
-  deduplicated there (``torch.unique_consecutive`` of the same int32 values), the image
-  bounds concatenated there (the same two ``torch.cat`` and the same cumulative sum), and
-  the window index copied with ``non_blocking=True``. Every op on the data path (patch
-  embedding, rotary table, the window gather, the blocks, the merger, the reverse gather)
-  is upstream's, in upstream's order, with the same arguments; the blocks get the same
-  ``cu_seqlens`` values on the host, as upstream hands them on NPU (0.5.16+: through
-  ``prepare_vision_attention_metadata``, which ``sglang.vision_host_lengths`` serves with 0
-  reads). 0 reads and 0 blocking copies per forward. The ViT graph path
-  (``enable_cg``), a grid not on the host, and a host that is not an NPU go to upstream's
-  forward.
-  ``check`` accepts only the bodies the replacement was written from: the forward and
-  ``get_window_index`` (whose host list and host index it relies on) must hash to bodies read
-  in the wheels (source parsed, docstring and comments left out).
+How: ``Qwen2_5_VisionTransformer.forward`` is, on NPU, upstream's own forward with four
+  expressions edited (:func:`npu_shim.patches._shared.source_edit.edit_function`, compiled at
+  upstream's file and lines), so the bounds are built where upstream ends up wanting them, on
+  the host: ``torch.tensor(cu_window_seqlens, ...)`` and ``torch.tensor([0], ...)`` lose their
+  ``device=x.device``, the grid's cumulative sum loses the ``device=`` of its ``.to``, and the
+  window index is copied with ``non_blocking=True``. Everything else runs as upstream wrote it:
+  ``torch.unique_consecutive`` of the same int32 values (on the host), the same two ``torch.cat``,
+  upstream's ``.to("cpu")`` on NPU (on a host tensor it returns the tensor itself: no copy), the
+  vision attention metadata built from the same host tensors (``sglang.vision_host_lengths``
+  serves those with 0 reads), every op of the data path (patch embedding, rotary table, window
+  gather, blocks, merger, reverse gather) in upstream's order with upstream's arguments. 0 reads
+  and 0 blocking copies per forward. The ViT graph path (``enable_cg``), a grid not on the host
+  (:func:`npu_shim.patches._shared.host_data.host_grid_tensor`), and a host that is not an NPU go
+  to upstream's forward, unedited.
+  ``check`` builds the edited forward: an anchor missing, or found more often than once, is a
+  TargetMismatch naming it. The two families edit the same four expressions; they differ by
+  whether the forward builds the vision attention metadata (it names
+  ``prepare_vision_attention_metadata``), so exactly one accepts a development build. No body
+  digest: the edit keeps whatever else upstream's forward does, and ``get_window_index`` (whose
+  host list and host index the host bounds come from) is left as upstream's; that it still hands
+  host data is what the tower tests' read counts check on every sglang lane.
 Upstream fix: none (0.5.23).
 Remove when: sglang's Qwen2.5-VL tower keeps its bounds on the host on NPU.
 """
 
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.host_data import host_grid_tensor
-from npu_shim.patches._shared.structure import expect_body, module_class, own_function, replace_own
+from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
+from npu_shim.patches._shared.structure import module_class, own_function, replace_own
 
 TARGET = "sglang.srt.models.qwen2_5_vl"
 TOWER = "Qwen2_5_VisionTransformer"
 FORWARD = TOWER + ".forward"
+METADATA_BUILDER = "prepare_vision_attention_metadata"
 
-# body_digest of the upstream bodies the replacement was written from
-FORWARD_BEFORE_METADATA = {"f09cc0024a6f"}     # the releases family before-metadata was read in
-FORWARD_METADATA = {"14d2ed9f5246"}            # the releases family metadata was read in
-GET_WINDOW_INDEX = {"983046406cbe"}            # every release read (docs/reference.md)
-MODULE_NAMES = ("is_npu", "permute_inv")
+# upstream's forward, edited: the bounds built on the host, the window index copied non-blocking
+EDITS = (
+    # the window bounds (a host list): deduplicated on the host, not copied to the device first
+    ReplaceExpression("torch.tensor(cu_window_seqlens, device=x.device, dtype=torch.int32)",
+                      "torch.tensor(cu_window_seqlens, dtype=torch.int32)"),
+    ReplaceExpression("window_index.to(device=x.device)", "window_index.to(device=x.device, non_blocking=True)"),
+    # the image bounds: the same cat and cumulative sum, on the host
+    ReplaceExpression("torch.tensor([0], device=x.device, dtype=torch.int32)", "torch.tensor([0], dtype=torch.int32)"),
+    ReplaceExpression("(grid_thw[:, 0] * grid_thw[:, 1] * grid_thw[:, 2]).cumsum(dim=0)"
+                      ".to(device=x.device, dtype=torch.int32)",
+                      "(grid_thw[:, 0] * grid_thw[:, 1] * grid_thw[:, 2]).cumsum(dim=0).to(dtype=torch.int32)"),
+)
 
 
 class _Tower:
     """One shape of the tower's forward: ``metadata`` -- it builds the vision attention metadata
-    (0.5.16+) and hands it to the blocks."""
+    and hands it to the blocks (its code names ``prepare_vision_attention_metadata``)."""
 
-    def __init__(self, digests, metadata):
-        self.digests, self.metadata = digests, metadata
+    def __init__(self, metadata):
+        self.metadata, self.edits = metadata, EDITS
+
+    def edited(self, module):
+        """(upstream's forward, the edited one); TargetMismatch where the forward is not this shape."""
+        original = own_function(module_class(module, TOWER), "forward")
+        edited = edit_function(original, self.edits)
+        if (METADATA_BUILDER in original.__code__.co_names) != self.metadata:
+            raise TargetMismatch("%s %s %s" % (FORWARD, "does not call" if self.metadata else "calls",
+                                               METADATA_BUILDER))
+        return original, edited
 
     def check(self, module, context):
-        tower = module_class(module, TOWER)
-        expect_body(own_function(tower, "forward"), self.digests, "the %s replacement" % context.patch)
-        expect_body(own_function(tower, "get_window_index"), GET_WINDOW_INDEX, "the %s replacement" % context.patch)
-        names = MODULE_NAMES + (("prepare_vision_attention_metadata",) if self.metadata else ())
-        missing = [name for name in names if not callable(getattr(module, name, None))]
-        if missing:
-            raise TargetMismatch("%s lacks %s" % (TARGET, ", ".join(missing)))
+        if not callable(getattr(module, "is_npu", None)):
+            raise TargetMismatch("%s lacks is_npu" % TARGET)
+        self.edited(module)
 
     def build(self, module, context):
         return {FORWARD: replace_own(module, TOWER, "forward", self.make_forward, context,
-                                     "window and image bounds built on the host, the window index "
-                                     "copied non-blocking (no read, no blocking copy)")}
+                                     "upstream's forward with the window and image bounds built on the "
+                                     "host and the window index copied non-blocking (no read, no "
+                                     "blocking copy)")}
 
     def make_forward(self, module, original, context):
-        import torch
-
-        metadata = self.metadata
+        edited = self.edited(module)[1]
 
         def forward(self, x, grid_thw):
             context.count("calls")
@@ -79,70 +98,13 @@ class _Tower:
                 context.count("upstream_calls")
                 return original(self, x, grid_thw)
             context.count("upstream_host_copies")    # upstream: 3 reads here
-            x = x.to(device=self.device, dtype=self.dtype)
-            x = self.patch_embed(x)
-
-            rotary_pos_emb = self.rot_pos_emb(grid_thw)
-
-            window_index, cu_window_seqlens = self.get_window_index(grid_thw)
-            # upstream: to the device (a blocking copy), deduplicated there (a read), back to "cpu"
-            # on NPU (a read); the same int32 values, deduplicated on the host
-            cu_window_seqlens = torch.unique_consecutive(torch.tensor(cu_window_seqlens, dtype=torch.int32))
-
-            window_index = window_index.to(device=x.device, non_blocking=True)
-            reverse_indices = module.permute_inv(window_index)
-
-            rotary_pos_emb = rotary_pos_emb.to(device=x.device, dtype=x.dtype)
-
-            seq_len, _ = x.size()
-
-            x = x.reshape(seq_len // self.spatial_merge_unit, self.spatial_merge_unit, -1)
-            x = x[window_index, :, :]
-            x = x.reshape(seq_len, -1)
-            rotary_pos_emb = rotary_pos_emb.reshape(seq_len // self.spatial_merge_unit, self.spatial_merge_unit, -1)
-            rotary_pos_emb = rotary_pos_emb[window_index, :, :]
-            rotary_pos_emb = rotary_pos_emb.reshape(seq_len, -1)
-            emb = torch.cat((rotary_pos_emb, rotary_pos_emb), dim=-1)
-            position_embeddings = (emb.cos(), emb.sin())
-            position_embeddings = (
-                position_embeddings[0].to(x.device, x.dtype),
-                position_embeddings[1].to(x.device, x.dtype),
-            )
-
-            # upstream builds these on the device (two blocking copies) and moves them to "cpu" on
-            # NPU (a read): the same values, built on the host
-            cu_seqlens = torch.cat([
-                torch.tensor([0], dtype=torch.int32),
-                (grid_thw[:, 0] * grid_thw[:, 1] * grid_thw[:, 2]).cumsum(dim=0).to(dtype=torch.int32),
-            ])
-            cu_seqlens = torch.cat([cu_seqlens.new_zeros(1), cu_seqlens])
-
-            if metadata:
-                full_metadata = module.prepare_vision_attention_metadata(cu_seqlens, device=x.device)
-                window_metadata = module.prepare_vision_attention_metadata(cu_window_seqlens, device=x.device)
-
-            x = x.unsqueeze(1)
-            for layer_num, blk in enumerate(self.blocks):
-                fullatt_indexes = self.fullatt_block_indexes
-                if isinstance(fullatt_indexes, torch.Tensor):
-                    fullatt_indexes = fullatt_indexes.tolist()
-                if layer_num in fullatt_indexes:
-                    cu_seqlens_now = cu_seqlens
-                    extra = {"forward_metadata": full_metadata} if metadata else {}
-                else:
-                    cu_seqlens_now = cu_window_seqlens
-                    extra = {"forward_metadata": window_metadata} if metadata else {}
-                x = blk(x, cu_seqlens=cu_seqlens_now, position_embeddings=position_embeddings, **extra)
-
-            x = self.merger(x)
-            x = x[reverse_indices, :]
-            return x
+            return edited(self, x, grid_thw)
 
         return forward
 
 
-BEFORE_METADATA = _Tower(FORWARD_BEFORE_METADATA, metadata=False)
-METADATA = _Tower(FORWARD_METADATA, metadata=True)
+BEFORE_METADATA = _Tower(metadata=False)
+METADATA = _Tower(metadata=True)
 
 PATCH = Patch(
     name="sglang.qwen2_5_vl_host_lengths",
