@@ -10,9 +10,10 @@ beside it (1 per layer in vllm-ascend's untouched attention, 1 for ``repeat_inte
 size, 2 blocking copies: the grid and the rotary index), output ``torch.equal`` to upstream's and
 close to vLLM's TORCH_SDPA tower and a float64 copy (``npu_shim.testing.attention_f64``); the
 copies carry upstream's values (the grid, ``cu_seqlens`` with the host tensor kept on it); a grid
-that is not a host list goes to upstream's forward; the family's check accepts only its own
-bodies; the disable switch brings the reads back with the same output; strict mode raises on a
-body no family knows.
+that is not a host list goes to upstream's forward; the replacement is upstream's forward and
+``rot_pos_emb`` with the family's edits, and the check refuses a tower without their anchors (the
+other family's included); the disable switch brings the reads back with the same output; strict
+mode raises on a tower no family's anchors fit.
 """
 import pytest
 
@@ -132,9 +133,9 @@ def test_a_grid_that_is_not_a_host_list_goes_to_upstreams_forward(stack):
     from npu_shim.patches.vllm import dots_ocr_host_lengths as patch
     from npu_shim.testing import census, towers
 
-    assert patch.host_grid([[1, 4, 4], (2, 8, 4)])
+    assert patch.host_list([[1, 4, 4], (2, 8, 4)])
     for not_host in ([[1, torch.tensor(4), 4]], torch.tensor([[1, 4, 4]]), [[1, 4]], [], [[True, 4, 4]]):
-        assert not patch.host_grid(not_host), not_host
+        assert not patch.host_list(not_host), not_host
     tower = census.build(stack, TOWER, stack.attention["A2"])
     grid = census.grids(0, TOWER)
     x = census.pixel_values(TOWER, tower, grid)
@@ -151,10 +152,19 @@ def _another_forward(self, hidden_states, grid_thw):
     return hidden_states
 
 
-def test_the_check_accepts_only_its_own_bodies(stack):
+def edit_diff(function, edits):
+    """The lines ``edits`` add (``+``) to and remove (``-``) from ``function``'s source, stripped."""
+    import difflib
+
+    from npu_shim.patches._shared.source_edit import edited_source
+
+    before, after = edited_source(function, ()).splitlines(), edited_source(function, edits).splitlines()
+    return [line[0] + line[2:].strip() for line in difflib.ndiff(before, after) if line[:1] in "+-"]
+
+
+def test_the_edits_and_the_check_refusing_a_tower_without_their_anchors(stack):
     import types
 
-    from npu_shim.patches._shared.structure import body_digest
     from npu_shim.patches.vllm import dots_ocr_host_lengths as patch
     from npu_shim.testing import census, claims
 
@@ -163,7 +173,20 @@ def test_the_check_accepts_only_its_own_bodies(stack):
     upstream = vars(cls)["forward"].__wrapped_upstream__
     family = claims.claimed_family(PATCH_NAME).load()
     other = patch.GRID_THW if family is patch.GRID_THW_TENSOR else patch.GRID_THW_TENSOR
-    assert body_digest(upstream) in family.digests
+    grid = family.device_grid
+    assert edit_diff(vars(cls)["rot_pos_emb"], patch.IDS_NON_BLOCKING) == [
+        "+pos_ids = pos_ids.to(device=rotary_pos_emb_full.device, non_blocking=True)"]
+    changed = edit_diff(upstream, family.edits())
+    assert [line for line in changed if line[0] == "+"] == [
+        "+rotary_pos_emb = ids_non_blocking(self, grid_thw)",
+        "+host_grid_thw = torch.tensor(grid_thw, dtype=torch.long)",
+        "+%s = host_grid_thw.to(device=hidden_states.device, non_blocking=True)" % grid,
+        "+cu_seqlens = torch.repeat_interleave(host_grid_thw[:, 1] * host_grid_thw[:, 2], host_grid_thw[:, 0])"
+        ".cumsum(dim=0, dtype=%s.dtype if torch.jit.is_tracing() else torch.int32)" % grid,
+        "+host_cu_seqlens = cu_seqlens",
+        "+cu_seqlens = cu_seqlens.to(device=hidden_states.device, non_blocking=True)",
+        "+host_record.remember(cu_seqlens, host_cu_seqlens)"], changed
+    assert len([line for line in changed if line[0] == "-"]) == 3, changed
 
     def holding(**methods):
         fake = types.SimpleNamespace(**{k: v for k, v in vars(module).items() if not k.startswith("__")})
@@ -174,8 +197,8 @@ def test_the_check_accepts_only_its_own_bodies(stack):
     family.check(holding(), context)
     for what, target, check in (("another forward", holding(forward=_another_forward), family),
                                 ("another rot_pos_emb", holding(rot_pos_emb=_another_forward), family),
-                                ("the other releases' forward", holding(), other)):
-        with pytest.raises(TargetMismatch, match="not the body"):
+                                ("the other family's forward", holding(), other)):
+        with pytest.raises(TargetMismatch, match="found 0 times"):
             check.check(target, context)
             pytest.fail(what)
 
@@ -196,8 +219,8 @@ def test_disabled_the_reads_come_back(stack, tmp_path):
 STRICT_CODE = """
 import json, npu_shim
 from npu_shim.patches.vllm import dots_ocr_host_lengths as patch
-patch.FORWARD_GRID_THW.clear()
-patch.FORWARD_GRID_THW_TENSOR.clear()
+from npu_shim.patches._shared.source_edit import InsertBefore
+patch.IDS_NON_BLOCKING = (InsertBefore("rotary_pos_emb = rotary_pos_emb_full[ids].flatten(1)", "pass"),)
 from npu_shim.testing import census
 census.setup()
 m = census._MODULES[%r]
@@ -212,4 +235,4 @@ print(json.dumps([row["state"], row["reason"], hasattr(vars(m.DotsVisionTransfor
 def test_another_body_inside_the_window_skips_or_raises_in_strict_mode(stack, strict):
     from npu_shim.testing import switches
 
-    switches.assert_skipped_or_raised(STRICT_CODE, strict, token="not the body", reason="not the body")
+    switches.assert_skipped_or_raised(STRICT_CODE, strict, token="rotary_pos_emb_full[ids]", reason="found 0 times")

@@ -183,35 +183,94 @@ def _another_forward(self, embeddings, lengths, image_shapes, h_coords, w_coords
     return embeddings
 
 
-def test_checks_refuse_another_body(stack):
-    """Each family accepts only the body its replacement was written from."""
+def edit_diff(function, edits):
+    """The lines ``edits`` add (``+``) to and remove (``-``) from ``function``'s source, stripped."""
+    import difflib
+
+    from npu_shim.patches._shared.source_edit import edited_source
+
+    before, after = edited_source(function, ()).splitlines(), edited_source(function, edits).splitlines()
+    return [line[0] + line[2:].strip() for line in difflib.ndiff(before, after) if line[:1] in "+-"]
+
+
+def test_the_edits_and_checks_refusing_a_method_without_their_anchors(stack):
+    """The embeddings' forward is upstream's with five edits; each family refuses embeddings
+    without their anchors."""
     if not applies():
         pytest.skip("vLLM %s builds the embedding sizes on the host: the patch is out" % vllm_minor())
     import types
 
-    from npu_shim.patch import TargetMismatch
-    from npu_shim.patches._shared.structure import body_digest
+    from npu_shim.patch import FamilyContext, TargetMismatch
     from npu_shim.patches.vllm.glm4_1v_host_lengths import families
 
     module = stack.modules[TOWER]
-    from npu_shim.patch import FamilyContext
-
     family = claimed().load()
     original = vars(module.Glm4vVisionEmbeddings)["forward"].__wrapped_upstream__
+    assert edit_diff(original, families.HOST_LENGTHS) == [
+        "-h_coords, w_coords = (h_coords.to(device), w_coords.to(device))",
+        "+h_coords, w_coords = (h_coords.to(device, non_blocking=True), w_coords.to(device, non_blocking=True))",
+        "-lengths = torch.tensor(lengths, device=device, dtype=torch.long)",
+        "+pass",
+        "-image_shapes = torch.tensor(image_shapes, device=device, dtype=torch.long)",
+        "+image_shapes = torch.tensor(image_shapes, dtype=torch.long)",
+        "+image_shapes = image_shapes.to(device, non_blocking=True)"]
     other = type(module.Glm4vVisionEmbeddings.__name__, (), {"forward": _another_forward})
     fake = types.SimpleNamespace(__name__=module.__name__, Glm4vVisionEmbeddings=other,
                                  Glm4vVisionTransformer=module.Glm4vVisionTransformer)
-    with pytest.raises(TargetMismatch):
+    with pytest.raises(TargetMismatch, match=r"anchor 'h_coords.to\(device\)' found 0 times"):
         families._check_embeddings(other)
-    with pytest.raises(TargetMismatch):
+    with pytest.raises(TargetMismatch, match="found 0 times"):
         family.check(fake, FamilyContext(PATCH_NAME))
-    assert body_digest(original) in families.EMBEDDINGS_FORWARD
+
+
+def test_the_copy_then_tolist_family_needs_the_copy_before_the_read(stack):
+    """A tower forward that reads seqlens from the host tensor before copying it holds both
+    anchors of :data:`SEQLENS_FROM_HOST` but is not the copy-then-tolist shape: the family's check
+    refuses it by their order (the release's own forward where it has that order, else the
+    release's forward with the two statements swapped)."""
+    if not applies():
+        pytest.skip("vLLM %s builds the embedding sizes on the host: the patch is out" % vllm_minor())
+    import inspect
+    import linecache
+    import textwrap
+    import types
+
+    from npu_shim.patch import FamilyContext, TargetMismatch
+    from npu_shim.patches.vllm.glm4_1v_host_lengths import families
+
+    module = stack.modules[TOWER]
+    forward = vars(module.Glm4vVisionTransformer)["forward"]
+    forward = getattr(forward, "__wrapped_upstream__", forward)
+    source = textwrap.dedent(inspect.getsource(forward))
+    copy, read = families.COPY_THEN_TOLIST.ORDER
+    if -1 < source.find(copy) < source.find(read):
+        assert claimed().load() is families.COPY_THEN_TOLIST
+        assert edit_diff(forward, families.SEQLENS_FROM_HOST) == [
+            "+host_cu_seqlens = cu_seqlens",
+            "+host_record.remember(cu_seqlens, host_cu_seqlens)",
+            "-seqlens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()",
+            "+seqlens = (host_cu_seqlens[1:] - host_cu_seqlens[:-1]).tolist()"]
+        swapped = source.replace(copy, "#COPY#").replace(read, copy).replace("#COPY#", read)
+        name = "<glm4_1v_test_%d>" % id(swapped)
+        linecache.cache[name] = (len(swapped), None, swapped.splitlines(True), name)
+        namespace = {}
+        exec(compile(swapped, name, "exec"), forward.__globals__, namespace)
+        forward = namespace["forward"]
+    embeddings = vars(module.Glm4vVisionEmbeddings)["forward"].__wrapped_upstream__
+    fake = types.SimpleNamespace(
+        __name__=module.__name__,
+        Glm4vVisionEmbeddings=type(module.Glm4vVisionEmbeddings.__name__, (), {"forward": embeddings}),
+        Glm4vVisionTransformer=type(module.Glm4vVisionTransformer.__name__, (), {"forward": forward}))
+    with pytest.raises(TargetMismatch, match="in that order"):
+        families.COPY_THEN_TOLIST.check(fake, FamilyContext(PATCH_NAME))
 
 
 STRICT_CODE = """
 import json, npu_shim
+from npu_shim.patches._shared.source_edit import ReplaceExpression
 from npu_shim.patches.vllm.glm4_1v_host_lengths import families
-families.EMBEDDINGS_FORWARD.clear()          # as if the installed embeddings were another body
+# as if the installed embeddings had another statement there
+families.HOST_LENGTHS = (ReplaceExpression("h_coords.cuda()", "h_coords"),)
 from npu_shim.testing import towers
 m = towers.setup().modules["GLM-4.1V"]
 row = next(r for r in npu_shim.status() if r["name"] == %r)
@@ -235,11 +294,11 @@ def test_a_mismatch_inside_the_window_skips_or_raises_in_strict_mode(stack, stri
                           timeout=300)
     if strict == "1":
         assert proc.returncode != 0
-        assert "PatchError" in proc.stderr and "not the body" in proc.stderr, proc.stderr[-2000:]
+        assert "PatchError" in proc.stderr and "h_coords.cuda()" in proc.stderr, proc.stderr[-2000:]
     else:
         assert proc.returncode == 0, proc.stderr[-2000:]
         state, reason, patched = json.loads(proc.stdout.strip().splitlines()[-1])
-        assert state == "skipped" and "not the body" in reason and not patched, (state, reason)
+        assert state == "skipped" and "found 0 times" in reason and not patched, (state, reason)
 
 
 @pytest.mark.claimed(PATCH_NAME, per_family=True)

@@ -7,9 +7,9 @@ it) are ``test_glm4_1v_host_lengths.py`` and ``test_glm_ocr_host_lengths.py``; h
 GLM-4.1V tower (:mod:`npu_shim.testing.towers`, its parameters standing in for device tensors):
 ``rot_pos_emb`` alone makes no blocking copy where upstream's makes two, returns upstream's cos and
 sin bit for bit and the same ids (on the device); the ids go over with ``non_blocking=True``; a grid
-not on the host gets upstream's method; the check refuses a body the replacement was not written
-from; above the window the patch stays out and says why; the disable switch and strict mode in a
-fresh interpreter.
+not on the host gets upstream's method; the replacement is upstream's method with one statement
+added, and the check refuses a method without the anchor statement; above the window the patch
+stays out and says why; the disable switch and strict mode in a fresh interpreter.
 """
 import json
 import types
@@ -143,13 +143,21 @@ def _another_rot_pos_emb(self, grid_thw):
     return grid_thw
 
 
-@pytest.mark.claimed(NAME)
-def test_the_check_refuses_a_body_it_was_not_written_from(stack):
-    from npu_shim.patches._shared.structure import body_digest
+def edit_diff(function, edits):
+    """The lines ``edits`` add (``+``) to and remove (``-``) from ``function``'s source, stripped."""
+    import difflib
 
+    from npu_shim.patches._shared.source_edit import edited_source
+
+    before, after = edited_source(function, ()).splitlines(), edited_source(function, edits).splitlines()
+    return [line[0] + line[2:].strip() for line in difflib.ndiff(before, after) if line[:1] in "+-"]
+
+
+@pytest.mark.claimed(NAME)
+def test_the_edit_is_one_statement_and_the_check_refuses_a_method_without_its_anchor(stack):
     module = stack.modules[TOWER]
     upstream = patched(stack).__wrapped_upstream__
-    assert body_digest(upstream) in patch.ROT_POS_EMB
+    assert edit_diff(upstream, patch.IDS_NON_BLOCKING) == ["+pos_ids = pos_ids.to(cos.device, non_blocking=True)"]
     cls = tower_class(stack)
 
     def holding(method):
@@ -159,7 +167,7 @@ def test_the_check_refuses_a_body_it_was_not_written_from(stack):
 
     context = FamilyContext(NAME)
     patch.BLOCKING_INDEX.check(holding(upstream), context)
-    with pytest.raises(TargetMismatch, match="not the body"):
+    with pytest.raises(TargetMismatch, match=r"anchor 'cos_combined = cos\[pos_ids\].flatten\(1\)' found 0 times"):
         patch.BLOCKING_INDEX.check(holding(_another_rot_pos_emb), context)
 
 
@@ -167,8 +175,9 @@ SUBPROCESS = """
 import importlib, json, sys
 import npu_shim
 from npu_shim.patches.vllm import glm4_1v_rotary_ids as declaration
-if sys.argv[1] == "other-body":     # as if the installed release had another body
-    declaration.ROT_POS_EMB.clear()
+if sys.argv[1] == "other-body":     # as if the installed method had another statement there
+    from npu_shim.patches._shared.source_edit import InsertBefore
+    declaration.IDS_NON_BLOCKING = (InsertBefore("cos_combined = cos[ids].flatten(1)", "pass"),)
 from npu_shim.testing import towers
 stack = towers.setup()
 m = stack.modules["GLM-4.1V"]
@@ -193,4 +202,4 @@ def test_another_body_skips_or_raises_in_strict_mode(strict):
     from npu_shim.testing import switches
 
     switches.assert_skipped_or_raised(SUBPROCESS.replace("sys.argv[1]", "'other-body'"), strict,
-                                      token="not the body", reason="not the body")
+                                      token="found 0 times", reason="found 0 times")

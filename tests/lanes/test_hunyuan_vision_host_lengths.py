@@ -8,9 +8,10 @@ both device classes: 0 device->host reads per whole tower forward with the shim,
 split read beside it (vLLM's tower code, ``towers.upstream_methods``), output ``torch.equal`` to
 upstream's and close to vLLM's TORCH_SDPA tower and a float64 copy
 (``npu_shim.testing.attention_f64``); the copy to the device is upstream's (same op, same
-arguments); a grid on the device goes to upstream's forward; the family's check accepts only
-the body the replacement was written from; the disable switch brings the read back with the
-same output; strict mode raises on a body the family does not know.
+arguments); a grid on the device (a device stand-in too) goes to upstream's forward; the
+replacement is upstream's forward with two edits, and the family's check refuses a forward
+without their anchors; the disable switch brings the read back with the same output; strict mode
+raises on a forward without them.
 """
 import pytest
 
@@ -166,7 +167,46 @@ def test_a_device_grid_goes_to_upstreams_forward(stack):
     assert after["upstream_calls"] == before.get("upstream_calls", 0) + 2, after
 
 
-def test_the_check_accepts_only_the_body_it_was_written_from(stack):
+def test_a_grid_on_the_device_stand_in_goes_to_upstreams_forward(stack):
+    """A grid the counter stands in for a device tensor (``.device`` is ``cpu:0``) is not host data
+    (:func:`npu_shim.patches._shared.host_data.is_host`): the replacement hands it to upstream's
+    forward. Before the tower patches shared one rule, this patch took any CPU device, ``cpu:0``
+    too, for the host."""
+    import torch
+
+    import npu_shim
+    from npu_shim.patches.vllm import hunyuan_vision_host_lengths as patch
+    from npu_shim.testing import count_host_syncs
+
+    upstream = vars(tower_class())["forward"].__wrapped_upstream__
+    replacement = vars(tower_class())["forward"]
+    before = npu_shim.stats()[PATCH_NAME]["upstream_calls"]
+    calls = []
+    stand_in = torch.tensor([[1, 8, 8], [1, 4, 12]])
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        cell = next(c for c in replacement.__closure__ if c.cell_contents is upstream)
+        monkeypatch.setattr(cell, "cell_contents", lambda *args: calls.append(args) or "upstream")
+        with count_host_syncs(device_tensors=[stand_in], follow_placement=True):
+            assert stand_in.device == torch.device("cpu", 0)
+            rows = [stand_in[0], stand_in[1]]
+            assert not patch.host_grid(stand_in) and not patch.host_grid(rows)
+            assert replacement(None, "x", stand_in) == "upstream"
+            assert replacement(None, "x", rows) == "upstream"
+    assert len(calls) == 2
+    assert npu_shim.stats()[PATCH_NAME]["upstream_calls"] == before + 2
+
+
+def edit_diff(function, edits):
+    """The lines ``edits`` add (``+``) to and remove (``-``) from ``function``'s source, stripped."""
+    import difflib
+
+    from npu_shim.patches._shared.source_edit import edited_source
+
+    before, after = edited_source(function, ()).splitlines(), edited_source(function, edits).splitlines()
+    return [line[0] + line[2:].strip() for line in difflib.ndiff(before, after) if line[:1] in "+-"]
+
+
+def test_the_edit_and_a_forward_without_its_anchor(stack):
     import inspect
     import linecache
     import textwrap
@@ -176,21 +216,26 @@ def test_the_check_accepts_only_the_body_it_was_written_from(stack):
     from npu_shim.patches.vllm import hunyuan_vision_host_lengths as patch
 
     upstream_forward = vars(tower_class())["forward"].__wrapped_upstream__
+    assert edit_diff(upstream_forward, patch.HOST_SPLIT_SIZES) == [
+        "+host_cu_seqlens = cu_seqlens",
+        "-split_lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()",
+        "+split_lengths = (host_cu_seqlens[1:] - host_cu_seqlens[:-1]).tolist()"]
     module = types.SimpleNamespace(HunYuanVisionTransformer=type(
         "HunYuanVisionTransformer", (), {"forward": upstream_forward}))
     patch.HOST_SPLIT.check(module, FamilyContext(PATCH_NAME))
 
-    # the same body, split by the device copy's sizes read once more: another body
+    # the same forward, its split sizes read by another expression: not the shape the edit is for
     source = textwrap.dedent(inspect.getsource(upstream_forward)).replace(
-        "split_items = hidden_states.split(split_lengths, dim=1)",
-        "split_items = hidden_states.split(list(split_lengths), dim=1)")
-    assert "list(split_lengths)" in source
+        "split_lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()",
+        "split_lengths = cu_seqlens.diff().tolist()")
+    assert "cu_seqlens.diff()" in source
     name = "<hunyuan_test_%d>" % id(source)
     linecache.cache[name] = (len(source), None, source.splitlines(True), name)
     namespace = {}
     exec(compile(source, name, "exec"), upstream_forward.__globals__, namespace)
     module.HunYuanVisionTransformer = type("HunYuanVisionTransformer", (), {"forward": namespace["forward"]})
-    with pytest.raises(TargetMismatch, match="not the body"):
+    with pytest.raises(TargetMismatch, match=r"anchor '\(cu_seqlens\[1:\] - cu_seqlens\[:-1\]\).tolist\(\)' "
+                                             r"found 0 times"):
         patch.HOST_SPLIT.check(module, FamilyContext(PATCH_NAME))
 
 
@@ -210,7 +255,8 @@ def test_disabled_the_read_comes_back(stack, tmp_path):
 STRICT_CODE = """
 import json, npu_shim
 from npu_shim.patches.vllm import hunyuan_vision_host_lengths as patch
-patch.HOST_SPLIT.digests = {"0123456789ab"}
+from npu_shim.patches._shared.source_edit import ReplaceExpression
+patch.HOST_SPLIT_SIZES = (ReplaceExpression("torch.diff(cu_seqlens).tolist()", "None"),)
 from npu_shim.testing import census
 census.setup()
 m = census._MODULES[%r]
@@ -225,4 +271,5 @@ print(json.dumps([row["state"], row["reason"], hasattr(vars(m.HunYuanVisionTrans
 def test_another_body_inside_the_window_skips_or_raises_in_strict_mode(stack, strict):
     from npu_shim.testing import switches
 
-    switches.assert_skipped_or_raised(STRICT_CODE, strict, token="0123456789ab", reason="not the body")
+    switches.assert_skipped_or_raised(STRICT_CODE, strict, token="torch.diff(cu_seqlens).tolist()",
+                                      reason="found 0 times")

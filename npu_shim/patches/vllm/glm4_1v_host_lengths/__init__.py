@@ -14,25 +14,26 @@ Why: GLM-4.1V's vision embeddings (``Glm4vVisionEmbeddings.forward``, the same
   host array and vllm-ascend's attention (``vllm.mm_encoder_attn``) reads the
   tensor back once per forward. On an NPU each read drains the queue before
   the first token of every multimodal request.
-How: every number is already on the host; the families change only where the
-  tower takes it from, and blocking copies become ``non_blocking=True``:
-  * ``Glm4vVisionEmbeddings.forward`` (every family): upstream's ops in
-    upstream's order, with ``lengths`` and a list ``image_shapes`` kept on
-    the host, the target sizes built there and copied non-blocking, the
-    coordinates copied non-blocking. A device ``lengths`` runs upstream's.
-  * 0.18.0: ``Glm4vVisionTransformer.forward`` takes ``seqlens`` from the
-    host ``cu_seqlens`` before copying it (0.19.0's order) and keeps the host
-    array on the copy
+How: every number is already on the host; each replacement is upstream's own method edited
+  (:func:`npu_shim.patches._shared.source_edit.edit_function`, the edits are named in
+  ``families.py``) only where it takes a number or makes a copy, every other statement upstream's,
+  compiled at upstream's lines:
+  * ``Glm4vVisionEmbeddings.forward`` (every family), for host ``lengths``: the lengths stay a host
+    list (no device tensor to read the repeat counts back from), a list of image shapes is made on
+    the host, and the image shapes and the coordinates go to the device with ``non_blocking=True``;
+    upstream's repeat / cat / grid_sample run on the device as upstream runs them. Lengths that are
+    not host data (:func:`npu_shim.patches._shared.host_data.is_host`) run upstream's.
+  * copy-then-tolist shape: ``Glm4vVisionTransformer.forward`` reads ``seqlens`` from the host
+    ``cu_seqlens`` rather than from its device copy, and keeps the host array on the copy
     (:func:`npu_shim.patches._shared.host_record.remember`).
-  * 0.19.1 .. 0.23.0: ``compute_attn_mask_seqlen`` is wrapped as
-    ``vllm.qwen2_5_vl_host_lengths`` wraps Qwen2.5-VL's: the host
-    ``cu_seqlens`` it is handed keeps its values on the tensor its next
-    ``.to`` returns (upstream's copy, upstream's arguments).
-  * 0.26.0 .. 0.27.1: ``cu_seqlens`` goes through
-    ``maybe_recompute_cu_seqlens`` (``vllm.mm_encoder_host_lengths``);
-    ``Glm4vVisionTransformer.forward``, for the eager call that builds its
-    own metadata, has ``pos_embeds_interpolate`` keep the image shape on the
-    host and copy the coordinates non-blocking, for that one call.
+  * tower-copy shape: ``compute_attn_mask_seqlen`` is wrapped as
+    ``vllm.qwen2_5_vl_host_lengths`` wraps Qwen2.5-VL's: the host ``cu_seqlens`` it is handed
+    keeps its values on the tensor its next ``.to`` returns (upstream's copy, upstream's
+    arguments).
+  * encoder-metadata shape: ``cu_seqlens`` goes through ``maybe_recompute_cu_seqlens``
+    (``vllm.mm_encoder_host_lengths``); ``Glm4vVisionTransformer.forward``, for the eager call
+    that builds its own metadata, has ``pos_embeds_interpolate`` make the image shape on the host
+    (the embeddings copy it, and the coordinates, non-blocking), for that one call.
   Counted on vLLM's own tower (two grids with a two- and a three-frame item,
   ``npu_shim.testing.count_host_syncs``): 0 reads per forward with
   ``vllm.mm_encoder_attn`` and ``vllm.mm_encoder_host_lengths`` (upstream:
