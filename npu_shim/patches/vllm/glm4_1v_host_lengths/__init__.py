@@ -63,7 +63,7 @@ PATCH = Patch(
     replaces=(EMBEDDINGS + ".forward", TOWER + ".forward", TOWER + ".compute_attn_mask_seqlen"),
     requires={"vllm": ">=0.18.0,<0.28.0"},
     outside_window={"vllm": "releases below the window were not read for this patch; above it vLLM builds "
-                            "GLM-4.1V's embedding sizes on the host and copy them non-blocking themselves"},
+                            "GLM-4.1V's embedding sizes on the host and copies them non-blocking itself"},
     needs_npu=True,
     families=(
         Family(FAMILIES + "COPY_THEN_TOLIST", fence=">=0.18.0,<0.19.0",
