@@ -444,7 +444,9 @@ def probe(session):
     own build makes, lanes/sdist.py) and its framework (vllm-ascend: the vLLM its own versioning policy names,
     unless given), plus the other pins of the nearest lane (the lane standing for the newest
     release not newer than it); prints ``npu-shim status --import`` (which family of each patch
-    applies, or every family's reason), then runs that lane's tests (NPU_SHIM_LANE=<lane>).
+    applies, or every family's reason), then runs that lane's tests (NPU_SHIM_LANE=<lane>). Its
+    report (.nox/probe-reports/probe-<dist>-<version>/evidence.json) names each family applied on
+    the probed release: ``npu-shim evidence --record`` adds them to npu_shim/releases_read.json.
 
     After the first pin, more ``name==version`` pins replace the lane's pins of those dists (a
     framework whose release needs newer transformers, tokenizers, ...); ``-r _file.txt`` (a pin
