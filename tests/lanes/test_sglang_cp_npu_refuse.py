@@ -145,7 +145,7 @@ def test_patch_applies_and_refuses_npu_prefill_cp_at_resolution(shim):
         resolve(server_args(cp=True, device="npu"), npu=True)
     message = str(raised.value)
     assert "sglang %s cannot run prefill context parallelism on Ascend NPU" % sglang_version() in message
-    assert "0.5.23 has a working NPU CP path" in message and "--enable-prefill-cp" in message
+    assert "sglang 0.5.23 (where this patch's window ends) has a working NPU CP path" in message and "--enable-prefill-cp" in message
 
 
 @pytest.mark.parametrize("cp, npu", [(False, True), (True, False), (False, False)])
