@@ -135,3 +135,37 @@ def test_uninstall_removes_the_emulation():
         print("ok")
     """)
     assert out.strip() == "ok"
+
+
+def test_register_device_module_gives_torch_npu_with_import_placeholders_only():
+    out = run_python("""
+        import torch
+        from npu_shim import emulation
+        from npu_shim.emulation.placeholders import ImportPlaceholderError
+        emulation.install()
+        import torch_npu
+        assert not hasattr(torch, "npu")            # install() alone: no torch.npu
+        assert emulation.register_device_module() is torch_npu.npu
+        assert torch.npu is torch_npu.npu and torch.npu.is_available() is False
+        assert torch.npu.NPUGraph | None            # usable in annotations (vllm-ascend acl_graph)
+        assert not isinstance(object(), torch.npu.ExternalEvent)
+        for cls in (torch.npu.NPUGraph, torch.npu.ExternalEvent, torch_npu._C._NPUTaskGroupHandle):
+            try:
+                cls()
+            except ImportPlaceholderError as exc:
+                assert "import placeholder" in str(exc) and cls.__name__ in str(exc), exc
+            else:
+                raise AssertionError(cls)
+        quant = (torch_npu.float4_e2m1fn_x2, torch_npu.hifloat8, torch_npu.float8_e8m0fnu)
+        assert all(d not in quant for d in (torch.float16, torch.bfloat16, torch.int8, 0, 1))
+        assert "placeholder" in repr(torch_npu.hifloat8)
+        try:
+            torch.empty(1, dtype=torch_npu.hifloat8)
+        except TypeError:
+            pass
+        else:
+            raise AssertionError("a dtype placeholder was usable as a dtype")
+        assert emulation.uninstall() and not hasattr(torch, "npu")
+        print("ok")
+    """)
+    assert out.strip() == "ok"

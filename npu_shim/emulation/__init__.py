@@ -16,14 +16,16 @@ What the emulated package provides (details in each op module's docstring):
 ``_npu_flash_attention_unpad``, ``_npu_reshape_and_cache``, ``npu_scatter_nd_update_`` as ``torch_npu.X``
 and ``torch.ops.npu.X``; ``torch_npu.npu`` with ``is_available() == False``,
 the emulated SoC (``NPU_SHIM_EMULATE_SOC``) and no-op streams/events
-(``torch_npu.npu.streams``); ``torch_npu._C._npu_get_soc_version``. It does not
-create ``torch.npu`` (see the package docstring for why).
+(``torch_npu.npu.streams``); ``torch_npu._C._npu_get_soc_version``; import
+placeholders (``placeholders``) for names upstream reads at import time only. It does
+not create ``torch.npu`` by itself (see the package docstring for why):
+:func:`register_device_module` does, for code that needs it (vllm-ascend).
 """
 import importlib.util
 import os
 import sys
 
-__all__ = ["SITE_DIR", "install", "is_emulated", "uninstall"]
+__all__ = ["SITE_DIR", "install", "is_emulated", "register_device_module", "uninstall"]
 
 SITE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_site")
 _EMULATED_INIT = os.path.join(SITE_DIR, "torch_npu", "__init__.py")
@@ -74,6 +76,33 @@ def is_emulated():
     return _spec_is_ours(_find_spec())
 
 
+def register_device_module():
+    """Make ``torch.npu`` the emulated ``torch_npu.npu``, as the real torch_npu does on import.
+
+    Not done by :func:`install`: sglang's ``is_npu()`` raises when ``torch.npu`` exists but
+    ``torch.npu.is_available()`` is False (0.5.23), and transformers' accelerator probes read
+    ``hasattr(torch, "npu")``. vllm-ascend, by contrast, names ``torch.npu`` in class
+    annotations (``vllm_ascend.compilation.acl_graph``), so importing its attention backend
+    off an NPU needs it: a process that runs vllm-ascend on the emulation calls this once.
+    ``is_available()`` stays False. Returns the module; refuses (RuntimeError) when
+    torch_npu is not the emulation, and leaves an existing ``torch.npu`` of another origin
+    alone (RuntimeError too). Undone by :func:`uninstall`.
+    """
+    import torch
+
+    if not install():
+        raise RuntimeError("npu_shim.emulation.register_device_module: torch_npu is not the "
+                           "emulation (a real torch_npu registers torch.npu itself)")
+    import torch_npu
+
+    existing = getattr(torch, "npu", None)
+    if existing is not None and existing is not torch_npu.npu:
+        raise RuntimeError("npu_shim.emulation.register_device_module: torch.npu is already "
+                           "%r, not the emulation's" % (existing,))
+    torch.npu = torch_npu.npu
+    return torch.npu
+
+
 def uninstall():
     """Take the emulation off ``sys.path`` and drop the emulated modules.
 
@@ -85,6 +114,10 @@ def uninstall():
     while SITE_DIR in sys.path:
         sys.path.remove(SITE_DIR)
         removed = True
+    torch = sys.modules.get("torch")
+    if torch is not None and _is_ours(sys.modules.get("torch_npu")) and \
+            getattr(torch, "npu", None) is sys.modules.get("torch_npu.npu"):
+        del torch.npu
     if _is_ours(sys.modules.get("torch_npu")):
         for name in [n for n in sys.modules if n == "torch_npu" or n.startswith("torch_npu.")]:
             del sys.modules[name]

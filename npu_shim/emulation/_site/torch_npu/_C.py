@@ -1,5 +1,10 @@
-"""The few ``torch_npu._C`` entry points upstream code reads (SoC probing)."""
+"""The few ``torch_npu._C`` entry points upstream code reads (SoC probing), and import
+placeholders (npu_shim.emulation.placeholders) for names read at import time only."""
 from npu_shim.emulation import soc as _soc
+from npu_shim.emulation.placeholders import placeholder_class as _placeholder_class
+
+# vllm_ascend.compilation.acl_graph annotates GraphParams.handles with it (graph capture).
+_NPUTaskGroupHandle = _placeholder_class("torch_npu._C._NPUTaskGroupHandle")
 
 
 def _npu_get_soc_version():

@@ -6,10 +6,13 @@ the documented semantics of the attention ops the shim and its seeds use on CPU
 or CUDA tensors (see npu_shim/emulation/*.py for what each op implements), and
 registers them as ``torch.ops.npu.*`` too.
 
-Deliberately absent: ``torch.npu`` and an "npu" device. transformers decides
+Absent by default: ``torch.npu`` and an "npu" device. transformers decides
 "NPU available" by ``hasattr(torch, "npu") and torch.npu.is_available()``; the
 emulation must not make it move models to a device that does not exist.
-``torch_npu.npu.is_available()`` is False for the same reason.
+``torch_npu.npu.is_available()`` is False for the same reason. sglang (0.5.23's
+``is_npu()``) even raises when ``torch.npu`` exists but is not available. Code that
+needs ``torch.npu`` to exist, as vllm-ascend does (the real torch_npu registers it),
+calls ``npu_shim.emulation.register_device_module()``.
 """
 import torch  # noqa: F401  (the ops need it; importing torch_npu imports torch, as the real one does)
 
@@ -29,6 +32,14 @@ _npu_reshape_and_cache = _registry.PUBLIC["_npu_reshape_and_cache"]
 npu_scatter_nd_update_ = _registry.PUBLIC["npu_scatter_nd_update_"]
 
 from torch_npu import _C, npu  # noqa: E402  (submodules after the ops exist)
+
+# Import placeholders (npu_shim.emulation.placeholders): torch_npu's own dtype ids, which
+# vllm-ascend (0.21.0rc1 on) reads at import time; using one anywhere fails.
+from npu_shim.emulation.placeholders import DtypePlaceholder as _DtypePlaceholder  # noqa: E402
+
+float4_e2m1fn_x2 = _DtypePlaceholder("torch_npu.float4_e2m1fn_x2")
+float8_e8m0fnu = _DtypePlaceholder("torch_npu.float8_e8m0fnu")
+hifloat8 = _DtypePlaceholder("torch_npu.hifloat8")
 
 __all__ = [
     "npu_fusion_attention", "npu_prompt_flash_attention", "npu_fused_infer_attention_score",

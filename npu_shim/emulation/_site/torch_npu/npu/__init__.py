@@ -5,15 +5,23 @@ on CPU/CUDA; ``get_soc_version()`` / ``get_device_name()`` report the emulated
 SoC (``NPU_SHIM_EMULATE_SOC``, default Ascend910B1) so kernels can choose their
 path by device capability. Streams and events are synchronous no-ops (see
 ``streams``).
+
+Import placeholders (npu_shim.emulation.placeholders) for graph capture, which
+vllm-ascend's ``compilation.acl_graph`` names in class annotations: ``NPUGraph``,
+``ExternalEvent``. Instantiating one raises.
 """
 import contextlib
 
 from npu_shim.emulation import soc as _soc
+from npu_shim.emulation.placeholders import placeholder_class as _placeholder_class
 from torch_npu.npu import streams
 from torch_npu.npu.streams import Event, Stream
 
-__all__ = ["Event", "Stream", "streams", "is_available", "device_count", "get_soc_version",
+__all__ = ["Event", "ExternalEvent", "NPUGraph", "Stream", "streams", "is_available", "device_count", "get_soc_version",
            "get_device_name", "current_stream", "default_stream", "synchronize", "stream"]
+
+NPUGraph = _placeholder_class("torch.npu.NPUGraph")
+ExternalEvent = _placeholder_class("torch.npu.ExternalEvent")
 
 
 def is_available():
