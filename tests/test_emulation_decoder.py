@@ -102,7 +102,7 @@ def test_scatter_pa_kv_cache_norm_k_and_v_dims_differ():
 
 @pytest.mark.parametrize("sliding", [None, 6])
 def test_fia_v2_tnd_sinks_prefill_then_paged_decode(sliding):
-    dtype, n, nkv, d = torch.bfloat16, 8, 2, 64
+    dtype, n, nkv, d = torch.bfloat16, 8, 2, 128
     g = torch.Generator().manual_seed(3)
     sinks = torch.randn(n, generator=g) * 2
     q_lens = [9, 4]
@@ -134,7 +134,7 @@ def test_fia_v2_tnd_sinks_prefill_then_paged_decode(sliding):
     close(outd, wantd, dtype)
 
 
-def test_fia_v2_k192_v128_documented_only_bf16_unpaged():
+def test_fia_v2_k192_v128_tnd_documented_paged_or_not():
     n, g = 4, torch.Generator().manual_seed(5)
     q = torch.randn(10, n, 192, generator=g).bfloat16()
     k = torch.randn(10, 2, 192, generator=g).bfloat16()
@@ -146,23 +146,30 @@ def test_fia_v2_k192_v128_documented_only_bf16_unpaged():
                                                           actual_seq_kvlen=cum, **kwargs)
     assert out.shape == (10, n, 128)
     close(out, attention_f64(q, k, v, [0] + cum, causal=True), torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="float16"):
-        torch_npu.npu_fused_infer_attention_score_v2(q.half(), k.half(), v.half(),
-                                                     actual_seq_qlen=cum, actual_seq_kvlen=cum,
-                                                     **kwargs)
-    with pytest.raises(NotImplementedError, match="sparse_mode=4"):
-        torch_npu.npu_fused_infer_attention_score_v2(q, k, v, actual_seq_qlen=cum,
-                                                     actual_seq_kvlen=cum,
-                                                     **{**kwargs, "sparse_mode": 4})
+    kk, vv, kc, vc, table = paged([7, 20], 2, 192, 128, 128, torch.bfloat16, seed=6)
+    qd = q[:2]
+    outd, _ = torch_npu.npu_fused_infer_attention_score_v2(
+        qd, kc.flatten(2), vc.flatten(2), block_table=table, block_size=128,
+        actual_seq_qlen=[1, 2], actual_seq_kvlen=[7, 20], **kwargs)
+    close(outd, attention_f64(qd, torch.cat(kk), torch.cat(vv), [0, 1, 2], [0, 7, 27], causal=True),
+          torch.bfloat16)
     with pytest.raises(NotImplementedError, match="K_D=192, V_D=96"):
         torch_npu.npu_fused_infer_attention_score_v2(q, k, v[..., :96].contiguous(),
                                                      actual_seq_qlen=cum, actual_seq_kvlen=cum,
                                                      **kwargs)
-    kk, vv, kc, vc, table = paged([7], 2, 192, 128, 128, torch.bfloat16)
-    with pytest.raises(NotImplementedError, match="page attention"):
+    with pytest.raises(NotImplementedError, match="V_D=192 with GQA"):
+        torch_npu.npu_fused_infer_attention_score_v2(q, k, k, actual_seq_qlen=cum,
+                                                     actual_seq_kvlen=cum, **kwargs)
+    with pytest.raises(ValueError, match="block_size"):
         torch_npu.npu_fused_infer_attention_score_v2(
-            q[:1], kc.flatten(2), vc.flatten(2), block_table=table, block_size=128,
-            actual_seq_qlen=[1], actual_seq_kvlen=[7], **kwargs)
+            qd, kc.flatten(2)[:, :120].contiguous(), vc.flatten(2)[:, :120].contiguous(),
+            block_table=table, block_size=120, actual_seq_qlen=[1, 2], actual_seq_kvlen=[7, 20],
+            **kwargs)
+    q256 = torch.randn(4, 2, 256).bfloat16()
+    with pytest.raises(NotImplementedError, match="learnable_sink"):
+        torch_npu.npu_fused_infer_attention_score_v2(
+            q256, q256, q256, num_query_heads=2, input_layout="TND", actual_seq_qlen=[4],
+            actual_seq_kvlen=[4], learnable_sink=torch.zeros(2))
 
 
 def test_fia_v2_refusals_and_host_lengths():

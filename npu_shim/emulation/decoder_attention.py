@@ -14,22 +14,27 @@ blockwise softmax are shared (``_common.PagedRows`` / ``check_block_table``, ``_
 
 Value head dim != key head dim (what each document says; encoded below):
 
-* FIA v2, op-plugin docs/context/torch_npu-npu_fused_infer_attention_score_v2.md, 约束说明,
-  "TND、TND_NTD、NTD_TND场景下query、key、value输入的综合限制", query d != 512, no rope:
-  "TND场景,要求Q_D、K_D、V_D等于128,或者Q_D、K_D等于192,V_D等于128/192", with, in the same
-  list, "数据类型仅支持BFLOAT16", "不支持tensorlist、pse、page attention、伪量化、全量化、后量化"
-  and "sparse模式仅支持sparse_mode=0且不传mask,或sparse_mode=3且传入mask". Elsewhere:
-  "参数key、value中对应tensor的shape需要完全一致". So K 192 / V 128 is documented for TND,
-  bfloat16, without page attention (no block_table), sparse_mode 0 or 3 only; the emulation
-  accepts exactly that and refuses every other V != K combination (NotImplementedError).
+* FIA v2, op-plugin docs/context/torch_npu-npu_fused_infer_attention_score_v2.md, revision
+  5e735e5 (the newest one read), 约束说明, "TND、TND_NTD、NTD_TND场景下query、key、value输入的
+  综合限制", query D != 512, no rope: "TND场景,要求Q_D、K_D、V_D等于128,或者Q_D、K_D等于192,
+  V_D等于128/192 ... GQA和PA场景不支持V_D等于192", and "page attention场景下仅支持blocksize为16
+  对齐且小于等于1024". So K 192 / V 128 is documented for TND, with GQA and with page
+  attention (block_size a multiple of 16, <= 1024); V_D 192 is not, with GQA or paging. The
+  emulation accepts (192, 128) in TND, paged or not, and refuses every other V != K pair
+  and V_D 192 with GQA or paging (NotImplementedError / ValueError).
+  An earlier revision (0d45aab) of the same page was narrower for that case: "数据类型仅支持
+  BFLOAT16", "不支持...page attention", "sparse模式仅支持sparse_mode=0且不传mask,或
+  sparse_mode=3且传入mask": a CANN older than the page's 5e735e5 revision may refuse
+  paged or sliding-window 192/128 calls the emulation runs.
+* ``learnable_sink`` (same revision, "learnable_sink的参数约束"): "仅支持TND、NTD_TND;
+  仅支持value的d小于等于128": refused with V_D > 128.
 * ATB PagedAttention: the documented inputs take one head size for the caches (the separate
   V head size exists only as ``mlaVHeadSize`` in the MLA-merged cache mode, not emulated):
   V != K is refused.
 
-Where the same document restricts TND further for K == V (D 128/192 only, no page
-attention, sparse_mode 0/3), vllm-ascend's own releases call it outside those limits on
-hardware (paged TND, sparse_mode 4 for sliding windows); the emulation follows those calls
-for K == V and says so here rather than refuse what the released code runs.
+For K == V the same list allows only D 128 (or 192) in TND; vllm-ascend's releases call TND
+for every head size of the models they serve, and the emulation does not refuse other
+equal head sizes (the tests use D 128).
 """
 import math
 
@@ -57,8 +62,12 @@ PA_BLOCK_ALIGN = 16
 PA_MAX_EMBED_X_BLOCK = 128 * 128
 # FIA v2: "num_query_heads与num_key_value_heads的比值不能大于64".
 MAX_GQA_RATIO = 64
-# FIA v2, TND without page attention: the only documented (Q_D=K_D, V_D) with V_D != K_D.
+# FIA v2, TND: the only documented (Q_D=K_D, V_D) with V_D != K_D; V_D 192 not with GQA or
+# paging; learnable_sink only with V_D <= 128; TND page attention block_size (see above).
 DOCUMENTED_TND_DIFF_DIMS = ((192, 128),)
+NO_GQA_OR_PAGING_V_DIM = 192
+SINK_MAX_V_DIM = 128
+TND_PA_BLOCK_ALIGN, TND_PA_MAX_BLOCK = 16, 1024
 
 
 def _host_lengths(op, name, values):
@@ -167,13 +176,15 @@ def npu_fused_infer_attention_score_v2(
     2048 x 2048 mask. GQA: num_query_heads a multiple of num_key_value_heads (0 = equal),
     ratio <= 64.
 
-    ``learnable_sink`` (not in the prototype of that document's revision; its use is
-    op-plugin's test_fused_infer_attention_score_v2 golden, ``npSoftmax_new(x, sinks)`` with
-    ``sinks.view(1, -1, 1, 1)``): one logit per query head, shape (num_query_heads,), added to
-    each softmax denominator as ``exp(sink_h)``, with no value.
+    ``learnable_sink`` (parameter list of a later revision: "可学习的Sink Token", shape
+    (Q_N,); op-plugin's test_fused_infer_attention_score_v2 golden, ``npSoftmax_new(x,
+    sinks)`` with ``sinks.view(1, -1, 1, 1)``): one logit per query head added to each
+    softmax denominator as ``exp(sink_h)``, with no value; only with V_D <= 128. That later
+    revision lists bfloat16 for it; vllm-ascend passes the model's parameter as it is, and
+    the emulation takes any float dtype (upcast to float32).
 
-    Value head dim != key head dim: see the module docstring (192/128, TND, bfloat16, no
-    block_table, sparse_mode 0/3). Not implemented (NotImplementedError): layouts other than
+    Value head dim != key head dim: see the module docstring (Q_D=K_D=192 with V_D=128 in
+    TND, paged or not). Not implemented (NotImplementedError): layouts other than
     TND, query_rope/key_rope, pse_shift, every (de)quantisation argument, return_softmax_lse
     with a sink, sparse_mode 1/2, inner_precise row correction (2, 3) with a user mask.
     """
@@ -234,6 +245,9 @@ def npu_fused_infer_attention_score_v2(
     kv_arg = _host_lengths(FIA_V2, "actual_seq_kvlen", actual_seq_kvlen)
     if block_table is not None:
         bs = C.as_int(FIA_V2, "block_size", block_size)
+        if bs <= 0 or bs % TND_PA_BLOCK_ALIGN or bs > TND_PA_MAX_BLOCK:
+            raise ValueError("%s: TND page attention takes block_size a multiple of 16, <= 1024 "
+                             "(\"仅支持blocksize为16对齐且小于等于1024\"), got %d" % (FIA_V2, bs))
         kc = C.paged_cache_view(FIA_V2, key, "key cache", bs, nkv, True)
         vc = C.paged_cache_view(FIA_V2, value, "value cache", bs, nkv, True)
         if kc.shape[0] != vc.shape[0]:
@@ -263,8 +277,13 @@ def npu_fused_infer_attention_score_v2(
         dk, dv = key.shape[2], value.shape[2]
     if dk != dq:
         raise ValueError("%s: key head dim %d != query head dim %d" % (FIA_V2, dk, dq))
-    if dv != dk:
-        _check_documented_diff_dims(dk, dv, query.dtype, block_table, sparse_mode)
+    if dv != dk and (dk, dv) not in DOCUMENTED_TND_DIFF_DIMS:
+        raise C.not_implemented(FIA_V2, "value", "K_D=%d, V_D=%d: with V_D != K_D only Q_D=K_D=192, "
+                                "V_D=128 is documented for TND (torch_npu-npu_fused_infer_attention_"
+                                "score_v2.md, 约束说明)" % (dk, dv))
+    if dv == NO_GQA_OR_PAGING_V_DIM and (nkv != n or block_table is not None):
+        raise C.not_implemented(FIA_V2, "value", "V_D=192 with GQA or page attention "
+                                "(\"GQA和PA场景不支持V_D等于192\")")
     sink = None
     if learnable_sink is not None:
         if not isinstance(learnable_sink, torch.Tensor) or tuple(learnable_sink.shape) != (n,):
@@ -273,6 +292,9 @@ def npu_fused_infer_attention_score_v2(
         if not learnable_sink.is_floating_point():
             raise ValueError("%s: learnable_sink must be a float tensor, got %s"
                              % (FIA_V2, learnable_sink.dtype))
+        if dv > SINK_MAX_V_DIM:
+            raise C.not_implemented(FIA_V2, "learnable_sink", "with V_D=%d (\"仅支持value的d小于等于"
+                                    "128\")" % dv)
         sink = learnable_sink
     out = torch.zeros((t, n, dv), dtype=query.dtype, device=query.device)
     lse = torch.full((t, n, 1), -math.inf, dtype=torch.float32, device=query.device) \
@@ -291,20 +313,6 @@ def npu_fused_infer_attention_score_v2(
     if lse is None:
         lse = torch.zeros(1, dtype=torch.float32, device=query.device)
     return out, lse
-
-
-def _check_documented_diff_dims(dk, dv, dtype, block_table, sparse_mode):
-    where = "documented only for TND with Q_D=K_D=192, V_D=128, bfloat16, no page attention, " \
-            "sparse_mode 0 or 3 (torch_npu-npu_fused_infer_attention_score_v2.md, 约束说明)"
-    if (dk, dv) not in DOCUMENTED_TND_DIFF_DIMS:
-        raise C.not_implemented(FIA_V2, "value", "K_D=%d, V_D=%d: %s" % (dk, dv, where))
-    if dtype != torch.bfloat16 and not dtypes.float32_allowed():
-        raise C.not_implemented(FIA_V2, "value", "K_D != V_D in %s: %s" % (dtype, where))
-    if block_table is not None:
-        raise C.not_implemented(FIA_V2, "block_table", "K_D != V_D with page attention: %s" % where)
-    if sparse_mode not in (0, 3):
-        raise C.not_implemented(FIA_V2, "sparse_mode", "K_D != V_D with sparse_mode=%d: %s"
-                                % (sparse_mode, where))
 
 
 def _cumulative(cum, total, name):

@@ -19,11 +19,11 @@ pytestmark = [pytest.mark.lanes("vllm-0.14", "vllm-0.21", "vllm-0.24", "vllm-0.2
               pytest.mark.keeps_process_state]
 
 # max |out - float64| of the layer (|ref| <= ~3), measured worst over the five lanes:
-# bfloat16 7.5e-3, float16 9.6e-4
+# bfloat16 7.7e-3, float16 8.9e-4
 TOL = {torch.bfloat16: Tolerance("vllm-ascend decoder layer vs float64", 3e-2, "bfloat16"),
        torch.float16: Tolerance("vllm-ascend decoder layer vs float64", 4e-3, "float16")}
 CACHE_WRITES = {"_npu_reshape_and_cache", "npu_scatter_pa_kv_cache"}
-N, NKV, D = 4, 2, 64
+N, NKV, D = 4, 2, 128   # D 128: what FIA's TND page documents for K == V
 Q_LENS = [5, 3]
 
 
