@@ -3,16 +3,17 @@
 ``is_available()`` is False and ``device_count()`` 0, so frameworks keep tensors
 on CPU/CUDA; ``get_soc_version()`` / ``get_device_name()`` report the emulated
 SoC (``NPU_SHIM_EMULATE_SOC``, default Ascend910B1) so kernels can choose their
-path by device capability. Streams and events are synchronous no-ops (see
+path by device capability; ``utils.get_cann_version()`` the emulated CANN release
+(``NPU_SHIM_EMULATE_CANN``). Streams and events are synchronous no-ops (see
 ``streams``).
 """
 import contextlib
 
 from npu_shim.emulation import soc as _soc
-from torch_npu.npu import streams
+from torch_npu.npu import streams, utils
 from torch_npu.npu.streams import Event, Stream
 
-__all__ = ["Event", "Stream", "streams", "is_available", "device_count", "get_soc_version",
+__all__ = ["Event", "Stream", "streams", "utils", "is_available", "device_count", "get_soc_version",
            "get_device_name", "current_stream", "default_stream", "synchronize", "stream"]
 
 
