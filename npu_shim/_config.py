@@ -19,6 +19,7 @@ MM_ENCODER_FUSION_SWITCH = "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION"
 # besides NPU_SHIM_DISABLE: patch name -> variable.
 PATCH_SWITCHES = {
     "sglang.small_page_fia": "NPU_SHIM_SGLANG_SMALL_PAGE_FIA",
+    "sglang.vision_head_pad": "NPU_SHIM_SGLANG_VISION_HEAD_PAD",
 }
 
 
@@ -63,6 +64,9 @@ VARIABLES = (
     ("NPU_SHIM_SGLANG_SMALL_PAGE_FIA", "boolean, default 1",
      "0 turns the patch off (it shows as disabled); an explicit ASCEND_USE_FIA is respected either way",
      "sglang.small_page_fia"),
+    ("NPU_SHIM_SGLANG_VISION_HEAD_PAD", "boolean, default 1",
+     "0 turns the patch off (it shows as disabled): VisionAscendAttention then hands FIA's TND call the "
+     "model's head dim as upstream does", "sglang.vision_head_pad"),
     ("NPU_SHIM_EMULATE_SOC", "an Ascend SoC name, e.g. Ascend910B1, Ascend310P3",
      "the SoC the emulation reports (default an A2 part); Ascend310P* exercises the 310P paths; "
      "checked only where NPU_SHIM_EMULATE=1", ""),
