@@ -19,6 +19,7 @@ MM_ENCODER_FUSION_SWITCH = "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION"
 # besides NPU_SHIM_DISABLE: patch name -> variable.
 PATCH_SWITCHES = {
     "sglang.small_page_fia": "NPU_SHIM_SGLANG_SMALL_PAGE_FIA",
+    "sglang.vision_head_pad": "NPU_SHIM_SGLANG_VISION_HEAD_PAD",
 }
 
 
@@ -63,9 +64,15 @@ VARIABLES = (
     ("NPU_SHIM_SGLANG_SMALL_PAGE_FIA", "boolean, default 1",
      "0 turns the patch off (it shows as disabled); an explicit ASCEND_USE_FIA is respected either way",
      "sglang.small_page_fia"),
+    ("NPU_SHIM_SGLANG_VISION_HEAD_PAD", "boolean, default 1",
+     "0 turns the patch off (it shows as disabled): VisionAscendAttention then hands FIA's TND call the "
+     "model's head dim as upstream does", "sglang.vision_head_pad"),
     ("NPU_SHIM_EMULATE_SOC", "an Ascend SoC name, e.g. Ascend910B1, Ascend310P3",
      "the SoC the emulation reports (default an A2 part); Ascend310P* exercises the 310P paths; "
      "checked only where NPU_SHIM_EMULATE=1", ""),
+    ("NPU_SHIM_EMULATE_CANN", "a CANN version as torch_npu reports it, e.g. 8.5.0, 8.3.RC1, 9.0.0",
+     "the CANN release the emulation reports (torch_npu.npu.utils.get_cann_version()) and follows where "
+     "the vendor's rules differ by release (default 8.5.0); checked only where NPU_SHIM_EMULATE=1", ""),
     ("NPU_SHIM_EMULATE_MEMORY_MIB", "finite number > 0, default 256",
      "bound on the emulated ops' temporary memory per call (MiB); checked only where NPU_SHIM_EMULATE=1", ""),
 )
@@ -143,13 +150,17 @@ def env_positive_number(name, default, environ=None):
 def check_emulation(environ=None):
     """The NPU_SHIM_EMULATE_* variables; checked only where NPU_SHIM_EMULATE=1, so a
     typo in a test-only variable never switches the shim off on a production machine."""
-    from npu_shim.emulation.soc import ENV, SOC_VERSIONS
+    from npu_shim.emulation.soc import CANN_ENV, ENV, SOC_VERSIONS, parse_cann
 
     environ = os.environ if environ is None else environ
     soc = (environ.get(ENV) or "").strip()
     if soc and soc not in SOC_VERSIONS:
         raise ConfigError("%s=%r is not a known Ascend SoC; use one of %s"
                           % (ENV, environ[ENV], ", ".join(sorted(SOC_VERSIONS))))
+    cann = (environ.get(CANN_ENV) or "").strip()
+    if cann and parse_cann(cann) is None:
+        raise ConfigError("%s=%r is not a CANN version; use the form torch_npu reports, e.g. 8.5.0, "
+                          "8.3.RC1 or 9.0.0" % (CANN_ENV, environ[CANN_ENV]))
     env_positive_number("NPU_SHIM_EMULATE_MEMORY_MIB", None, environ)
 
 

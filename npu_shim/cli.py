@@ -30,7 +30,8 @@ def _status_table(rows):
                 row["state"],
                 row.get("family") or "-",
                 row["reason"] + "".join("; %s=%s" % (name, int(value) if isinstance(value, bool) else value)
-                                        for name, value in (row.get("switches") or {}).items()),
+                                        for name, value in (row.get("switches") or {}).items())
+                + "".join("; " + text for text in row.get("notes") or ()),
                 ", ".join("%s %s" % (d, v or "-") for d, v in row["versions"].items()) or "-",
             )
             for row in rows

@@ -191,7 +191,8 @@ class FamilyContext:
                 up and proved (the function whose body it read, say) is what ``build`` replaces,
                 without a second look-up
 
-    :meth:`count` bumps the patch's counters (:mod:`npu_shim.engine.counters`) and
+    :meth:`count` bumps the patch's counters (:mod:`npu_shim.engine.counters`), :meth:`note`
+    records what the patch decided at run time and why (shown by ``npu-shim status``), and
     :meth:`present` is the one way to mark a replacement.
     """
 
@@ -220,6 +221,13 @@ class FamilyContext:
         from npu_shim.engine import counters
 
         counters.count(self.patch, event, n)
+
+    def note(self, key: str, text: str) -> None:
+        """Record ``text`` as the patch's run-time decision about ``key`` (the CANN release it
+        read, why a shape stays with upstream), shown in status beside its reason."""
+        from npu_shim.engine import counters
+
+        counters.note(self.patch, key, text)
 
     def present(self, replacement, original, what: str = "", wrapped: bool = False):
         """Mark ``replacement`` as this patch's stand-in for ``original`` and return it: upstream's

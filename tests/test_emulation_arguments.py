@@ -80,31 +80,45 @@ def _paged(num_blocks=4, block_size=4, n=2, d=16):
 def _call_paged(q, k_cache, v_cache, block_table, kv_lens):
     return torch_npu.npu_fused_infer_attention_score(
         q, k_cache, v_cache, num_heads=2, input_layout="TND", block_table=block_table,
-        block_size=4, actual_seq_lengths=[1, 3], actual_seq_lengths_kv=kv_lens, scale=0.25)
+        block_size=FIA_BLOCK, actual_seq_lengths=[1, 3], actual_seq_lengths_kv=kv_lens, scale=0.25)
+
+
+# FIA: pages of 16 rows (FIA's NO_QUANT block_size alignment), head dim 64 (a TND head dim)
+FIA_BLOCK, FIA_D = 16, 64
 
 
 def test_negative_kv_length_names_actual_seq_lengths_kv():
-    q, kc, vc = _paged()
+    q, kc, vc = _paged(block_size=FIA_BLOCK, d=FIA_D)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"actual_seq_lengths_kv\[1\] = -2 is negative"):
         _call_paged(q, kc, vc, table, [5, -2])
 
 
 def test_block_id_past_the_cache_names_block_table():
-    q, kc, vc = _paged()
+    q, kc, vc = _paged(block_size=FIA_BLOCK, d=FIA_D)
     table = torch.tensor([[0, 1], [2, 9]], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"block_table\[1, 1\] = 9 is not a block of the cache \(num_blocks = 4\)"):
-        _call_paged(q, kc, vc, table, [5, 6])
+        _call_paged(q, kc, vc, table, [5, 20])
     table = torch.tensor([[0, -1], [2, 3]], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -1"):
-        _call_paged(q, kc, vc, table, [5, 6])
+        _call_paged(q, kc, vc, table, [20, 20])
 
 
 def test_unused_padding_in_the_block_table_is_fine():
-    q, kc, vc = _paged()
+    q, kc, vc = _paged(block_size=FIA_BLOCK, d=FIA_D)
     table = torch.tensor([[0, 99], [2, 3]], dtype=torch.int32)   # row 0 reads one block only
-    out, _ = _call_paged(q, kc, vc, table, [4, 6])
-    assert out.shape == (3, 2, 16) and torch.isfinite(out).all()
+    out, _ = _call_paged(q, kc, vc, table, [4, 20])
+    assert out.shape == (3, 2, FIA_D) and torch.isfinite(out).all()
+
+
+def test_fia_block_size_must_be_a_multiple_of_16():
+    # sglang issue #25169 quotes the op: "In NO_QUANT situation, block_size should aligned to 16, but got 1"
+    q, kc, vc = _paged(num_blocks=8, block_size=8, d=FIA_D)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"block_size should aligned to 16, but got 8"):
+        torch_npu.npu_fused_infer_attention_score(
+            q, kc, vc, num_heads=2, input_layout="TND", block_table=table, block_size=8,
+            actual_seq_lengths=[1, 3], actual_seq_lengths_kv=[5, 9], scale=0.25)
 
 
 def test_paged_decode_names_its_own_lengths_argument():

@@ -36,7 +36,7 @@ def fa(dtype):
 
 
 def fia(dtype):
-    q = torch.randn(6, 2, 16).to(dtype)
+    q = torch.randn(6, 2, 64).to(dtype)     # FIA TND takes head dims 64, 128, 192
     return torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=2, input_layout="TND", scale=0.25,
                                                      actual_seq_lengths=[2, 6],
                                                      actual_seq_lengths_kv=[2, 6])[0]

@@ -74,9 +74,9 @@ class PagedKV:
 def test_fia_tnd_paged_chunked_prefill_dv_differs(block_size, dtype):
     kv_lens = [40, 1, 300, 17]
     q_lens = [7, 1, 300, 0]   # chunked prefill, decode-like, full prefill, nothing new
-    paged = PagedKV(kv_lens, 2, 32, 16, block_size, dtype, seed=block_size)
+    paged = PagedKV(kv_lens, 2, 192, 128, block_size, dtype, seed=block_size)   # TND's Dqk 192 / Dv 128
     cq = dense_segments(q_lens)
-    q = torch.randn(cq[-1], 8, 32).to(dtype)
+    q = torch.randn(cq[-1], 8, 192).to(dtype)
     k_cache, v_cache = paged.bsh()
     out, lse = torch.ops.npu.npu_fused_infer_attention_score(
         q, k_cache, v_cache, block_table=paged.block_table, block_size=block_size, num_heads=8,
@@ -85,7 +85,7 @@ def test_fia_tnd_paged_chunked_prefill_dv_differs(block_size, dtype):
         softmax_lse_flag=True)
     k, v, ckv = paged.packed()
     want, want_lse = attention_f64(q, k, v, cq, ckv, scale=0.2, causal=True, return_lse=True)
-    assert out.shape == (cq[-1], 8, 16) and lse.shape == (cq[-1], 8, 1)
+    assert out.shape == (cq[-1], 8, 128) and lse.shape == (cq[-1], 8, 1)
     close(out, want, dtype)
     from npu_shim.testing.errors import within
     # measured worst 6.8e-7 (float32), 5.3e-7 (bfloat16: the statistics are float32 either way)
@@ -94,8 +94,8 @@ def test_fia_tnd_paged_chunked_prefill_dv_differs(block_size, dtype):
 
 
 def test_fia_tnd_paged_bnsd_cache_layout_and_no_lse():
-    paged = PagedKV([20, 33], 2, 16, 16, 16, seed=3)
-    q = torch.randn(9, 4, 16)
+    paged = PagedKV([20, 33], 2, 64, 64, 16, seed=3)
+    q = torch.randn(9, 4, 64)
     k_cache, v_cache = paged.bnsd()
     out, lse = torch_npu.npu_fused_infer_attention_score(
         q, k_cache, v_cache, block_table=paged.block_table, block_size=16, num_heads=4,
@@ -108,11 +108,49 @@ def test_fia_tnd_paged_bnsd_cache_layout_and_no_lse():
 
 def test_fia_tnd_contiguous_kv_is_cumulative_and_sparse0_is_full():
     cq, ckv = dense_segments([3, 5]), dense_segments([6, 5])
-    q, k, v = torch.randn(8, 2, 16), torch.randn(11, 2, 16), torch.randn(11, 2, 16)
+    q, k, v = torch.randn(8, 2, 64), torch.randn(11, 2, 64), torch.randn(11, 2, 64)
     out, _ = torch_npu.npu_fused_infer_attention_score(
         q, k, v, num_heads=2, input_layout="TND", scale=0.3, actual_seq_lengths=cq[1:],
         actual_seq_lengths_kv=ckv[1:])
     close(out, attention_f64(q, k, v, cq, ckv, scale=0.3))
+
+
+@pytest.mark.parametrize("cann, dqk, dv, takes", [
+    ("8.5.0", 64, 64, True), ("8.5.0", 128, 128, True), ("8.5.0", 192, 192, True), ("8.5.0", 192, 128, True),
+    ("8.5.0", 72, 72, False), ("8.5.0", 80, 80, False), ("8.5.0", 32, 32, False), ("8.5.0", 256, 256, False),
+    ("8.5.0", 128, 64, False), ("9.0.0", 72, 72, False), ("8.3.RC1", 64, 64, True),
+    ("8.2.RC1", 192, 128, True), ("8.2.RC1", 192, 192, True), ("8.2.RC1", 128, 128, False),
+    ("8.2.RC1", 64, 64, False),
+])
+def test_fia_tnd_head_dims_follow_the_emulated_cann(monkeypatch, cann, dqk, dv, takes):
+    """TND head dims by CANN release: from 8.3 D in {64, 128, 192} (or 192 / 128), CANN's words
+    quoted in vllm-ascend PR #9632 and FlagOS sglang-plugin-FL for CANN 8.5 (a head-72 tower
+    fails); before 8.3 Dqk = 192 only (vllm-ascend issue #8045). Batched layouts are not bound."""
+    monkeypatch.setenv("NPU_SHIM_EMULATE_CANN", cann)
+    q, k, v = torch.randn(5, 2, dqk), torch.randn(5, 2, dqk), torch.randn(5, 2, dv)
+    call = lambda: torch_npu.npu_fused_infer_attention_score(   # noqa: E731
+        q, k, v, num_heads=2, input_layout="TND", scale=0.3, actual_seq_lengths=[2, 5],
+        actual_seq_lengths_kv=[2, 5])[0]
+    if takes:
+        assert call().shape == (5, 2, dv)
+    else:
+        with pytest.raises(ValueError, match=r"emulated CANN %s\): When layout is TND, queryD\(%d\)"
+                           % (cann.replace(".", r"\."), dqk)):
+            call()
+    if dqk == dv:    # BSND is not bound by the TND rule
+        qb = q[:4].reshape(1, 4, 2, dqk)
+        torch_npu.npu_fused_infer_attention_score(qb, qb, qb, num_heads=2, input_layout="BSND", scale=0.3)
+
+
+def test_emulated_cann_version_is_reported_and_checked(monkeypatch):
+    from torch_npu.npu.utils import get_cann_version
+    monkeypatch.delenv("NPU_SHIM_EMULATE_CANN", raising=False)
+    assert get_cann_version() == "8.5.0" and get_cann_version("DRIVER") == ""
+    monkeypatch.setenv("NPU_SHIM_EMULATE_CANN", "9.0.0")
+    assert get_cann_version(module="CANN") == "9.0.0"
+    monkeypatch.setenv("NPU_SHIM_EMULATE_CANN", "8.5")
+    with pytest.raises(ValueError, match="NPU_SHIM_EMULATE_CANN='8.5' is not a CANN version"):
+        get_cann_version()
 
 
 @pytest.mark.parametrize("lengths", [[3, 5], [64, 164], [5, 8, 8]],
@@ -123,12 +161,12 @@ def test_fia_tnd_lengths_must_end_at_the_query_tokens(lengths):
     hands it per-image lengths (increasing for two images of 3 and 5 tokens), fixed in 0.5.17 (PR
     #31867) by the cumulative ones."""
     t = {3: 8, 64: 200, 5: 9}[lengths[0]]
-    q = torch.randn(t, 2, 16)
+    q = torch.randn(t, 2, 64)
     with pytest.raises(ValueError, match=r"queryT\(%d\) must be equal to the last element" % t):
         torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=2, input_layout="TND", scale=0.3,
                                                   actual_seq_lengths=lengths, actual_seq_lengths_kv=lengths)
     ends = dense_segments([3, 5])[1:]            # the cumulative lengths of the same images run
-    q = torch.randn(8, 2, 16)
+    q = torch.randn(8, 2, 64)
     torch_npu.npu_fused_infer_attention_score(q, q, q, num_heads=2, input_layout="TND", scale=0.3,
                                               actual_seq_lengths=ends, actual_seq_lengths_kv=ends)
 

@@ -93,12 +93,12 @@ def test_paged_prefill_property(seqs, group, block_size, seed):
     kv_lens = [a + b for a, b in seqs]
     if sum(kv_lens) == 0:
         kv_lens[0] = 1
-    run_and_check(q_lens, kv_lens, 2 * group, 2, 32, 16, block_size, seed=seed)
+    run_and_check(q_lens, kv_lens, 2 * group, 2, 64, 64, block_size, seed=seed)   # a TND head dim
 
 
 def test_the_call_is_sglangs():
     q_lens, kv_lens = [3, 5], [10, 5]
-    q, k_cache, v_cache, table, _, _ = paged_case(q_lens, kv_lens, 4, 2, 32, 16, 16)
+    q, k_cache, v_cache, table, _, _ = paged_case(q_lens, kv_lens, 4, 2, 192, 128, 16)
     with record_npu_calls() as calls, count_host_syncs(device_tensors=[q, table]) as syncs:
         paged_prefill_attention(q, k_cache, v_cache, block_table=table, block_size=16, num_heads=4,
                                 num_kv_heads=2, scale=0.1, q_seq_lens=q_lens, kv_seq_lens=kv_lens)
@@ -110,8 +110,8 @@ def test_the_call_is_sglangs():
     assert kw["actual_seq_lengths"] == [3, 8] and kw["actual_seq_lengths_kv"] == [10, 5]
     assert kw["block_size"] == 16 and kw["num_heads"] == 4 and kw["num_key_value_heads"] == 2
     assert kw["atten_mask"] is compressed_causal_mask("cpu") and kw["atten_mask"].shape == (2048, 2048)
-    assert call.args[1].shape == (k_cache.shape[0] // 16, 16, 2 * 32)
-    assert call.args[2].shape == (v_cache.shape[0] // 16, 16, 2 * 16)
+    assert call.args[1].shape == (k_cache.shape[0] // 16, 16, 2 * 192)
+    assert call.args[2].shape == (v_cache.shape[0] // 16, 16, 2 * 128)
 
 
 @pytest.mark.parametrize("kwargs, word", [
@@ -121,7 +121,7 @@ def test_the_call_is_sglangs():
     (dict(q_seq_lens=[3, 5], kv_seq_lens=[10]), "sequences"),
 ])
 def test_errors(kwargs, word):
-    q, k_cache, v_cache, table, _, _ = paged_case([3, 5], [10, 5], 4, 2, 32, 16, 16)
+    q, k_cache, v_cache, table, _, _ = paged_case([3, 5], [10, 5], 4, 2, 64, 64, 16)
     with pytest.raises(ValueError, match=word):
         paged_prefill_attention(q, k_cache, v_cache, block_table=table, block_size=16, num_heads=4,
                                 num_kv_heads=2, scale=0.1, **kwargs)

@@ -114,6 +114,43 @@ def test_uninstall_restores_identical_objects_and_reinstall_reapplies(toy, run_p
     ''', register_first=False))
 
 
+def test_two_patches_on_one_attribute_stack_and_uninstall_puts_back_upstreams(toy, run_python):
+    """The second patch wraps what the first left (registration order); uninstall reverts newest
+    first, so upstream's object is back whatever the order of registration was. Caught once with
+    disarm reverting oldest first: greet was left as the first patch's replacement."""
+    run_python(script(toy, '''
+        import toy_target
+        greet = toy_target.greet
+        def outer(module):
+            inner = module.greet
+            return {"greet": lambda: "outer(" + inner() + ")"}
+        npu_shim.register(Patch(name="toy.first", target="toy_target", replaces=("greet",),
+                                requires={"toy-target": ">=1"}, build=lambda m: {"greet": lambda: "first"}))
+        npu_shim.register(Patch(name="toy.second", target="toy_target", replaces=("greet",),
+                                requires={"toy-target": ">=1"}, build=outer))
+        assert toy_target.greet() == "outer(first)"
+        npu_shim.uninstall()
+        assert toy_target.greet is greet, toy_target.greet()
+    ''', register_first=False))
+
+
+def test_a_patch_notes_its_run_time_decisions_in_status(toy, run_python):
+    """FamilyContext.note: one line per key (the last kept), in status()'s "notes" and the CLI's reason
+    column; caught once with the notes left out of the status row."""
+    out = run_python(script(toy, '''
+        from npu_shim.patch import FamilyContext
+        from npu_shim.cli import _status_table
+        import toy_target
+        context = FamilyContext("toy.patch")
+        context.note("cann", "CANN 1.0 read")
+        context.note("page", "page 8 stays upstream")
+        context.note("cann", "CANN 8.5.0 read")
+        assert row()["notes"] == ["CANN 8.5.0 read", "page 8 stays upstream"], row()["notes"]
+        print(_status_table([row()]))
+    '''))
+    assert "; CANN 8.5.0 read; page 8 stays upstream" in out.stdout, out.stdout
+
+
 @pytest.mark.parametrize(
     "requires, reason",
     [

@@ -47,7 +47,7 @@ def fusion_attention_positional(op, lengths, arg):
 
 
 def fused_infer_attention(op, lengths, arg):
-    q = torch.randn(7, N, D, dtype=DTYPE)
+    q = torch.randn(7, N, 64, dtype=DTYPE)    # FIA TND takes head dims 64, 128, 192
     host = {"actual_seq_lengths": [3, 7], "actual_seq_lengths_kv": [3, 7]}
     host[arg] = lengths
     op(q, q, q, num_heads=N, scale=0.25, input_layout="TND", **host)

@@ -31,6 +31,21 @@ FIA
 * GQA via ``num_key_value_heads`` (0 = ``num_heads``), ratio <= 64.
 * Value head dim != key head dim is accepted with TND (documented there, e.g.
   Dqk=192 / Dv=128); other layouts require equal key/value shapes.
+* TND head dims, by the emulated CANN release (``NPU_SHIM_EMULATE_CANN``,
+  npu_shim.emulation.soc; default 8.5.0): from CANN 8.3 query, key and value
+  share D in {64, 128, 192}, or Dqk = 192 with Dv = 128. CANN's own message, quoted
+  in vllm-ascend PR #9632: "When layout is TND, queryD(256), keyD(256) and
+  valueD(256) must be same equal 192/128/64, or queryD and keyD equal 192 and
+  valueD equal 128"; FlagOS sglang-plugin-FL (``patches/vision.py``) states the same
+  set for CANN 8.5, where a head-72 vision tower fails on sglang 0.5.18 (vllm-ascend
+  pads 64 < D < 128 to 128 for this op). Before CANN 8.3 TND took Dqk = 192 only
+  (Dv 192 or 128): the message vllm-ascend issue #8045 quotes ("When layout is TND,
+  queryD(128) or keyD(128) must be 192, valueD(128) must be 192/128!"), which its
+  reporter matched to the torch_npu 7.1.0 reference (CANN 8.2.RC1) against 7.2.0's.
+* Paged KV: ``block_size`` a multiple of 16 (no quantisation): "In NO_QUANT
+  situation, block_size should aligned to 16, but got 1" (sglang issue #25169,
+  aclnnFusedInferAttentionScoreV4; sglang PR #29815 validates ``page_size % 16``
+  for FIA on that evidence).
 
 IFA
 * Query S must be 1: BSH (B, 1, H), BSND (B, 1, N, D), BNSD (B, N, 1, D); the
@@ -47,6 +62,7 @@ Not implemented (NotImplementedError naming the argument): ``pse_shift``,
 import torch
 
 from npu_shim.emulation import _common as C
+from npu_shim.emulation import soc
 from npu_shim.emulation._engine import Band, Explicit, attend_segment
 
 FIA = "npu_fused_infer_attention_score"
@@ -54,6 +70,10 @@ IFA = "npu_incre_flash_attention"
 FIA_LAYOUTS = ("BSH", "BSND", "BNSD", "BNSD_BSND", "TND")
 IFA_LAYOUTS = ("BSH", "BSND", "BNSD")
 MAX_GQA_RATIO = 64
+# TND head dims by CANN release (module docstring): from TND_WIDE_SINCE these, or Dqk 192 / Dv 128
+TND_HEAD_DIMS = (64, 128, 192)
+TND_WIDE_SINCE = (8, 3)
+FIA_BLOCK_ALIGN = 16     # paged KV, no quantisation
 # Arguments torch_npu reads on the host (a device tensor there is a device->host read
 # inside the op call, which npu_shim.testing.syncs counts). FIA: SymInt[]? in the API
 # reference (hiascend.com/document/detail/zh/Pytorch/700/apiref/apilist/ptaoplist_001232.html);
@@ -142,6 +162,9 @@ def _kv_sources(op, key, value, n, nkv, b, layout, block_table, block_size, kv_l
     if block_table is not None:
         if kv_lens_arg is None:
             raise ValueError("%s: paged attention (block_table) requires the per-batch KV lengths" % op)
+        if op == FIA and block_size % FIA_BLOCK_ALIGN:
+            raise ValueError("%s: In NO_QUANT situation, block_size should aligned to %d, but got %d"
+                             % (op, FIA_BLOCK_ALIGN, block_size))
         kc = C.paged_cache_view(op, key, "key cache", block_size, nkv, allow_bnsd_cache)
         vc = C.paged_cache_view(op, value, "value cache", block_size, nkv, allow_bnsd_cache)
         if kc.shape[0] != vc.shape[0]:
@@ -260,6 +283,7 @@ def _fia_tnd(query, key, value, n, nkv, atten_mask, q_cum, kv_arg, block_table, 
         vs = [value[s:e] for s, e in seg_kv]
         kv_lens = [e - s for s, e in seg_kv]
         dv = value.shape[2]
+    check_tnd_head_dims(dq, dv)
     out = torch.zeros((t, n, dv), dtype=query.dtype, device=query.device)
     lse = torch.full((t, n, 1), float("-inf"), dtype=torch.float32, device=query.device)
     for (q0, q1), k_rows, v_rows, kl in zip(seg_q, ks, vs, kv_lens):
@@ -268,6 +292,22 @@ def _fia_tnd(query, key, value, n, nkv, atten_mask, q_cum, kv_arg, block_table, 
         attend_segment(query[q0:q1], k_rows, v_rows, out[q0:q1], scale=scale, masks=specs,
                        lse_out=lse[q0:q1, :, 0])
     return out, _lse_result(lse, lse_flag, query)
+
+
+def check_tnd_head_dims(dqk, dv):
+    """The TND head-dim rule of the emulated CANN release (module docstring); ValueError in
+    CANN's words otherwise."""
+    version = soc.cann_version()
+    if soc.parse_cann(version) >= TND_WIDE_SINCE:
+        if dqk == dv and dqk in TND_HEAD_DIMS or (dqk, dv) == (192, 128):
+            return
+        raise ValueError("%s (emulated CANN %s): When layout is TND, queryD(%d), keyD(%d) and valueD(%d) "
+                         "must be same equal 192/128/64, or queryD and keyD equal 192 and valueD equal 128"
+                         % (FIA, version, dqk, dqk, dv))
+    if dqk == 192 and dv in (192, 128):
+        return
+    raise ValueError("%s (emulated CANN %s): When layout is TND, queryD(%d) or keyD(%d) must be 192, "
+                     "valueD(%d) must be 192/128!" % (FIA, version, dqk, dqk, dv))
 
 
 def _tnd_segments(cum, total, name):

@@ -13,6 +13,11 @@ Event names (one counter each, per patch):
 
 The family that applied is the engine's record (``registry``), not a counter.
 
+Notes: what a patch decided at run time and why, in words (:func:`note`, one line per
+key, the last one kept), e.g. the CANN release it read and what that means for its path,
+or why a call of some shape stays with upstream. ``npu-shim status`` and
+``npu_shim.status()`` show them beside the patch's reason.
+
 Per process: a forked child starts from zero (its parent's counts are the
 parent's). ``npu_shim.stats()`` reads them with each patch's state;
 ``NPU_SHIM_EXIT_SUMMARY=1`` prints one line per applied patch at exit.
@@ -25,11 +30,12 @@ from collections import Counter, defaultdict
 
 from npu_shim import _fork
 
-__all__ = ["count", "snapshot", "reset"]
+__all__ = ["count", "snapshot", "reset", "note", "notes"]
 
 EVENTS = ("calls", "upstream_calls", "host_copies", "upstream_host_copies")
 
 _counts = defaultdict(Counter)   # patch name -> Counter(event -> n)
+_notes = defaultdict(dict)       # patch name -> {key: text}, in the order first noted
 _lock = _thread.allocate_lock()
 
 
@@ -49,10 +55,23 @@ def snapshot():
     return {name: dict(empty_row(), **counts[name]) for name in sorted(counts)}
 
 
+def note(patch, key, text):
+    """Record ``text`` as what ``patch`` decided about ``key`` (replacing an earlier note of it)."""
+    with _lock:
+        _notes[patch][key] = text
+
+
+def notes(patch):
+    """The notes of ``patch``, oldest key first."""
+    with _lock:
+        return list(_notes[patch].values()) if patch in _notes else []
+
+
 def reset():
-    """Zero every counter."""
+    """Zero every counter and drop every note."""
     with _lock:
         _counts.clear()
+        _notes.clear()
 
 
 def _after_fork_in_child():
@@ -60,6 +79,7 @@ def _after_fork_in_child():
     global _lock
     _lock = _thread.allocate_lock()
     _counts.clear()
+    _notes.clear()
 
 
 _fork.reset_in_child(_after_fork_in_child)

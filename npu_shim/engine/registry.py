@@ -161,7 +161,9 @@ def _arm_one(record: Record, settings) -> None:
 
 def disarm() -> None:
     with _startup_state.lock:
-        for record in _records.values():
+        # newest first: patches that replace one attribute stack in registration order (each
+        # wraps what the one before it left), so each must put back what it found there
+        for record in reversed(list(_records.values())):
             if record.undo is not None:
                 revert(record.undo)
                 record.undo = None
@@ -328,6 +330,8 @@ def status(import_targets: bool = False) -> list:
                 "release": release,
                 "read_as": guards.read_as(patch, versions),
                 "reason": reason,
+                # what the patch decided at run time and why (FamilyContext.note)
+                "notes": counters.notes(patch.name),
                 "requires": dict(patch.requires),
                 "versions": versions,
                 "needs_npu": patch.needs_npu,

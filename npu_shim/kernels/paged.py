@@ -7,7 +7,9 @@ with ``sparse_mode=3`` (causal, query rows aligned to the *end* of each
 sequence's KV), ``next_tokens=0``, *cumulative* per-sequence query lengths and
 *per-sequence* KV lengths, all as Python ints. :func:`paged_prefill_attention`
 is that call, with the lengths validated on the host and the value head dim
-allowed to differ from the query/key head dim.
+allowed to differ from the query/key head dim. The op's own rules stand: TND head
+dims 64, 128 or 192 (or 192 / 128) from CANN 8.3, a ``block_size`` that is a multiple
+of 16 (npu_shim.emulation.fused_infer_attention).
 """
 import functools
 import operator

@@ -34,6 +34,8 @@ BUILTIN_PATCHES = (
     ("sglang.small_page_fia", "npu_shim.patches.sglang.small_page_fia"),
     ("sglang.vision_host_lengths", "npu_shim.patches.sglang.vision_host_lengths"),
     ("sglang.vision_device_lengths", "npu_shim.patches.sglang.vision_device_lengths"),
+    # after the two above: it wraps the forward they leave (their replacements keep upstream's FIA call)
+    ("sglang.vision_head_pad", "npu_shim.patches.sglang.vision_head_pad"),
     ("sglang.qwen2_5_vl_host_lengths", "npu_shim.patches.sglang.qwen2_5_vl_host_lengths"),
     ("sglang.qwen2_5_vl_rotary_ids", "npu_shim.patches.sglang.qwen2_5_vl_rotary_ids"),
     ("sglang.glm4v_host_lengths", "npu_shim.patches.sglang.glm4v_host_lengths"),

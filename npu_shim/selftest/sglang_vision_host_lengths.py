@@ -19,6 +19,7 @@ def run(device=None):
 
     import torch
 
+    from npu_shim.patches._shared.structure import upstream_of
     from npu_shim.selftest import applied_target
     from npu_shim.testing import sglang_vision
 
@@ -28,7 +29,8 @@ def run(device=None):
     err, syncs, layouts = 0.0, 0, []
     started = time.perf_counter()
     with sglang_vision.npu_platform() as vision:
-        padded_family = "valid_indices" in vision.VisionAscendAttention.forward.__wrapped_upstream__.__code__.co_varnames
+        upstream = upstream_of(vision.VisionAscendAttention.forward)
+        padded_family = "valid_indices" in upstream.__code__.co_varnames
         for padded in (False, True) if padded_family else (False,):
             case = sglang_vision.make_case(LENGTHS, padded=padded, dtype=dtype)
             if device != "cpu":

@@ -74,8 +74,9 @@ class Spec:
     page_size: int = 16
     num_heads: int = 4
     num_kv_heads: int = 4
-    qk_head_dim: int = 32
-    v_head_dim: int = 32
+    # FIA's TND takes head dims 64/128/192 (or 192 / 128) from CANN 8.3; the smallest by default
+    qk_head_dim: int = 64
+    v_head_dim: int = 64
     prefix_lens: tuple = ()
     cp_size: int = 2
     dtype: torch.dtype = torch.bfloat16     # A2's (FIA is not documented for 310P); no float32 there

@@ -18,11 +18,13 @@ import types
 import pytest
 
 from npu_shim.patch import FamilyContext, TargetMismatch
+from npu_shim.patches._shared.structure import upstream_of
 from npu_shim.patches.sglang import cp_fia_host_lengths, vision_host_lengths
 
 
 def upstream(function):
-    return getattr(function, "__wrapped_upstream__", function)
+    # under every replacement: sglang.vision_head_pad wraps sglang.vision_host_lengths' forward
+    return upstream_of(function)
 
 
 def copied(tmp_path, name, class_name, function, change=None):

@@ -68,17 +68,17 @@ def _specs():
                                   seed=bs * 100 + page + n))
     specs += [
         # value head dim != key head dim (diff-KV), with GQA
-        Spec(extend_lens=(21, 52, 37), page_size=16, num_heads=8, num_kv_heads=2, qk_head_dim=64,
-             v_head_dim=32, seed=7),
-        Spec(extend_lens=(150, 12), page_size=128, num_heads=4, num_kv_heads=1, qk_head_dim=48,
-             v_head_dim=64, seed=8),
+        Spec(extend_lens=(21, 52, 37), page_size=16, num_heads=8, num_kv_heads=2, qk_head_dim=192,
+             v_head_dim=128, seed=7),
+        Spec(extend_lens=(150, 12), page_size=128, num_heads=4, num_kv_heads=1, qk_head_dim=192,
+             v_head_dim=128, seed=8),
         # cached prefixes (radix-cache hits): kv lengths exceed the new tokens
         Spec(extend_lens=(26, 41, 18), prefix_lens=(16, 0, 35), page_size=16, num_heads=4,
              num_kv_heads=2, seed=9),
         # half precision as served
         Spec(extend_lens=(40, 23), page_size=16, num_heads=8, num_kv_heads=2, dtype=torch.float16, seed=10),
-        Spec(extend_lens=(31, 58, 12), page_size=128, num_heads=4, num_kv_heads=4, qk_head_dim=64,
-             v_head_dim=32, dtype=torch.bfloat16, seed=11),
+        Spec(extend_lens=(31, 58, 12), page_size=128, num_heads=4, num_kv_heads=4, qk_head_dim=192,
+             v_head_dim=128, dtype=torch.bfloat16, seed=11),
     ]
     return specs
 

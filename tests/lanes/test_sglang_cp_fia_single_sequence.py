@@ -54,7 +54,7 @@ def single_sequence_metadata(spec, rank):
 @pytest.mark.parametrize("spec", [
     cp_case.Spec(extend_lens=(45,), page_size=16, seed=1),
     cp_case.Spec(extend_lens=(130,), prefix_lens=(37,), page_size=128, num_heads=8, num_kv_heads=2,
-                 qk_head_dim=48, v_head_dim=32, seed=2),
+                 qk_head_dim=192, v_head_dim=128, seed=2),
 ], ids=lambda s: s.label())
 def test_upstream_single_sequence_method_is_correct_for_one_sequence(module, spec):
     from sglang.srt.layers.utils.cp_utils import cp_split_and_rebuild_data

@@ -12,7 +12,8 @@ real):
   arguments and a bit-identical result, as upstream's ``forward_extend`` with
   ``ASCEND_USE_FIA=1`` -- and matches the float64 causal reference (cached
   prefixes, GQA, shuffled pages, float16);
-* page sizes 128, 256: upstream's ``_npu_flash_attention_qlens`` call, with the
+* page sizes 128, 256, and 8, 24 (not multiples of 16, which FIA's block_size must be):
+  upstream's ``_npu_flash_attention_qlens`` call, with the
   arguments upstream passes (recorded with ``unemulated_op``: the emulation
   has no qlens op, and none is emulated without documented semantics);
 * ``ASCEND_USE_FIA`` set explicitly (0 or 1) is respected;
@@ -197,6 +198,26 @@ def test_pages_of_128_and_more_keep_the_qlens_call(modules, methods, page_size):
     _, up_calls, _ = _prefill(modules, upstream, spec)
     assert [c.name for c in calls] == [c.name for c in up_calls] == [QLENS]
     _same_arguments(up_calls[0], calls[0])
+
+
+@pytest.mark.parametrize("page_size", [8, 24])
+def test_pages_that_are_not_multiples_of_16_keep_the_qlens_call(modules, methods, page_size):
+    """FIA takes the page size as its block_size, a multiple of 16 without quantisation (sglang
+    #25169, PR #29815): such pages keep upstream's qlens call, and status says why. Upstream's own
+    FIA branch (ASCEND_USE_FIA=1) fails there in the emulated op, as the op does."""
+    from npu_shim.testing.claims import status_row
+
+    upstream, patched = methods
+    spec = cp_case.Spec(extend_lens=(37, 20), prefix_lens=(0, 16), page_size=page_size, num_heads=8,
+                        num_kv_heads=2, qk_head_dim=128, v_head_dim=128, seed=page_size)
+    _, calls, _ = _prefill(modules, patched, spec)
+    _, up_calls, _ = _prefill(modules, upstream, spec)
+    assert [c.name for c in calls] == [c.name for c in up_calls] == [QLENS]
+    _same_arguments(up_calls[0], calls[0])
+    assert "page size %d is not a multiple of 16: FIA's block_size must be" % page_size in \
+        " ".join(status_row(NAME)["notes"])
+    with pytest.raises(ValueError, match="block_size should aligned to 16, but got %d" % page_size):
+        _prefill(modules, upstream, spec, use_fia=True)
 
 
 @pytest.mark.parametrize("value, expected_op", [("0", QLENS), ("false", QLENS), ("1", FIA)])

@@ -19,6 +19,7 @@ import os
 import pytest
 
 import npu_shim
+from npu_shim.patches._shared.structure import replacement_of, upstream_of
 from npu_shim.patches.sglang import vision_device_lengths as declaration
 from npu_shim.testing import claims
 
@@ -43,15 +44,15 @@ def vision():
 
 
 def _upstream(vision):
-    forward = vision.VisionAscendAttention.forward
-    return getattr(forward, "__wrapped_upstream__", forward)
+    return upstream_of(vision.VisionAscendAttention.forward)
 
 
 def test_applies_with_the_family_whose_fence_admits_this_release(vision):
     row = next(r for r in npu_shim.status() if r["name"] == NAME)
     family = claims.claimed_family(NAME)
     assert row["state"] == "applied" and row["family"] == family.name, row
-    assert getattr(vision.VisionAscendAttention.forward, "__npu_shim_patch__", None) == NAME
+    # sglang.vision_head_pad, where it applies, wraps this patch's forward
+    assert replacement_of(vision.VisionAscendAttention.forward, NAME) is not None
     assert not hasattr(vision, declaration.METADATA)
     op = family.load().op
     assert op in _upstream(vision).__code__.co_names
@@ -124,7 +125,7 @@ def test_uninstall_restores_upstream(vision):
         assert vision.VisionAscendAttention.__dict__["forward"] is upstream
     finally:
         npu_shim.install()
-    assert vision.VisionAscendAttention.__dict__["forward"].__npu_shim_patch__ == NAME
+    assert replacement_of(vision.VisionAscendAttention.__dict__["forward"], NAME) is not None
     assert patched is not vision.VisionAscendAttention.__dict__["forward"]
 
 
@@ -135,8 +136,9 @@ def test_switched_off_is_upstream_and_strict_raises_on_another_shape(vision, run
         "import json, importlib, npu_shim\n"
         "m = importlib.import_module(%r)\n"
         "rows = {r['name']: [r['state'], r['reason']] for r in npu_shim.status()}\n"
+        "from npu_shim.patches._shared.structure import replacement_of\n"
         "f = m.VisionAscendAttention.__dict__['forward']\n"
-        "print(json.dumps([rows[%r], hasattr(f, '__npu_shim_patch__')]))" % (TARGET, NAME),
+        "print(json.dumps([rows[%r], replacement_of(f, %r) is not None]))" % (TARGET, NAME, NAME),
         env=make_env(NPU_SHIM_EMULATE="1", NPU_SHIM_DISABLE=NAME, PYTHONPATH=placeholders), timeout=600)
     row, patched = json.loads(off.stdout.strip().splitlines()[-1])
     assert row == ["disabled", "listed in NPU_SHIM_DISABLE"] and patched is False

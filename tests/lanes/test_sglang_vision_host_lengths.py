@@ -23,6 +23,7 @@ import os
 import pytest
 
 import npu_shim
+from npu_shim.patches._shared.structure import replacement_of, upstream_of
 from npu_shim.patches.sglang import vision_host_lengths as declaration
 from npu_shim.testing import claims
 
@@ -57,7 +58,7 @@ def _upstream(vision):
     """(upstream's metadata function, upstream's forward) of the installed release."""
     prepare = getattr(vision, "prepare_vision_attention_metadata", None)
     forward = vision.VisionAscendAttention.forward
-    return getattr(prepare, "__wrapped_upstream__", prepare), getattr(forward, "__wrapped_upstream__", forward)
+    return getattr(prepare, "__wrapped_upstream__", prepare), upstream_of(forward)
 
 
 def _padded_layout():
@@ -70,7 +71,8 @@ def test_applies_with_the_family_whose_fence_admits_this_release(vision):
     row = next(r for r in npu_shim.status() if r["name"] == NAME)
     assert row["state"] == "applied", row
     assert row["family"] == _family().name
-    assert getattr(vision.VisionAscendAttention.forward, "__npu_shim_patch__", None) == NAME
+    # sglang.vision_head_pad, where it applies, wraps this patch's forward
+    assert replacement_of(vision.VisionAscendAttention.forward, NAME) is not None
 
 
 def _cases():
@@ -167,7 +169,7 @@ def test_uninstall_restores_upstream_and_a_name_bound_before_forwards(vision):
         assert declaration.HOST_ATTR not in vars(meta)
     finally:
         npu_shim.install()
-    assert vision.VisionAscendAttention.__dict__["forward"].__npu_shim_patch__ == NAME
+    assert replacement_of(vision.VisionAscendAttention.__dict__["forward"], NAME) is not None
     assert forward_patched is not vision.VisionAscendAttention.__dict__["forward"]
 
 
@@ -178,9 +180,10 @@ def test_switched_off_is_upstream_and_strict_raises_on_another_shape(vision, run
         "import json, importlib, npu_shim\n"
         "m = importlib.import_module(%r)\n"
         "rows = {r['name']: [r['state'], r['reason']] for r in npu_shim.status()}\n"
+        "from npu_shim.patches._shared.structure import replacement_of\n"
         "f = m.VisionAscendAttention.__dict__['forward']\n"
-        "print(json.dumps([rows[%r], hasattr(f, '__npu_shim_patch__'), "
-        "hasattr(m.prepare_vision_attention_metadata, '__wrapped_upstream__')]))" % (TARGET, NAME),
+        "print(json.dumps([rows[%r], replacement_of(f, %r) is not None, "
+        "hasattr(m.prepare_vision_attention_metadata, '__wrapped_upstream__')]))" % (TARGET, NAME, NAME),
         env=make_env(NPU_SHIM_EMULATE="1", NPU_SHIM_DISABLE=NAME, PYTHONPATH=placeholders), timeout=600)
     row, forward_patched, prepare_patched = json.loads(off.stdout.strip().splitlines()[-1])
     assert row == ["disabled", "listed in NPU_SHIM_DISABLE"]
@@ -219,5 +222,5 @@ def test_outside_the_window_skipped_and_host_lengths_cost_nothing_upstream(visio
         assert sglang_vision.error(case, out) <= sglang_vision.TOLERANCES[torch.bfloat16]
         forward = vision.VisionAscendAttention.forward      # sglang.vision_device_lengths' there
         _, syncs, _ = sglang_vision.run_layers(vision, case, LAYERS, device_lengths=True,
-                                               forward=getattr(forward, "__wrapped_upstream__", forward))
+                                               forward=upstream_of(forward))
         assert syncs.count == LAYERS, syncs.events

@@ -76,3 +76,26 @@ def expect_own_body(module, class_name, name, digests, what):
     replaces that very function (:func:`found`)."""
     function = own_function(module_class(module, class_name), name)
     return {"%s.%s" % (class_name, name): expect_body(function, digests, what)}
+
+
+def upstream_of(function, limit=16):
+    """Upstream's function under the shim's replacements of it: each replacement names the one it
+    stands in for (``__wrapped_upstream__``, :meth:`FamilyContext.present`), and patches that
+    replace one attribute stack, the later wrapping the earlier."""
+    for _ in range(limit):
+        inner = getattr(function, "__wrapped_upstream__", None)
+        if inner is None:
+            break
+        function = inner
+    return function
+
+
+def replacement_of(function, patch, limit=16):
+    """The replacement made by ``patch`` among ``function`` and the replacements under it, or None."""
+    for _ in range(limit):
+        if function is None:
+            return None
+        if getattr(function, "__npu_shim_patch__", None) == patch:
+            return function
+        function = getattr(function, "__wrapped_upstream__", None)
+    return None

@@ -26,7 +26,13 @@ How: wrap ``AscendAttnBackend.forward_extend``. A call that upstream would
   ``(-1, page_size, heads * head_dim)``); the FIA mask and host lengths it
   reads are built by ``init_forward_metadata`` whether or not FIA is on.
   Page size 128 and above keep the qlens op (right there, and upstream's
-  fast path). ``ASCEND_USE_FIA`` set to anything is respected as is.
+  fast path). So do page sizes that are not a multiple of 16: FIA takes the
+  page size as its ``block_size``, which must be a multiple of 16 without
+  quantisation (the op: "In NO_QUANT situation, block_size should aligned to
+  16, but got 1", sglang issue #25169; sglang PR #29815, open, refuses such
+  page sizes for the ascend backend at start-up on that evidence), so FIA
+  would fail where qlens runs; status notes the page size and the reason at
+  the first such call. ``ASCEND_USE_FIA`` set to anything is respected as is.
   ``NPU_SHIM_SGLANG_SMALL_PAGE_FIA=0`` turns the patch off.
 Upstream fix: sglang PR #39905 (open, not in any release up to 0.5.23).
 Remove when: the pinned sglang carries PR #39905 (or qlens is fixed in CANN
@@ -36,7 +42,8 @@ What the tests can and cannot show: the torch_npu emulation computes what the
 documentation says, so it cannot show the op bug; it is taken from the
 hardware evidence above (the one exception to "reproduce first"). The tests
 check the dispatch: page sizes 16/32/64 reach ``npu_fused_infer_attention_score``
-and match the float64 reference; 128 and 256 make upstream's qlens call.
+and match the float64 reference; 128 and 256, and 8 and 24 (not multiples of 16),
+make upstream's qlens call.
 
 Release families (each fenced by version and accepted by the structure of
 ``forward_extend``: the conditions of its ``if`` statements, compared as syntax
@@ -78,8 +85,10 @@ SGLANG_FIA_SWITCH = "ASCEND_USE_FIA"
 QLENS_OP = "_npu_flash_attention_qlens"
 FIA_OP = "npu_fused_infer_attention_score"
 FIA_KEPT = ("sglang's own FIA prefill branch of the release (npu_fused_infer_attention_score), "
-            "as with ASCEND_USE_FIA=1; page size >= 128 keeps _npu_flash_attention_qlens")
+            "as with ASCEND_USE_FIA=1; page size >= 128, or not a multiple of 16, keeps "
+            "_npu_flash_attention_qlens")
 SMALLEST_SAFE_PAGE = 128   # PR #39905: qlens right at 128, wrong at 16/32/64
+FIA_PAGE_ALIGN = 16        # FIA's block_size without quantisation (sglang #25169, PR #29815)
 # The wrapper reads these by position and name, as every release read declares them.
 PARAMETERS = ("self", "q", "k", "v", "layer", "forward_batch", "save_kv_cache", "q_rope", "k_rope",
               "topk_indices", "sinks")
@@ -256,6 +265,11 @@ class FiaPrefillView:
                              % (self._patch, name))
 
 
+# status note for a page size FIA cannot take (stable words: tests read them)
+UNALIGNED_PAGE = ("page size %%d is not a multiple of %d: FIA's block_size must be (sglang #25169, PR #29815), "
+                  "so the prefill keeps upstream's _npu_flash_attention_qlens call" % FIA_PAGE_ALIGN)
+
+
 def sglang_fia_explicit(environ=os.environ) -> bool:
     return environ.get(SGLANG_FIA_SWITCH, "").strip() != ""
 
@@ -265,8 +279,13 @@ def make_forward_extend(original, family, context):
                        k_rope=None, topk_indices=None, sinks=None, *args, **kwargs):
         if (self.page_size < SMALLEST_SAFE_PAGE and not self.use_fia and not sglang_fia_explicit()
                 and family.reaches_qlens(self, layer, forward_batch, topk_indices, sinks)):
-            context.count("calls")
-            backend = FiaPrefillView(self, context.patch)
+            if self.page_size % FIA_PAGE_ALIGN:
+                context.note("page-%d" % self.page_size, UNALIGNED_PAGE % self.page_size)
+                context.count("upstream_calls")
+                backend = self
+            else:
+                context.count("calls")
+                backend = FiaPrefillView(self, context.patch)
         else:
             context.count("upstream_calls")
             backend = self
@@ -291,7 +310,8 @@ PATCH = Patch(
         Family(__name__ + ":SWA_FIA", fence=">=0.5.14,<0.5.15", keeps=FIA_KEPT),
         Family(__name__ + ":SWA_FIA_FA", fence=">=0.5.15", keeps=FIA_KEPT),
     ),
-    summary="prefill with page size < 128 goes through sglang's FIA path, not the legacy qlens op",
+    summary="prefill with page size < 128 (a multiple of 16, as FIA's block_size must be) goes through sglang's "
+            "FIA path, not the legacy qlens op",
     # None: forward_extend's FIA route takes its lengths from the metadata's host lists.
     selftest=Selftest("npu_shim.selftest.sglang_small_page_fia", host_syncs=0),
 )

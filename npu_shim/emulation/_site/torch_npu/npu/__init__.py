@@ -3,7 +3,8 @@
 ``is_available()`` is False and ``device_count()`` 0, so frameworks keep tensors
 on CPU/CUDA; ``get_soc_version()`` / ``get_device_name()`` report the emulated
 SoC (``NPU_SHIM_EMULATE_SOC``, default Ascend910B1) so kernels can choose their
-path by device capability. Streams and events are synchronous no-ops (see
+path by device capability; ``utils.get_cann_version()`` the emulated CANN release
+(``NPU_SHIM_EMULATE_CANN``). Streams and events are synchronous no-ops (see
 ``streams``).
 
 Import placeholders (npu_shim.emulation.placeholders) for graph capture, which
@@ -14,10 +15,10 @@ import contextlib
 
 from npu_shim.emulation import soc as _soc
 from npu_shim.emulation.placeholders import placeholder_class as _placeholder_class
-from torch_npu.npu import streams
+from torch_npu.npu import streams, utils
 from torch_npu.npu.streams import Event, Stream
 
-__all__ = ["Event", "ExternalEvent", "NPUGraph", "Stream", "streams", "is_available", "device_count", "get_soc_version",
+__all__ = ["Event", "ExternalEvent", "NPUGraph", "Stream", "streams", "utils", "is_available", "device_count", "get_soc_version",
            "get_device_name", "current_stream", "default_stream", "synchronize", "stream"]
 
 NPUGraph = _placeholder_class("torch.npu.NPUGraph")
