@@ -151,3 +151,40 @@ def _from_init_pools(config, tokens, page_size, layers, dtype):
     except PoolBuilt:
         return runner.token_to_kv_pool
     raise AssertionError("_init_pools returned without building token_to_kv_pool")
+
+
+# -- one prefill through AscendAttnBackend.forward_extend on the built pool ----------------------
+
+BACKEND = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
+
+
+def fill_prefixes(pool, batch):
+    """The batch's cached prefixes (and garbage in the slots nobody owns, and in the new tokens'
+    slots, which ``set_kv_buffer`` must overwrite) in layer 0 of ``pool``."""
+    spec = batch.spec
+    slots = batch.k_cache.shape[0]
+    pool.get_key_buffer(0).view(slots, spec.num_kv_heads, spec.qk_head_dim).copy_(batch.k_cache)
+    pool.get_value_buffer(0).view(slots, spec.num_kv_heads, spec.v_head_dim).copy_(batch.v_cache)
+
+
+def extend_inputs(batch, pool, use_fia):
+    """(backend, layer, forward_batch, q, k, v) for one plain prefill of ``batch`` whose new tokens'
+    K/V the call writes into ``pool`` (``save_kv_cache=True``)."""
+    from npu_shim.testing import cp_case
+
+    module = importlib.import_module(BACKEND)
+    spec = batch.spec
+    forward_batch = cp_case.make_forward_batch(batch, None)
+    total = sum(spec.extend_lens)
+    forward_batch.num_token_non_padded_cpu = total
+    forward_batch.global_num_token_non_padded_cpu = total
+    forward_batch.token_to_kv_pool = pool
+    backend = cp_case.make_backend(module, batch, forward_batch)
+    backend.use_fia = use_fia
+    backend.use_mla = backend.use_alibi = backend.use_fa = backend.is_dllm_model = False
+    backend.attn_cp_size = 1
+    backend.token_to_kv_pool = pool
+    backend.native_attn = module.AscendTorchNativeAttnBackend()
+    backend.mask = module.AscendAttnMaskBuilder.generate_attn_mask(128, "norm", spec.dtype)
+    k_new, v_new = batch.packed_new_kv()      # (T, Nkv, D) / (T, Nkv, Dv), as RadixAttention passes them
+    return backend, cp_case.make_layer(spec), forward_batch, batch.packed_q(), k_new, v_new
