@@ -16,7 +16,9 @@ file. Each anchor must be found exactly ``count`` times: missing, or found more 
 :class:`~npu_shim.patch.TargetMismatch` names the function and the anchor. Before editing, the
 unedited source is compiled the same way and must give the very code object the interpreter runs
 (bytecode and names), so an edit never applies to source that is not the code in use (a file
-changed after import, a wrapper's source).
+changed after import, a wrapper's source). :class:`AddKeyword` names a
+callee instead (``"Pool"``) and adds one keyword argument to each call of it, where upstream's call
+leaves an argument out.
 
 The edited function runs in upstream's module globals (the live dict, not a copy) and shares the
 original's closure cells, ``__class__`` included (zero-argument ``super()`` works); its defaults,
