@@ -10,8 +10,8 @@ import traceback
 import pytest
 
 from npu_shim.patch import TargetMismatch
-from npu_shim.patches._shared.source_edit import (InsertAfter, InsertBefore, Replace, ReplaceExpression,
-                                                  edit_function, edited_source)
+from npu_shim.patches._shared.source_edit import (AddKeyword, InsertAfter, InsertBefore, Replace,
+                                                  ReplaceExpression, edit_function, edited_source)
 
 UPSTREAM = '''
 from __future__ import annotations
@@ -161,6 +161,22 @@ def test_an_expression_is_replaced_where_it_is_read(upstream):
     assert forward(upstream.Tower(), [1, 2]) == 12
     with pytest.raises(ValueError, match="assigned to"):
         edit_function(upstream.Tower.forward, [ReplaceExpression("total", "other")])
+
+
+def test_a_keyword_is_added_to_each_call_of_the_callee(upstream):
+    forward = edit_function(upstream.Tower.forward, [AddKeyword("sum", keyword="start", value="100 * scale")])
+    assert forward(upstream.Tower(), [1, 2]) == (3 + 200) * 2
+    assert "sum(lengths, start=100 * scale)" in edited_source(upstream.Tower.forward,
+                                                              [AddKeyword("sum", keyword="start", value="100 * scale")])
+    # a call that passes the keyword already is upstream's: refused
+    with pytest.raises(TargetMismatch, match="passes start already"):
+        edit_function(upstream.Tower.forward, [AddKeyword("sum", keyword="start", value="1"),
+                                               AddKeyword("sum", keyword="start", value="2")])
+    # a name used as a value (``late.append(read)``) is not a call of it
+    with pytest.raises(TargetMismatch, match="anchor 'read' found 0 times, expected 1"):
+        edit_function(upstream.make_closures, [AddKeyword("read", keyword="x", value="1")])
+    with pytest.raises(ValueError, match="keyword must be a name"):
+        AddKeyword("sum", keyword="not a name", value="1")
 
 
 def test_zero_argument_super_keeps_its_class(upstream):

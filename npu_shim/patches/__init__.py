@@ -40,6 +40,9 @@ BUILTIN_PATCHES = (
     ("sglang.qwen2_5_vl_rotary_ids", "npu_shim.patches.sglang.qwen2_5_vl_rotary_ids"),
     ("sglang.glm4v_host_lengths", "npu_shim.patches.sglang.glm4v_host_lengths"),
     ("sglang.qwen3_vl_host_lengths", "npu_shim.patches.sglang.qwen3_vl_host_lengths"),
+    ("sglang.npu_mha_v_head_dim", "npu_shim.patches.sglang.npu_mha_v_head_dim"),
+    ("sglang.npu_mha_v_head_dim_inline", "npu_shim.patches.sglang.npu_mha_v_head_dim_inline"),
+    ("sglang.npu_kv_cpu_copy_v_head_dim", "npu_shim.patches.sglang.npu_kv_cpu_copy_v_head_dim"),
 )
 
 # Top-level packages whose import loads the patch machinery.

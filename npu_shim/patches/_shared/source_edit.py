@@ -16,7 +16,9 @@ file. Each anchor must be found exactly ``count`` times: missing, or found more 
 :class:`~npu_shim.patch.TargetMismatch` names the function and the anchor. Before editing, the
 unedited source is compiled the same way and must give the very code object the interpreter runs
 (bytecode and names), so an edit never applies to source that is not the code in use (a file
-changed after import, a wrapper's source).
+changed after import, a wrapper's source). :class:`AddKeyword` names a
+callee instead (``"Pool"``) and adds one keyword argument to each call of it, where upstream's call
+leaves an argument out.
 
 The edited function runs in upstream's module globals (the live dict, not a copy) and shares the
 original's closure cells, ``__class__`` included (zero-argument ``super()`` works); its defaults,
@@ -49,8 +51,8 @@ from typing import Iterable, Mapping, Optional
 
 from npu_shim.patch import TargetMismatch
 
-__all__ = ["Edit", "Replace", "InsertBefore", "InsertAfter", "ReplaceExpression", "edit_function",
-           "edited_source"]
+__all__ = ["Edit", "Replace", "InsertBefore", "InsertAfter", "ReplaceExpression", "AddKeyword",
+           "edit_function", "edited_source"]
 
 _FUTURE_FLAGS = _future.annotations.compiler_flag
 _FACTORY = "__npu_shim_edit__"
@@ -155,6 +157,50 @@ class ReplaceExpression(Edit):
         replacement = _syntax(self.by, "eval").body
         _place(replacement, found)
         return replacement
+
+
+@dataclass(frozen=True)
+class AddKeyword(Edit):
+    """Each call of ``anchor`` (the called expression: ``"Pool"``, ``"self.make"``) gets one more
+    keyword argument, ``keyword=value`` (``value`` an expression, evaluated where upstream's call
+    is). A call of ``anchor`` that passes ``keyword`` already is refused (TargetMismatch): the
+    argument is upstream's there. Other uses of the name (passed as a value, say) are not calls
+    and are left alone."""
+
+    keyword: str = ""
+    value: str = ""
+    count: int = 1
+
+    def __post_init__(self):
+        super().__post_init__()
+        if not self.keyword.isidentifier():
+            raise ValueError("AddKeyword(%r): keyword must be a name, not %r" % (self.anchor, self.keyword))
+        _syntax(self.value, "eval")
+
+    def _anchor_node(self):
+        return _syntax(self.anchor, "eval").body
+
+    def keyword_node(self, call):
+        value = _syntax(self.value, "eval").body
+        _place(value, call)
+        return ast.keyword(arg=self.keyword, value=value)
+
+    def describe(self) -> str:
+        return "AddKeyword(%r, %s=%s)" % (self.anchor, self.keyword, self.value)
+
+
+class _Calls(ast.NodeTransformer):
+    def __init__(self, edit: AddKeyword):
+        self.edit, self.key, self.found = edit, _key(edit._anchor_node()), 0
+
+    def visit_Call(self, node):
+        self.generic_visit(node)
+        if _key(node.func) == self.key:
+            if any(keyword.arg == self.edit.keyword for keyword in node.keywords):
+                raise TargetMismatch("a call of %s passes %s already" % (self.edit.anchor, self.edit.keyword))
+            self.found += 1
+            node.keywords.append(self.edit.keyword_node(node))
+        return node
 
 
 class _Statements(ast.NodeTransformer):
@@ -291,7 +337,8 @@ def _apply(node, edits, what):
     for edit in edits:
         if not isinstance(edit, Edit):
             raise TypeError("%s: edits must be Edit objects (Replace, InsertBefore, ...), not %r" % (what, edit))
-        transformer = _Expressions(edit) if isinstance(edit, ReplaceExpression) else _Statements(edit)
+        transformer = (_Expressions(edit) if isinstance(edit, ReplaceExpression)
+                       else _Calls(edit) if isinstance(edit, AddKeyword) else _Statements(edit))
         node.body = transformer.visit(ast.Module(body=node.body, type_ignores=[])).body
         if transformer.found != edit.count:
             raise TargetMismatch("%s: anchor %r found %d time%s, expected %d"
