@@ -68,6 +68,11 @@ MUTANTS = (
            "base", "FAILED tests/test_source_edit.py",
            ("npu_shim/patches/_shared/source_edit.py", "if transformer.found != edit.count:",
             "if transformer.found < edit.count:")),
+    mutant("j", "a declared difference from upstream's own unit tests stops happening (the 310P family passes "
+                "upstream's num_kv_heads again) and the declaration is left stale",
+           "vllm-0.18", "a stale declaration",
+           ("npu_shim/patches/vllm_ascend/mm_encoder/v018_310p.py", "num_heads=heads, num_kv_heads=k.shape[1], out=out)",
+            "num_heads=heads, num_kv_heads=layer.num_kv_heads, out=out)")),
 )
 
 

@@ -341,9 +341,12 @@ def run(lane, archive, env, shim=True):
             return report
         results_path = os.path.join(scratch, "npu-shim-results.json")
         boot = bootstrap_dir()
-        first = boot if shim else os.path.join(os.path.dirname(boot), "emulation", "_site")
-        entries = [first] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
-                             if p and os.path.abspath(p) not in (os.path.dirname(os.path.dirname(boot)), boot)]
+        entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        if shim:
+            entries = [boot] + entries
+        else:  # upstream alone: neither the shim's start-up directory nor a checkout's sitecustomize.py
+            entries = [os.path.join(os.path.dirname(boot), "emulation", "_site")] + [
+                p for p in entries if os.path.abspath(p) not in (os.path.dirname(os.path.dirname(boot)), boot)]
         run_env = dict(env, PYTHONPATH=os.pathsep.join(entries), NPU_SHIM_EMULATE="1",
                        NPU_SHIM_UPSTREAM_RESULTS=results_path, NPU_SHIM_UPSTREAM_RELEASE=version,
                        VLLM_CONFIGURE_LOGGING="0", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
