@@ -39,7 +39,10 @@ resolved, no CUDA torch is pulled in behind the pins' back), then the shim itsel
 (``uv pip install --no-deps .``). ``lanes/report.py`` runs pytest with ``NPU_SHIM_LANE=<lane>``
 (tests/conftest.py selects the tests whose ``pytest.mark.lanes(...)`` names the lane), writes
 ``.nox/reports/<lane>/``, prints the lane table (patch x state x reason x tests passed, install
-and test seconds) and fails the session if pytest failed or ran no test.
+and test seconds) and fails the session if pytest failed or ran no test. On the lanes
+``lanes/upstream_tests.py`` names, it then runs upstream's own unit tests of the patched classes,
+from the release's source archive (fetched here, ``upstream_archive``), against the declared
+differences there.
 
 Environment per Kind (the reasons are in the pin files):
 - ``vllm``: ``VLLM_PLUGINS=npu_shim``: vLLM loads only the plugins named there, so

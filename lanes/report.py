@@ -55,21 +55,21 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
-import upstream_tests  # lanes/upstream_tests.py (this script's directory is sys.path[0])
-
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTEST_NO_TESTS = 5
 
 
-def _load_table_module():
-    """npu_shim/_table.py of this checkout, loaded by path (not through ``import npu_shim``)."""
-    spec = importlib.util.spec_from_file_location("_npu_shim_table", os.path.join(REPO, "npu_shim", "_table.py"))
+def _load_by_path(name, *path):
+    """A module of this checkout, loaded by path (npu_shim/_table.py: not through ``import
+    npu_shim``; lanes/upstream_tests.py: also when this file is itself loaded by path)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, *path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-format_table = _load_table_module().format_table
+format_table = _load_by_path("_npu_shim_table", "npu_shim", "_table.py").format_table
+upstream_tests = _load_by_path("_npu_shim_upstream_tests", "lanes", "upstream_tests.py")
 
 
 def run_pytest(junit_path, pytest_args, env):
@@ -455,7 +455,7 @@ UPSTREAM_HEADERS = ("lane", "upstream suite", "release (archive sha256, commit)"
 def upstream_table(summaries):
     """Upstream's own tests per lane: suite x release x passed / declared-different / failed,
     then each declared difference that happened, with its reason."""
-    rows, notes = [], []
+    rows, notes = [], {}
     for summary in summaries:
         upstream = summary.get("upstream")
         if not upstream:
@@ -465,14 +465,17 @@ def upstream_table(summaries):
         for suite in upstream.get("suites") or []:
             rows.append((summary["lane"], suite["suite"], release, suite["passed"], suite["declared"],
                          suite["failed"], _secs(upstream.get("seconds"))))
-            notes += ["  %s %s: %s: declared %s: %s" % (summary["lane"], upstream["release"], test["test"],
-                                                        test["outcome"], test["reason"])
-                      for test in suite["tests"] if test["verdict"] == "declared-different"]
+            for test in suite["tests"]:
+                if test["verdict"] == "declared-different":
+                    notes.setdefault((test["test"], test["outcome"], test["reason"]), []).append(
+                        "%s %s" % (summary["lane"], upstream["release"]))
         if not upstream.get("suites"):
             rows.append((summary["lane"], "(not run)", release, "-", "-", "-", _secs(upstream.get("seconds"))))
     if not rows:
         return "(no upstream suites)"
-    return "\n".join([format_table(UPSTREAM_HEADERS, rows)] + notes)
+    return "\n".join([format_table(UPSTREAM_HEADERS, rows)] + [
+        "declared %s (%s): %s: %s" % (outcome, ", ".join(where), test, reason)
+        for (test, outcome, reason), where in notes.items()])
 
 
 def lane_costs(summary):
@@ -543,7 +546,7 @@ def cmd_run(args):
     # Upstream's own tests of the patched classes, where the lane runs a release that has them.
     upstream = None
     if upstream_tests.lane_release(args.lane):
-        upstream = upstream_tests.run(args.lane, args.upstream_archive, env)
+        upstream = upstream_tests.run(args.lane, getattr(args, "upstream_archive", None), env)
 
     summary = {
         "lane": args.lane,
@@ -691,6 +694,8 @@ def cmd_summary(args):
         header = run_header(args)   # before the file is opened: truncating it would read as an uncommitted change
         with open(args.record, "w", encoding="utf-8") as handle:
             handle.write(header + "\n\n" + "\n".join(record[:1]) + "\n" + "\n".join(record[1:]) + "\n")
+            handle.write("\nupstream's own unit tests of the patched classes (lanes/upstream_tests.py):\n"
+                         + upstream_table(summaries) + "\n")
     print(record[-1])
     return 1 if failed else 0
 
