@@ -22,14 +22,15 @@ the suites after the lane's own tests and adds their verdicts to the lane's repo
   (its bootstrap directory first on PYTHONPATH), the lane's environment (``VLLM_PLUGINS=npu_shim``
   keeps vllm-ascend's platform plugin off, as in the lane's own tests), ``NPU_SHIM_EMULATE=1``,
   pytest's plugin autoload off (the suites use none; hypothesis alone costs seconds to import).
-  torch_npu: from 0.19.1rc1 upstream's conftest puts its own stand-in module in
+  torch_npu: from 0.21.0rc1 upstream's conftest puts its own stand-in module in
   ``sys.modules["torch_npu"]`` when ``npu-smi`` is absent (MagicMock ops, which the tests patch
   and inspect), replacing the emulation before vllm-ascend is imported, so the tests see
-  upstream's stand-in, as in upstream's CPU CI; 0.18.0's conftest expects an installed
-  torch_npu, and the emulation is that one. The conftest's ``adapt_patch()`` is the one thing
-  left out (CONFTEST_STANDINS: a recorded no-op), because it imports vllm-ascend's whole patch
-  tree and, through it, parts of vLLM that need what the lanes do not install (torchvision,
-  triton, a working xgrammar).
+  upstream's stand-in, as in upstream's CPU CI; the conftests of 0.18.0 - 0.20.2rc1 expect an
+  installed torch_npu, and the emulation is that one. The conftest's ``adapt_patch()`` is left
+  out (CONFTEST_STANDINS: a recorded no-op), because it imports vllm-ascend's whole patch tree
+  and, through it, parts of vLLM that need what the lanes do not install (torchvision, triton,
+  a working xgrammar); below 0.21.0rc1 ``register_ascend_customop()`` too (it needs torch.npu,
+  which a real torch_npu adds and the emulation does not).
 - Verdicts: each test's outcome is compared with DIFFERENCES, the declared differences (test
   pattern x release window -> expected outcome, with reason and evidence). A test that fails
   (or errors, or skips) without a declaration fails the lane; so does a declaration whose test
@@ -59,9 +60,10 @@ Pin = collections.namedtuple("Pin", "sha256 commit commit_from")
 Suite = collections.namedtuple("Suite", "name dist files patches releases")
 Difference = collections.namedtuple("Difference", "suite test releases outcome reason evidence")
 
-# (dist, release) -> the sdist's sha256, and the upstream commit of the release: the full hash
-# of the release tag where the stored mirror of upstream's repository has the tag (up to
-# v0.25.1rc1), else the abbreviated hash setuptools-scm wrote into the archive's _version.py.
+# (dist, release) -> the sdist's sha256, and the upstream commit the archive was built from (its
+# _version.py, written by setuptools-scm, must name it; the gate checks): the full hash of the
+# release tag where the stored mirror of upstream's repository has the tag (up to v0.25.1rc1) and
+# the archive names it, else the hash the archive names (abbreviated where the mirror lacks it).
 TAG = "release tag v%s in upstream's repository"
 SCM = "abbreviated, from the archive's vllm_ascend/_version.py (the tag is newer than the stored mirror)"
 PINS = {
@@ -71,8 +73,13 @@ PINS = {
                                       "da421afad7192dac64e39ae1d32305d57344f3cf", TAG % "0.19.1rc1"),
     ("vllm-ascend", "0.20.2rc1"): Pin("8ebd5c5b2ef5009baae1c5ddee390a0fe2821ef31aa33312a0b491f5b5185797",
                                       "367b8e62da799870a7476ce34f5f7658589a8aad", TAG % "0.20.2rc1"),
+    # Built from main, not from the tag: its _version.py names 35d600725 ("[Doc][Misc] Prepare v0.21.0rc1
+    # release notes", on main), while the tag v0.21.0rc1 is 80610e4438dba05011b05f89fc45d91e96992671 on the
+    # release branch; the tests are the archive's, so the pin is the archive's commit.
     ("vllm-ascend", "0.21.0rc1"): Pin("9c0a2e432a2135f46c753c9f5f3718a95ef86872f041ad331028dadfced3e06c",
-                                      "80610e4438dba05011b05f89fc45d91e96992671", TAG % "0.21.0rc1"),
+                                      "35d6007254b3efa6d562a94ad7ca330baeae22bb",
+                                      "the archive's _version.py (35d600725), resolved in upstream's repository: "
+                                      "main, not the release tag v0.21.0rc1 (80610e4438db, on the release branch)"),
     ("vllm-ascend", "0.22.1rc1"): Pin("8b2dc4585ec4f92332afa00dc301f5fbc669904366959a02dce81603a4351d56",
                                       "5f6faa0cb8830f667266f3b8121cd1383606f2a1", TAG % "0.22.1rc1"),
     ("vllm-ascend", "0.23.0"): Pin("a58db76eaffcf328b13b315a0db3a57d381a8947d01057ddcefe4ad02372b242",
@@ -156,10 +163,12 @@ CONFTEST_STANDINS = {
         "install (0.18.0: torch.npu, which a real torch_npu adds; 0.26.0rc1: a working xgrammar, via vllm.lora); "
         "the suites' tests use none of those patches"),
     "vllm_ascend.utils.register_ascend_customop": (
-        "<0.19.1rc1",
-        "0.18.0's conftest has no torch.npu stand-in (later ones set torch.npu to a MagicMock when npu-smi is "
-        "absent), and register_ascend_customop imports vllm_ascend.ops, whose fused-MoE modules read torch.npu "
-        "at import: AttributeError, without the shim as well (docs/upstream-evidence.md section 3.2)"),
+        "<0.21.0rc1 | >=0.28.0rc1",
+        "below 0.21.0rc1 the conftest has no torch.npu stand-in (from 0.21.0rc1 it sets torch.npu to a MagicMock "
+        "when npu-smi is absent), and register_ascend_customop imports vllm_ascend.ops, whose fused-MoE modules "
+        "read torch.npu at import: AttributeError, without the shim as well (docs/upstream-evidence.md section "
+        "3.2); from 0.28.0rc1 it imports vllm_ascend.attention.indexer, which imports scipy, which the lanes do "
+        "not install (ModuleNotFoundError, without the shim as well)"),
 }
 
 GQA_EVIDENCE = ("docs/upstream-evidence.md section 3.2 (GQA): the documented _npu_flash_attention_unpad takes "
@@ -176,11 +185,12 @@ DIFFERENCES = (
                GQA_EVIDENCE),
     Difference("vllm-ascend:mm_encoder_attention_310p",
                "tests/ut/_310p/ops/test_mm_encoder_attention_310.py::test_register_customop_overrides_mm_encoder_attention_for_310p",
-               "<0.19.1rc1", "failed",
-               "not a difference of the shim: register_ascend_customop is a stand-in here (CONFTEST_STANDINS: 0.18.0's "
-               "conftest has no torch.npu stand-in), so nothing is registered (KeyError 'MMEncoderAttention'); the "
-               "real one fails without the shim as well (AttributeError: torch has no attribute 'npu')",
-               "docs/upstream-evidence.md section 3.2 (the 0.18.0 run by hand: the register test fails both ways)"),
+               "<0.21.0rc1 | >=0.28.0rc1", "failed",
+               "not a difference of the shim: register_ascend_customop is a stand-in here (CONFTEST_STANDINS), so "
+               "the test's own call registers nothing (KeyError 'MMEncoderAttention'); the real one fails without "
+               "the shim as well (below 0.21.0rc1: no torch.npu; from 0.28.0rc1: no scipy in the lanes)",
+               "docs/upstream-evidence.md section 3.2 (the 0.18.0 run by hand: the register test fails both ways); "
+               "lanes/upstream_tests.py run LANE ARCHIVE --without-shim"),
 )
 
 
@@ -191,7 +201,8 @@ def _specifier(text):
 
 
 def in_window(version, window):
-    return _specifier(window).contains(version, prereleases=True)
+    """``window``: a version specifier, or several joined by ``|`` (any of them)."""
+    return any(_specifier(part.strip()).contains(version, prereleases=True) for part in window.split("|"))
 
 
 def lane_release(lane):
@@ -269,15 +280,23 @@ def archive_commit(members, archive):
 
 
 def support_files(files, members):
-    """The files the suite's test files need besides themselves: every ``__init__.py`` and
-    ``conftest.py`` from tests/ down to their directories, and tests/ut/base.py (TestBase)."""
-    wanted = {"tests/ut/base.py"}
+    """The files the suite's test files need besides themselves: every ``conftest.py`` from
+    tests/ down to their directories, and every module under tests/ that is not a test file or
+    another directory's conftest.py (``__init__.py``, tests/ut/base.py's TestBase, the helpers
+    a conftest imports, e.g. 0.27.1rc1's tests/ut/helpers)."""
+    ancestry = set()
     for path in files:
         parts = path.split("/")[:-1]
-        for depth in range(1, len(parts) + 1):
-            directory = "/".join(parts[:depth])
-            wanted.update((directory + "/__init__.py", directory + "/conftest.py"))
-    return sorted(path for path in wanted if path in members)
+        ancestry.update("/".join(parts[:depth]) for depth in range(1, len(parts) + 1))
+    chosen = []
+    for name in members:
+        directory, _, base = name.rpartition("/")
+        if not name.startswith("tests/") or not name.endswith(".py") or base.startswith("test_"):
+            continue
+        if base == "conftest.py" and directory not in ancestry:
+            continue
+        chosen.append(name)
+    return sorted(chosen)
 
 
 def extract(path, pin, suites, destination):

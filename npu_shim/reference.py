@@ -529,8 +529,8 @@ def render_upstream_tests(root):
             "lane's report and the CI summary give suite x release x passed / declared-different / failed). "
             "The tests come from the release's source archive on the package index, pinned by its sha256, "
             "extracted to a temporary directory at lane time; upstream's own `tests/ut/conftest.py` stands in "
-            "for torch_npu where it does so (from 0.19.1rc1), the emulation where it expects an installed one "
-            "(0.18.0). A failure not declared below fails the lane, and so does a declared difference that no "
+            "for torch_npu where it does so (from 0.21.0rc1), the emulation where it expects an installed one "
+            "(0.18.0 - 0.20.2rc1). A failure not declared below fails the lane, and so does a declared difference that no "
             "longer happens." % UPSTREAM_TESTS, "",
             table(("suite", "files", "patches", "releases", "run on (lanes)"), suites), "",
             "Declared differences (the test's expected outcome with the shim, in the releases of the window):", "",

@@ -45,10 +45,15 @@ def test_suites_name_declared_patches():
         assert set(suite.patches) <= names, suite
 
 
-def test_commits_are_full_where_the_tag_is_read():
+def test_a_window_may_join_specifiers():
+    assert U.in_window("0.18.0", "<0.21.0rc1 | >=0.28.0rc1") and U.in_window("0.30.0rc2", "<0.21.0rc1 | >=0.28.0rc1")
+    assert not U.in_window("0.26.0rc1", "<0.21.0rc1 | >=0.28.0rc1")
+
+
+def test_commits_are_full_where_upstreams_repository_was_read():
     for (dist, version), pin in U.PINS.items():
         assert len(pin.sha256) == 64
-        if pin.commit_from.startswith("release tag"):
+        if pin.commit_from != U.SCM:
             assert len(pin.commit) == 40, (dist, version)
         else:
             assert len(pin.commit) >= 7, (dist, version)
@@ -71,9 +76,9 @@ def test_declared_differences_are_declared_different():
 
 
 def test_an_undeclared_failure_fails_the_lane():
-    # 0.19.1rc1: the register test is declared only below it
+    # 0.21.0rc1: the register test is declared only below it
     rows, problems = _judge({GQA: {"outcome": "failed"}, REGISTER: {"outcome": "failed", "message": "boom"}},
-                            version="0.19.1rc1")
+                            version="0.21.0rc1")
     assert rows[0]["failed"] == 1
     assert any("without a declared difference: boom" in problem for problem in problems)
 
@@ -100,6 +105,7 @@ def _archive(tmp_path, commit="e18643f8a"):
     path = tmp_path / "vllm_ascend-0.18.0.tar.gz"
     files = {FILE: b"def test_x():\n    pass\n", "tests/ut/conftest.py": b"", "tests/ut/base.py": b"",
              "tests/__init__.py": b"", "tests/ut/__init__.py": b"", "tests/ut/other/test_y.py": b"",
+             "tests/ut/other/conftest.py": b"", "tests/ut/helpers/golden.py": b"",
              "vllm_ascend/_version.py": ("__commit_id__ = commit_id = 'g%s'\n" % commit).encode()}
     with tarfile.open(path, "w:gz") as archive:
         for name, data in files.items():
@@ -115,7 +121,7 @@ def test_extract_takes_the_suite_and_what_it_imports(tmp_path):
     chosen, problems = U.extract(path, pin, [s for s in U.SUITES if s.name == SUITE], str(tmp_path / "x"))
     assert problems == []
     assert sorted(chosen) == sorted([FILE, "tests/__init__.py", "tests/ut/__init__.py", "tests/ut/base.py",
-                                     "tests/ut/conftest.py"])
+                                     "tests/ut/conftest.py", "tests/ut/helpers/golden.py"])
     assert (tmp_path / "x" / "tests" / "ut" / "_310p" / "ops" / "test_mm_encoder_attention_310.py").exists()
     assert not (tmp_path / "x" / "tests" / "ut" / "other").exists()
 
