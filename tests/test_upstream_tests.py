@@ -60,7 +60,7 @@ def test_commits_are_full_where_upstreams_repository_was_read():
 
 
 def _stats(calls=1, state="applied"):
-    return {"vllm.mm_encoder_attn_310p": {"state": state, "family": "vllm-subclass-unpad", "calls": calls}}
+    return {"vllm.mm_encoder_attn_310p": {"state": state, "family": "some-family", "calls": calls}}
 
 
 def _judge(tests, version="0.18.0", stats=None):
