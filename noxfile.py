@@ -39,7 +39,10 @@ resolved, no CUDA torch is pulled in behind the pins' back), then the shim itsel
 (``uv pip install --no-deps .``). ``lanes/report.py`` runs pytest with ``NPU_SHIM_LANE=<lane>``
 (tests/conftest.py selects the tests whose ``pytest.mark.lanes(...)`` names the lane), writes
 ``.nox/reports/<lane>/``, prints the lane table (patch x state x reason x tests passed, install
-and test seconds) and fails the session if pytest failed or ran no test.
+and test seconds) and fails the session if pytest failed or ran no test. On the lanes
+``lanes/upstream_tests.py`` names, it then runs upstream's own unit tests of the patched classes,
+from the release's source archive (fetched here, ``upstream_archive``), against the declared
+differences there.
 
 Environment per Kind (the reasons are in the pin files):
 - ``vllm``: ``VLLM_PLUGINS=npu_shim``: vLLM loads only the plugins named there, so
@@ -74,6 +77,7 @@ import nox
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "lanes"))
 from _sources import uv_source_args  # noqa: E402  (shared with lanes/sdist.py's build venv)
 import mutants as mutant_table  # noqa: E402  (lanes/mutants.py: the mutants of nox -s mutants)
+import upstream_tests  # noqa: E402  (lanes/upstream_tests.py: upstream's unit tests, which lanes run them)
 
 nox.options.sessions = ["lanes"]
 nox.options.reuse_existing_virtualenvs = False
@@ -228,6 +232,7 @@ def lane(session, lane):
     install_lane(session, spec)
     install_seconds = time.monotonic() - started
     session.log("lane %s: installed in %.0f s", lane, install_seconds)
+    archive = upstream_archive(lane)
     session.run(
         "python",
         os.path.join("lanes", "report.py"),
@@ -246,12 +251,24 @@ def lane(session, lane):
         BYTECODE,
         *(["--variant"] if "tests_of" in spec else []),
         *[argument for text in spec["expected_skips"] for argument in ("--expected-skip", text)],
+        *(["--upstream-archive", archive] if archive else []),
         "--",
         "-q",
         "-p",
         "no:cacheprovider",
         env=dict(KIND_ENV[spec["kind"]], PYTHONDONTWRITEBYTECODE=""),
     )
+
+
+def upstream_archive(lane):
+    """The cached source archive (lanes/sdist.py fetch: pip's index client, which nox's Python
+    has and the lane's venv does not) of the release whose unit tests the lane runs
+    (lanes/upstream_tests.py LANES), or None; lanes/report.py checks its sha256 and runs them."""
+    release = upstream_tests.lane_release(lane)
+    if release is None:
+        return None
+    return subprocess.run([sys.executable, os.path.join(LANES_DIR, "sdist.py"), "fetch", *release],
+                          check=True, stdout=subprocess.PIPE, text=True).stdout.strip()
 
 
 def lane_jobs():

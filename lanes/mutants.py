@@ -72,6 +72,11 @@ MUTANTS = (
                 "the patch applied", "latest-sglang", "FAILED tests/lanes/test_sglang_npu_mha_v_head_dim.py",
            ("npu_shim/patches/sglang/npu_mha_v_head_dim.py",
             "if self.model_config.v_head_dim == self.model_config.head_dim:", "if True:")),
+    mutant("k", "a declared difference from upstream's own unit tests stops happening (the 310P family passes "
+                "upstream's num_kv_heads again) and the declaration is left stale",
+           "vllm-0.18", "a stale declaration",
+           ("npu_shim/patches/vllm_ascend/mm_encoder/v018_310p.py", "num_heads=heads, num_kv_heads=k.shape[1], out=out)",
+            "num_heads=heads, num_kv_heads=layer.num_kv_heads, out=out)")),
 )
 
 

@@ -23,7 +23,12 @@ reason printed as ``LANE FAILED: ...``) when
   table says so instead of rows, none are made up);
 - npu_shim/releases_read.json (the releases each family was read in) records the installed
   release for a family other than the one applied here, or for a patch not applied here
-  (evidence_conflicts).
+  (evidence_conflicts);
+- on a lane lanes/upstream_tests.py names, upstream's own unit tests of the patched classes
+  (taken from the release's pinned source archive, ``--upstream-archive``) fail where no
+  difference is declared, or a declared difference no longer happens (stale), or the patch
+  they exercise was not applied or not reached. Their verdicts (suite x release x passed /
+  declared-different / failed) and seconds go into summary.json (``upstream``).
 
 ``run`` also writes ``evidence.json`` (evidence_found: each family applied here, with the release
 of its distribution), which ``npu-shim evidence --record`` adds to npu_shim/releases_read.json;
@@ -54,15 +59,17 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTEST_NO_TESTS = 5
 
 
-def _load_table_module():
-    """npu_shim/_table.py of this checkout, loaded by path (not through ``import npu_shim``)."""
-    spec = importlib.util.spec_from_file_location("_npu_shim_table", os.path.join(REPO, "npu_shim", "_table.py"))
+def _load_by_path(name, *path):
+    """A module of this checkout, loaded by path (npu_shim/_table.py: not through ``import
+    npu_shim``; lanes/upstream_tests.py: also when this file is itself loaded by path)."""
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, *path))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-format_table = _load_table_module().format_table
+format_table = _load_by_path("_npu_shim_table", "npu_shim", "_table.py").format_table
+upstream_tests = _load_by_path("_npu_shim_upstream_tests", "lanes", "upstream_tests.py")
 
 
 def run_pytest(junit_path, pytest_args, env):
@@ -441,14 +448,46 @@ def lane_table(summary):
     return format_table(headers, table) if table else "(no patch rows)"
 
 
+UPSTREAM_HEADERS = ("lane", "upstream suite", "release (archive sha256, commit)", "passed", "declared-different",
+                    "failed", "seconds")
+
+
+def upstream_table(summaries):
+    """Upstream's own tests per lane: suite x release x passed / declared-different / failed,
+    then each declared difference that happened, with its reason."""
+    rows, notes = [], {}
+    for summary in summaries:
+        upstream = summary.get("upstream")
+        if not upstream:
+            continue
+        release = "%s %s (%s, %s)" % (upstream["dist"], upstream["release"], upstream["sha256"][:12],
+                                      upstream["commit"][:12])
+        for suite in upstream.get("suites") or []:
+            rows.append((summary["lane"], suite["suite"], release, suite["passed"], suite["declared"],
+                         suite["failed"], _secs(upstream.get("seconds"))))
+            for test in suite["tests"]:
+                if test["verdict"] == "declared-different":
+                    notes.setdefault((test["test"], test["outcome"], test["reason"]), []).append(
+                        "%s %s" % (summary["lane"], upstream["release"]))
+        if not upstream.get("suites"):
+            rows.append((summary["lane"], "(not run)", release, "-", "-", "-", _secs(upstream.get("seconds"))))
+    if not rows:
+        return "(no upstream suites)"
+    return "\n".join([format_table(UPSTREAM_HEADERS, rows)] + [
+        "declared %s (%s): %s: %s" % (outcome, ", ".join(where), test, reason)
+        for (test, outcome, reason), where in notes.items()])
+
+
 def lane_costs(summary):
     """'Python 3.11.7, install 12 s, tests 80 s, venv 30 MiB own + 1650 MiB hardlinked'."""
     def seconds(key):
         value = summary.get(key)
         return "?" if value is None else "%.0f" % value
     dropped = summary.get("bytecode_mib_dropped")
-    return "Python %s, install %s s, tests %s s, venv %s MiB own + %s MiB hardlinked%s" % (
+    upstream = (summary.get("upstream") or {}).get("seconds")
+    return "Python %s, install %s s, tests %s s%s, venv %s MiB own + %s MiB hardlinked%s" % (
         summary.get("python", "?"), seconds("install_seconds"), seconds("test_seconds"),
+        "" if upstream is None else " + upstream's unit tests %.0f s" % upstream,
         summary.get("venv_mib", "?"), summary.get("venv_shared_mib", "?"),
         "" if dropped is None else " (after dropping %s MiB of test bytecode)" % dropped)
 
@@ -504,6 +543,10 @@ def cmd_run(args):
     test_seconds = time.monotonic() - started
     cases = read_junit(junit_path)
     counts = totals(cases)
+    # Upstream's own tests of the patched classes, where the lane runs a release that has them.
+    upstream = None
+    if upstream_tests.lane_release(args.lane):
+        upstream = upstream_tests.run(args.lane, getattr(args, "upstream_archive", None), env)
 
     summary = {
         "lane": args.lane,
@@ -518,6 +561,7 @@ def cmd_run(args):
         "test_seconds": round(test_seconds, 1),
         "status_seconds": round(status_seconds, 1),
         "python": "%d.%d.%d" % sys.version_info[:3],
+        "upstream": upstream,
     }
     problems = []
     if pytest_rc == PYTEST_NO_TESTS or not cases:
@@ -532,6 +576,7 @@ def cmd_run(args):
         problems.append("which patches claim this release cannot be checked: " + status_problem)
     problems += unexercised_claims(rows or [], summary["tests_per_patch"])
     problems += evidence_conflicts(rows or [])
+    problems += (upstream or {}).get("problems", [])
     summary["problems"] = problems
     if rows:
         write_evidence(args.out, args.lane, rows)
@@ -551,6 +596,8 @@ def cmd_run(args):
         print(STATUS_NOTE)
         for line in unrecorded(rows):
             print("not recorded as read yet (%s, after the lane): %s" % (RECORD_COMMAND, line))
+    if upstream:
+        print(upstream_table([summary]))
     print(
         "lane %s: %s (pytest exit code %d, junit %s; %s)"
         % (args.lane, closing_line(counts), pytest_rc, summary["junit"], lane_costs(summary))
@@ -611,14 +658,17 @@ def cmd_summary(args):
         table.append((summary["lane"], "(lane)", "", lane_costs(summary), lane_counts))
     print(format_table(("lane", "patch", "state", "reason", "tests passed (marked for it)"), table))
     print()
+    print("upstream's own unit tests of the patched classes (lanes/upstream_tests.py):")
+    print(upstream_table(summaries))
+    print()
     costs = []
     for summary in summaries:
         costs.append((summary["lane"], summary.get("python", "?"),
-                      _secs(summary.get("install_seconds")), _secs(summary.get("test_seconds")),
+                      _secs(summary.get("install_seconds")), _secs(all_test_seconds(summary)),
                       summary.get("venv_mib", "?"), summary.get("venv_shared_mib", "?"),
                       closing_line(summary["tests"])))
     installs = [s.get("install_seconds") or 0 for s in summaries]
-    tests = [s.get("test_seconds") or 0 for s in summaries]
+    tests = [all_test_seconds(s) or 0 for s in summaries]
     costs.append(("(%d lanes)" % len(summaries), "", "%.0f" % sum(installs), "%.0f" % sum(tests), "", "",
                   closing_line(overall)))
     record = [format_table(("lane", "python", "install s", "tests s", "venv own MiB", "hardlinked MiB", "tests"),
@@ -644,6 +694,8 @@ def cmd_summary(args):
         header = run_header(args)   # before the file is opened: truncating it would read as an uncommitted change
         with open(args.record, "w", encoding="utf-8") as handle:
             handle.write(header + "\n\n" + "\n".join(record[:1]) + "\n" + "\n".join(record[1:]) + "\n")
+            handle.write("\nupstream's own unit tests of the patched classes (lanes/upstream_tests.py):\n"
+                         + upstream_table(summaries) + "\n")
     print(record[-1])
     return 1 if failed else 0
 
@@ -672,6 +724,13 @@ def run_header(args):
                args.caches or "caches at start not given"))
 
 
+def all_test_seconds(summary):
+    """The lane's own tests and upstream's unit tests (the cost table's "tests s")."""
+    own = summary.get("test_seconds")
+    upstream = (summary.get("upstream") or {}).get("seconds") or 0
+    return None if own is None else own + upstream
+
+
 def _secs(value):
     return "?" if value is None else "%.0f" % value
 
@@ -693,6 +752,8 @@ def main(argv=None):
                      help="the pin file's '# Stands for:' value: the installed releases must be among them")
     run.add_argument("--expected-skip", action="append", default=[],
                      help="a text every skip message must contain one of (the pin file's '# Expected skip:')")
+    run.add_argument("--upstream-archive", default=None,
+                     help="the source archive of the lane's release whose unit tests lanes/upstream_tests.py runs")
     run.add_argument("pytest_args", nargs=argparse.REMAINDER, help="after --: arguments for pytest")
     run.set_defaults(func=cmd_run)
     status = sub.add_parser("status", help="only the patch status of this venv, no tests (a probe's)")

@@ -486,6 +486,63 @@ def render_lanes(root):
             table(LANE_HEADERS, rows)]
 
 
+UPSTREAM_TESTS = os.path.join("lanes", "upstream_tests.py")
+
+
+def upstream_tests(root):
+    """lanes/upstream_tests.py of the checkout at ``root`` (the gate's tables), or None."""
+    import importlib.util
+
+    path = os.path.join(root, UPSTREAM_TESTS)
+    if not os.path.exists(path):
+        return None
+    spec = importlib.util.spec_from_file_location("_npu_shim_upstream_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def render_upstream_tests(root):
+    """Upstream's own unit tests the lanes run, where they come from, and the declared differences."""
+    gate = upstream_tests(root)
+    if gate is None:
+        return []
+    lanes_of = {}
+    for lane, release in gate.LANES.items():
+        lanes_of.setdefault(release, []).append(lane)
+    suites = [("`%s`" % suite.name, ", ".join("`%s`" % f for f in suite.files),
+               ", ".join("[`%s`](#%s)" % (p, anchor(p)) for p in suite.patches), "%s `%s`" % (suite.dist, suite.releases),
+               ", ".join("%s (`%s`)" % (version, "`, `".join(lanes_of[(dist, version)]))
+                         for (dist, version) in sorted(lanes_of, key=lambda r: version_key(r[1]))
+                         if dist == suite.dist and gate.in_window(version, suite.releases)))
+              for suite in gate.SUITES]
+    pins = [("%s %s" % release, ", ".join("`%s`" % lane for lane in lanes_of.get(release, [])) or "-",
+             "`%s`" % pin.sha256, "`%s`" % pin.commit, pin.commit_from)
+            for release, pin in sorted(gate.PINS.items(), key=lambda item: version_key(item[0][1]))]
+    differences = [("`%s`" % d.suite, "`%s`" % d.test.split("::", 1)[-1], "`%s`" % d.releases, d.outcome, d.reason,
+                    d.evidence) for d in gate.DIFFERENCES]
+    standins = [("`%s`" % name, "`%s`" % window, why) for name, (window, why) in gate.CONFTEST_STANDINS.items()]
+    none = [(what, why) for what, why in gate.NO_SUITES.items()]
+    return ["## Upstream's own unit tests", "",
+            "Upstream's unit tests of the classes the patches replace run in the lanes of the releases they "
+            "belong to, with the shim installed (`%s`, run by `lanes/report.py` after the lane's own tests; the "
+            "lane's report and the CI summary give suite x release x passed / declared-different / failed). "
+            "The tests come from the release's source archive on the package index, pinned by its sha256, "
+            "extracted to a temporary directory at lane time; upstream's own `tests/ut/conftest.py` stands in "
+            "for torch_npu where it does so (from 0.21.0rc1), the emulation where it expects an installed one "
+            "(0.18.0 - 0.20.2rc1). A failure not declared below fails the lane, and so does a declared difference that no "
+            "longer happens." % UPSTREAM_TESTS, "",
+            table(("suite", "files", "patches", "releases", "run on (lanes)"), suites), "",
+            "Declared differences (the test's expected outcome with the shim, in the releases of the window):", "",
+            table(("suite", "test", "releases", "expected", "why", "evidence"), differences), "",
+            "Upstream's conftest calls replaced by a recorded no-op:", "",
+            table(("call", "releases", "why"), standins), "",
+            "The source archives (the commit is the release tag's):", "",
+            table(("release", "lanes", "sha256 of the archive", "upstream commit", "commit from"), pins), "",
+            "Patched code whose upstream ships no CPU-runnable unit test of it:", "",
+            table(("what", "evidence"), none)]
+
+
 def render_lanes_report(root):
     """``docs/lanes.md``: the last recorded CI run, lane by lane (rewritten by every CI run)."""
     summary = ci_summary(root)
@@ -534,7 +591,7 @@ def render(root):
     declared = patches()
     parts = [HEADER + "# npu-shim reference", ""]
     for section in (render_patches(declared, root), render_environment(), render_releases(declared, root),
-                    render_lanes(root), render_benchmarks(root)):
+                    render_lanes(root), render_upstream_tests(root), render_benchmarks(root)):
         if section:
             parts += section + [""]
     return "\n".join(parts).rstrip("\n") + "\n"

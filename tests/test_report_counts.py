@@ -251,3 +251,37 @@ def test_the_lane_records_what_it_applied_and_fails_on_a_contradicted_record(rep
     assert found == {"source": "lane demo", "found": {"p.agrees": {"f1": "1.0"}, "p.new": {"f2": "1.1"},
                                                       "p.other": {"f3": "1.2"}}}
     assert report.unrecorded(rows_) == ["p.new: family f2 on 1.1"]
+
+
+def test_upstream_suites_that_fail_fail_the_lane(report, tmp_path, monkeypatch):
+    """Defect caught: upstream's own tests of a patched class fail (or a declared difference goes
+    stale) on a lane lanes/upstream_tests.py names, and the lane stays green."""
+    import argparse
+    import json
+    import shutil
+
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuites><testsuite><testcase classname="t" name="a"/></testsuite></testsuites>')
+    seen = {}
+
+    def fake_run(lane, archive, env):
+        seen.update(lane=lane, archive=archive)
+        return {"dist": "vllm-ascend", "release": "0.18.0", "sha256": "0" * 64, "commit": "e18643f8a", "seconds": 3.0,
+                "suites": [{"suite": "s", "passed": 0, "declared": 0, "failed": 1, "tests": []}],
+                "problems": ["upstream test x: failed without a declared difference"]}
+
+    monkeypatch.setattr(report, "run_pytest", lambda junit_path, args, env: shutil.copy(str(junit), junit_path) and 0)
+    monkeypatch.setattr(report, "patch_status", lambda env, matrix_path=None: ([], None))
+    monkeypatch.setattr(report, "drop_bytecode", lambda prefix: 0)
+    monkeypatch.setattr(report, "venv_size_mib", lambda: (0, 0))
+    monkeypatch.setattr(report.upstream_tests, "run", fake_run)
+    out = tmp_path / "out"
+    lane = next(iter(report.upstream_tests.LANES))   # a lane that runs upstream's tests
+    code = report.cmd_run(argparse.Namespace(out=str(out), lane=lane, tests_of=None, variant=False,
+                                             pytest_args=[], install_seconds=1.0, stands_for=None, expected_skip=[],
+                                             upstream_archive="archive.tar.gz"))
+    summary = json.loads((out / "summary.json").read_text())
+    assert seen == {"lane": lane, "archive": "archive.tar.gz"}
+    assert code == 1 and summary["problems"] == ["upstream test x: failed without a declared difference"]
+    assert report.all_test_seconds(summary) == summary["test_seconds"] + 3.0
+    assert "vllm-ascend 0.18.0" in report.upstream_table([summary])

@@ -1,0 +1,134 @@
+"""The gate of upstream's own unit tests (lanes/upstream_tests.py): its tables agree with the
+lanes and the patches, and its verdicts fail the lane where they must. The suites themselves
+run in the lanes (lanes/report.py); these checks need no upstream package."""
+import hashlib
+import importlib.util
+import io
+import os
+import tarfile
+
+import pytest
+
+from npu_shim import reference
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("_upstream_tests", os.path.join(REPO, "lanes", "upstream_tests.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+U = _load()
+SUITE = "vllm-ascend:mm_encoder_attention_310p"
+FILE = "tests/ut/_310p/ops/test_mm_encoder_attention_310.py"
+GQA = FILE + "::test_mm_encoder_attention_310_forward_oot_with_padding"
+REGISTER = FILE + "::test_register_customop_overrides_mm_encoder_attention_for_310p"
+
+
+def test_tables_are_consistent():
+    assert U.table_problems() == []
+
+
+def test_each_lane_installs_the_release_it_runs_the_tests_of():
+    pinned = reference.lane_table(REPO)
+    for lane, (dist, version) in U.LANES.items():
+        assert lane in pinned, "lanes/upstream_tests.py names lane %s, which has no pin file" % lane
+        assert pinned[lane].get(dist) == version, (lane, dist, pinned[lane].get(dist), version)
+
+
+def test_suites_name_declared_patches():
+    names = {patch.name for patch, _ in reference.patches()}
+    for suite in U.SUITES:
+        assert set(suite.patches) <= names, suite
+
+
+def test_a_window_may_join_specifiers():
+    assert U.in_window("0.18.0", "<0.21.0rc1 | >=0.28.0rc1") and U.in_window("0.30.0rc2", "<0.21.0rc1 | >=0.28.0rc1")
+    assert not U.in_window("0.26.0rc1", "<0.21.0rc1 | >=0.28.0rc1")
+
+
+def test_commits_are_full_where_upstreams_repository_was_read():
+    for (dist, version), pin in U.PINS.items():
+        assert len(pin.sha256) == 64
+        if pin.commit_from != U.SCM:
+            assert len(pin.commit) == 40, (dist, version)
+        else:
+            assert len(pin.commit) >= 7, (dist, version)
+
+
+def _stats(calls=1, state="applied"):
+    return {"vllm.mm_encoder_attn_310p": {"state": state, "family": "some-family", "calls": calls}}
+
+
+def _judge(tests, version="0.18.0", stats=None):
+    suites = U.suites_of("vllm-ascend", version)
+    suites = [suite for suite in suites if suite.name == SUITE]
+    return U.judge(suites, version, {"tests": tests, "stats": _stats() if stats is None else stats})
+
+
+def test_declared_differences_are_declared_different():
+    rows, problems = _judge({GQA: {"outcome": "failed"}, REGISTER: {"outcome": "failed"}})
+    assert problems == []
+    assert (rows[0]["passed"], rows[0]["declared"], rows[0]["failed"]) == (0, 2, 0)
+
+
+def test_an_undeclared_failure_fails_the_lane():
+    # 0.21.0rc1: the register test is declared only below it
+    rows, problems = _judge({GQA: {"outcome": "failed"}, REGISTER: {"outcome": "failed", "message": "boom"}},
+                            version="0.21.0rc1")
+    assert rows[0]["failed"] == 1
+    assert any("without a declared difference: boom" in problem for problem in problems)
+
+
+def test_a_declared_difference_that_stops_happening_is_stale():
+    rows, problems = _judge({GQA: {"outcome": "passed"}, REGISTER: {"outcome": "failed"}})
+    assert rows[0]["failed"] == 1
+    assert any("a stale declaration" in problem and GQA in problem for problem in problems)
+
+
+def test_a_declared_difference_whose_test_is_gone_is_stale():
+    _, problems = _judge({REGISTER: {"outcome": "failed"}})
+    assert any("matched no test that ran: a stale declaration" in problem for problem in problems)
+
+
+@pytest.mark.parametrize("stats, expected", [({}, "was absent"), (_stats(state="skipped"), "was skipped"),
+                                             (_stats(calls=0), "no test reached it")])
+def test_a_suite_that_did_not_test_the_shim_fails(stats, expected):
+    _, problems = _judge({GQA: {"outcome": "failed"}, REGISTER: {"outcome": "failed"}}, stats=stats)
+    assert any(expected in problem for problem in problems)
+
+
+def _archive(tmp_path, commit="e18643f8a"):
+    path = tmp_path / "vllm_ascend-0.18.0.tar.gz"
+    files = {FILE: b"def test_x():\n    pass\n", "tests/ut/conftest.py": b"", "tests/ut/base.py": b"",
+             "tests/__init__.py": b"", "tests/ut/__init__.py": b"", "tests/ut/other/test_y.py": b"",
+             "tests/ut/other/conftest.py": b"", "tests/ut/helpers/golden.py": b"",
+             "vllm_ascend/_version.py": ("__commit_id__ = commit_id = 'g%s'\n" % commit).encode()}
+    with tarfile.open(path, "w:gz") as archive:
+        for name, data in files.items():
+            info = tarfile.TarInfo("vllm_ascend-0.18.0/" + name)
+            info.size = len(data)
+            archive.addfile(info, io.BytesIO(data))
+    return str(path), hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_extract_takes_the_suite_and_what_it_imports(tmp_path):
+    path, digest = _archive(tmp_path)
+    pin = U.Pin(digest, "e18643f8a4d5bd9990727654318ad069ea0b56e2", "test")
+    chosen, problems = U.extract(path, pin, [s for s in U.SUITES if s.name == SUITE], str(tmp_path / "x"))
+    assert problems == []
+    assert sorted(chosen) == sorted([FILE, "tests/__init__.py", "tests/ut/__init__.py", "tests/ut/base.py",
+                                     "tests/ut/conftest.py", "tests/ut/helpers/golden.py"])
+    assert (tmp_path / "x" / "tests" / "ut" / "_310p" / "ops" / "test_mm_encoder_attention_310.py").exists()
+    assert not (tmp_path / "x" / "tests" / "ut" / "other").exists()
+
+
+def test_extract_refuses_an_archive_that_is_not_the_pinned_one(tmp_path):
+    path, digest = _archive(tmp_path)
+    chosen, problems = U.extract(path, U.Pin("0" * 64, "e18643f8a", "test"), U.SUITES[1:], str(tmp_path / "x"))
+    assert chosen == [] and "but PINS pins" in problems[0]
+    _, problems = U.extract(path, U.Pin(digest, "5cb98caaadeff42b", "test"), U.SUITES[1:], str(tmp_path / "y"))
+    assert "_version.py names commit e18643f8a" in problems[0]
