@@ -13,7 +13,9 @@ neither torch nor the ops (the emulated package imports them when first used).
 What the emulated package provides (details in each op module's docstring):
 ``npu_fusion_attention``, ``npu_prompt_flash_attention``,
 ``npu_fused_infer_attention_score``, ``npu_incre_flash_attention``,
-``_npu_flash_attention_unpad``, ``_npu_reshape_and_cache``, ``npu_scatter_nd_update_`` as ``torch_npu.X``
+``_npu_flash_attention_unpad``, ``_npu_reshape_and_cache``, ``npu_scatter_nd_update_``,
+and the decoder ops (``decoder_attention``): ``_npu_paged_attention``,
+``npu_fused_infer_attention_score_v2``, ``npu_scatter_pa_kv_cache`` as ``torch_npu.X``
 and ``torch.ops.npu.X``; ``torch_npu.npu`` with ``is_available() == False``,
 the emulated SoC (``NPU_SHIM_EMULATE_SOC``) and no-op streams/events
 (``torch_npu.npu.streams``); ``torch_npu._C._npu_get_soc_version``; import

@@ -136,7 +136,7 @@ def plan_chunks(sq, skv, num_heads, num_kv_heads, head_dim, v_head_dim, bound=No
 
 
 def attend_segment(q, k, v, out, *, scale, masks=(), lse_out=None, max_out=None,
-                   sum_out=None, bound=None):
+                   sum_out=None, bound=None, sink=None):
     """Softmax attention of one segment, written into ``out``.
 
     q: (Sq, N, D); k: (Skv, Nkv, D); v: (Skv, Nkv, Dv); out: (Sq, N, Dv) (any
@@ -145,6 +145,9 @@ def attend_segment(q, k, v, out, *, scale, masks=(), lse_out=None, max_out=None,
     Optional float32 outputs of shape (Sq, N): ``lse_out`` (log-sum-exp of the
     scaled, masked scores), ``max_out`` / ``sum_out`` (row max and the sum of
     ``exp(score - max)``, the pair torch_npu returns for the backward pass).
+    ``sink``: optional (N,) per-query-head logit of a learnable attention sink: one more
+    term ``exp(sink_h)`` in every softmax denominator of head h, with no value (the
+    row's weights then sum to less than 1). ``max_out`` / ``sum_out`` are refused with it.
     """
     sq, n, d = q.shape
     skv, nkv, dv = v.shape
@@ -152,7 +155,11 @@ def attend_segment(q, k, v, out, *, scale, masks=(), lse_out=None, max_out=None,
         return
     groups = n // nkv
     device = out.device
-    if skv == 0:
+    if sink is not None and (max_out is not None or sum_out is not None):
+        raise NotImplementedError("attend_segment: max_out/sum_out with a sink")
+    if sink is not None:
+        sink = sink.to(device=device, dtype=torch.float32).reshape(nkv, groups, 1, 1)
+    if skv == 0 and sink is None:
         out.zero_()
         _fill_empty_rows(lse_out, max_out, sum_out, slice(0, sq))
         return
@@ -194,6 +201,14 @@ def attend_segment(q, k, v, out, *, scale, masks=(), lse_out=None, max_out=None,
             acc.mul_(correction).add_(torch.matmul(scores, vb))
             run_max = new_max
             del scores, kb, vb
+        if sink is not None:
+            # the sink as one more score column whose value row is zero
+            s = sink.expand(nkv, groups, rows, 1).reshape(nkv, groups * rows, 1)
+            new_max = torch.maximum(run_max, s)
+            correction = torch.exp(run_max - new_max)
+            run_sum.mul_(correction).add_(torch.exp(s - new_max))
+            acc.mul_(correction)
+            run_max = new_max
         empty = run_sum == 0
         result = acc / torch.where(empty, torch.ones_like(run_sum), run_sum)
         # (Nkv, G*rows, Dv) -> (rows, N, Dv)

@@ -19,12 +19,14 @@ import torch
 from torch.overrides import handle_torch_function, has_torch_function
 from torch.utils._pytree import tree_flatten
 
-from npu_shim.emulation import fusion_attention, prompt_flash_attention, unpad
+from npu_shim.emulation import decoder_attention, fusion_attention, prompt_flash_attention, unpad
 from npu_shim.emulation._common import INT_MAX
 from npu_shim.emulation.fused_infer_attention import (
     FIA_HOST_ARGS, IFA_HOST_ARGS, npu_fused_infer_attention_score, npu_incre_flash_attention)
 from npu_shim.emulation.fusion_attention import npu_fusion_attention
-from npu_shim.emulation.kv_cache import _npu_reshape_and_cache
+from npu_shim.emulation.decoder_attention import (
+    _npu_paged_attention, npu_fused_infer_attention_score_v2)
+from npu_shim.emulation.kv_cache import _npu_reshape_and_cache, npu_scatter_pa_kv_cache
 from npu_shim.emulation.prompt_flash_attention import (
     PFA_PRE_TOKENS_DEFAULT, npu_prompt_flash_attention)
 from npu_shim.emulation.scatter import npu_scatter_nd_update_
@@ -98,6 +100,37 @@ SCHEMAS = {
         "_npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
         "Tensor(b!) value_cache, Tensor slot_indices) -> ()",
     ),
+    "npu_scatter_pa_kv_cache": (
+        npu_scatter_pa_kv_cache,
+        "npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
+        "Tensor(b!) value_cache, Tensor slot_mapping, *, Tensor? compress_lens=None, "
+        "Tensor? compress_seq_offsets=None, Tensor? seq_lens=None, str cache_mode=\"Norm\") -> ()",
+    ),
+    "_npu_paged_attention": (
+        _npu_paged_attention,
+        "_npu_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads, "
+        "int num_heads, float scale_value, Tensor block_table, Tensor context_lens, "
+        "Tensor(a!) out) -> ()",
+    ),
+    "npu_fused_infer_attention_score_v2": (
+        npu_fused_infer_attention_score_v2,
+        "npu_fused_infer_attention_score_v2(Tensor query, Tensor key, Tensor value, *, "
+        + _opt_tensors("query_rope", "key_rope", "pse_shift", "atten_mask")
+        + ", int[]? actual_seq_qlen=None, int[]? actual_seq_kvlen=None, "
+        + _opt_tensors("block_table", "dequant_scale_query", "dequant_scale_key",
+                       "dequant_offset_key", "dequant_scale_value", "dequant_offset_value",
+                       "dequant_scale_key_rope", "quant_scale_out", "quant_offset_out",
+                       "learnable_sink")
+        + ", int num_query_heads=1, int num_key_value_heads=0, float softmax_scale=1.0, "
+        "int pre_tokens=%d, int next_tokens=%d, str input_layout=\"BSH\", int sparse_mode=0, "
+        "int block_size=0, int query_quant_mode=0, int key_quant_mode=0, int value_quant_mode=0, "
+        "int inner_precise=0, bool return_softmax_lse=False, int? query_dtype=None, "
+        "int? key_dtype=None, int? value_dtype=None, int? query_rope_dtype=None, "
+        "int? key_rope_dtype=None, int? key_shared_prefix_dtype=None, "
+        "int? value_shared_prefix_dtype=None, int? dequant_scale_query_dtype=None, "
+        "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, "
+        "int? dequant_scale_key_rope_dtype=None) -> (Tensor, Tensor)" % (INT_MAX, INT_MAX),
+    ),
     "npu_scatter_nd_update_": (
         npu_scatter_nd_update_,
         "npu_scatter_nd_update_(Tensor(a!) input, Tensor indices, Tensor updates) -> Tensor(a!)",
@@ -124,6 +157,8 @@ HOST_ARGS = {
         ("npu_prompt_flash_attention", prompt_flash_attention.HOST_ARGS),
         ("npu_fused_infer_attention_score", FIA_HOST_ARGS),
         ("npu_incre_flash_attention", IFA_HOST_ARGS),
+        ("_npu_paged_attention", decoder_attention.PA_HOST_ARGS),
+        ("npu_fused_infer_attention_score_v2", decoder_attention.FIA_V2_HOST_ARGS),
     )
 }
 

@@ -57,6 +57,19 @@ SUPPORTED = {
     # valueCache、keyCacheOut、valueCacheOut的数据类型都必须完全一致". The page names no
     # per-device difference; 310P's bfloat16 is refused by ATB in general (see the unpad note).
     "_npu_reshape_and_cache": {"A2": (F16, BF16, torch.int8), "310P": (F16, torch.int8)},
+    # key, value, key_cache, value_cache. CANN ops-transformer aclnnScatterPaKvCache, key:
+    # "Atlas A3 训练系列产品/Atlas A3 推理系列产品、Atlas A2 训练系列产品/Atlas A2 推理系列产品:
+    # 数据类型仅支持FLOAT16、BFLOAT16、INT8"; 产品支持情况: "Atlas 推理系列产品 ×".
+    "npu_scatter_pa_kv_cache": {"A2": (F16, BF16, torch.int8), "310P": ()},
+    # query, key_cache, value_cache. CANN ATB PagedAttentionOperation (8.0.RC2), 约束:
+    # "query、keyCache、valueCache、maskTensor四个入参在Atlas 推理系列产品上只支持float16";
+    # 输入输出列表 (8.2.RC1): query / keyCache / valueCache "float16/bf16/int8" (int8 only with
+    # the quantisation features, not emulated).
+    "_npu_paged_attention": {"A2": (F16, BF16), "310P": (F16,)},
+    # query, key, value. op-plugin docs torch_npu-npu_fused_infer_attention_score_v2.md:
+    # query "数据类型支持float16、bfloat16" (key/value add int8/int4, quantisation, not
+    # emulated); 产品支持情况 lists Atlas A2/A3 only.
+    "npu_fused_infer_attention_score_v2": {"A2": (F16, BF16), "310P": ()},
     # input, updates. op-plugin 7.3.0 docs, torch_npu.npu_scatter_nd_update_: "Atlas A2 训练系列
     # 产品/Atlas A2 推理系列产品:数据类型支持float32、float16、bool、bfloat16、int64、int8";
     # "Atlas 推理系列产品:数据类型支持float32、float16、bool". float32 is real here.

@@ -1,4 +1,7 @@
-"""Emulation of ``torch_npu._npu_reshape_and_cache`` (ATB ReshapeAndCache).
+"""Emulation of ``torch_npu._npu_reshape_and_cache`` (ATB ReshapeAndCache) and
+``torch_npu.npu_scatter_pa_kv_cache`` (aclnnScatterPaKvCache, "Norm" mode): the two ops
+vllm-ascend writes its paged KV cache with (``DeviceOperator.reshape_and_cache``: the
+first up to 0.24.0rc1, the second from 0.27.1rc1; both share :func:`_scatter_tokens`).
 
 Documented behaviour implemented (vllm-ascend's call sites):
 ``_npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices)``
@@ -13,6 +16,7 @@ import torch
 from npu_shim.emulation import dtypes
 
 OP = "_npu_reshape_and_cache"
+SCATTER_OP = "npu_scatter_pa_kv_cache"
 
 
 def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
@@ -33,6 +37,12 @@ def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
                             tuple(key.shape[1:]), tuple(value.shape[1:])))
     if key_cache.shape[:2] != value_cache.shape[:2]:
         raise ValueError("%s: key and value caches have different (num_blocks, block_size)" % OP)
+    _scatter_tokens(OP, key, value, key_cache, value_cache, slot_indices)
+
+
+def _scatter_tokens(OP, key, value, key_cache, value_cache, slot_indices):
+    """Write token t of key/value at slot ``slot_indices[t]`` of (num_blocks, block_size, ...)
+    caches; negative slots are skipped, a slot past the cache raises."""
     slots = slot_indices.reshape(-1)
     if slots.shape[0] != key.shape[0]:
         raise ValueError("%s: %d slots for %d tokens" % (OP, slots.shape[0], key.shape[0]))
@@ -52,3 +62,51 @@ def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
         chosen = keep.nonzero().squeeze(1)
         flat_k.index_copy_(0, slots[chosen], key[chosen.to(key.device)].to(key_cache.dtype))
         flat_v.index_copy_(0, slots[chosen], value[chosen.to(value.device)].to(value_cache.dtype))
+
+
+def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,
+                            compress_lens=None, compress_seq_offsets=None, seq_lens=None,
+                            cache_mode="Norm"):
+    """``torch_npu.npu_scatter_pa_kv_cache``, scenario 2 of aclnnScatterPaKvCache only.
+
+    Follows the CANN ops-transformer page aclnnScatterPaKvCache (README of
+    attention/scatter_pa_kv_cache, "场景二"): key (T, N, Dk), value (T, N, Dv), key_cache
+    (num_blocks, block_size, N, Dk), value_cache (num_blocks, block_size, N, Dv),
+    slot_mapping (T,), cacheMode "Norm"; "其中k_head_size与v_head_size可以不同,也可以相同"
+    (the key and value head dims may differ). Atlas A2/A3 dtypes: "数据类型仅支持FLOAT16、
+    BFLOAT16、INT8", caches "数据类型和格式与key一致"; key and value may differ in dtype only
+    in the PA_NZ scenario, so here all four share one. Slots < 0 are skipped (op-plugin's
+    test_scatter_pa_kv_cache golden: ``if slot < 0: continue``). All tensors are device
+    tensors (no host argument). In place; returns None.
+
+    Not implemented (NotImplementedError): the compress scenarios (compress_lens,
+    compress_seq_offsets, seq_lens), cache_mode "PA_NZ" and every other mode.
+    """
+    from npu_shim.emulation import _common as C
+
+    C.reject_set(SCATTER_OP, compress_lens=compress_lens,
+                 compress_seq_offsets=compress_seq_offsets, seq_lens=seq_lens)
+    if cache_mode != "Norm":
+        raise C.not_implemented(SCATTER_OP, "cache_mode", "only 'Norm' (scenario 2), got %r"
+                                % (cache_mode,))
+    dtypes.check(SCATTER_OP, key=key, value=value, key_cache=key_cache, value_cache=value_cache)
+    if len({key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}) != 1:
+        raise ValueError("%s: key, value and both caches must share one dtype in 'Norm' mode, got "
+                         "%s / %s / %s / %s" % (SCATTER_OP, key.dtype, value.dtype,
+                                                key_cache.dtype, value_cache.dtype))
+    if key.dim() != 3 or value.dim() != 3 or key.shape[:2] != value.shape[:2]:
+        raise ValueError("%s: key/value must be (T, N, Dk) / (T, N, Dv), got %s / %s"
+                         % (SCATTER_OP, tuple(key.shape), tuple(value.shape)))
+    if key_cache.dim() != 4 or value_cache.dim() != 4 or \
+            key_cache.shape[:3] != value_cache.shape[:3]:
+        raise ValueError("%s: caches must be (num_blocks, block_size, N, Dk|Dv) with one "
+                         "(num_blocks, block_size, N), got %s / %s"
+                         % (SCATTER_OP, tuple(key_cache.shape), tuple(value_cache.shape)))
+    if key_cache.shape[2:] != key.shape[1:] or value_cache.shape[2:] != value.shape[1:]:
+        raise ValueError("%s: cache heads/dims %s / %s do not match key/value %s / %s"
+                         % (SCATTER_OP, tuple(key_cache.shape[2:]), tuple(value_cache.shape[2:]),
+                            tuple(key.shape[1:]), tuple(value.shape[1:])))
+    if slot_mapping.dim() != 1:
+        raise ValueError("%s: slot_mapping must be 1-D (T,), got %s"
+                         % (SCATTER_OP, tuple(slot_mapping.shape)))
+    _scatter_tokens(SCATTER_OP, key, value, key_cache, value_cache, slot_mapping)

@@ -12,6 +12,13 @@ head it forms the full score rows in float64:
 
 A query that may see no key gets out_i = 0 and lse_i = -inf.
 
+Learnable sinks (``sinks``, one logit per query head): the softmax denominator of head h
+gets one more term exp(sink_h), which no value row goes with:
+
+    p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij))
+
+(computed against m = max(sink_h, max_j s_ij)); lse_i is then log(exp(sink_h) + sum_j exp(s_ij)).
+
 Segments: queries ``cu_seqlens_q[s]:cu_seqlens_q[s+1]`` attend to keys
 ``cu_seqlens_kv[s]:cu_seqlens_kv[s+1]`` only. GQA: query head h reads key/value
 head ``h // (N // Nkv)``. ``causal=True`` aligns the queries to the *end* of
@@ -37,7 +44,7 @@ def _host_list(values, name):
 
 
 def attention_f64(q, k, v, cu_seqlens_q, cu_seqlens_kv=None, *, scale=None, causal=False,
-                  allowed=None, return_lse=False):
+                  allowed=None, return_lse=False, sinks=None):
     """Reference attention over packed segments, in float64 on the CPU.
 
     Args:
@@ -50,6 +57,7 @@ def attention_f64(q, k, v, cu_seqlens_q, cu_seqlens_kv=None, *, scale=None, caus
             (sq, skv) or (N, sq, skv); True = may attend. Combined with ``causal``
             by AND. Lets a test spell out any documented mask pattern.
         return_lse: also return the (Tq, N) float64 log-sum-exp.
+        sinks: optional (N,) sink logit per query head (see module docstring).
 
     Returns: (Tq, N, Dv) float64 [, (Tq, N) float64].
     """
@@ -69,6 +77,10 @@ def attention_f64(q, k, v, cu_seqlens_q, cu_seqlens_kv=None, *, scale=None, caus
         raise ValueError("segment boundaries exceed the tensors")
     scale = d ** -0.5 if scale is None else float(scale)
     group = n // nkv
+    if sinks is not None:
+        sinks = torch.as_tensor(sinks).detach().to("cpu", torch.float64).reshape(-1)
+        if sinks.shape[0] != n:
+            raise ValueError("sinks has %d values for %d query heads" % (sinks.shape[0], n))
     out = torch.zeros((tq, n, v.shape[2]), dtype=torch.float64)
     lse = torch.full((tq, n), -math.inf, dtype=torch.float64)
     for seg in range(len(cq) - 1):
@@ -94,8 +106,14 @@ def attention_f64(q, k, v, cu_seqlens_q, cu_seqlens_kv=None, *, scale=None, caus
                 row_max = scores.amax(dim=1, keepdim=True)
                 seen = torch.isfinite(row_max)
                 row_max = torch.where(seen, row_max, torch.zeros_like(row_max))
+                if sinks is not None:
+                    row_max = torch.where(seen, torch.maximum(row_max, sinks[h]),
+                                          sinks[h].expand_as(row_max))
                 weights = scores.sub_(row_max).exp_()          # exp(-inf) = 0 where hidden
                 total = weights.sum(dim=1, keepdim=True)
+                if sinks is not None:
+                    total = total + torch.exp(sinks[h] - row_max)
+                    seen = torch.ones_like(seen)               # the sink is always seen
                 total = torch.where(seen, total, torch.ones_like(total))
                 out[q0 + r0:q0 + r1, h] = (weights @ vh) / total * seen
                 lse[q0 + r0:q0 + r1, h] = torch.where(

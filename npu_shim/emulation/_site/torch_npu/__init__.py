@@ -30,6 +30,9 @@ npu_incre_flash_attention = _registry.PUBLIC["npu_incre_flash_attention"]
 _npu_flash_attention_unpad = _registry.PUBLIC["_npu_flash_attention_unpad"]
 _npu_reshape_and_cache = _registry.PUBLIC["_npu_reshape_and_cache"]
 npu_scatter_nd_update_ = _registry.PUBLIC["npu_scatter_nd_update_"]
+npu_scatter_pa_kv_cache = _registry.PUBLIC["npu_scatter_pa_kv_cache"]
+_npu_paged_attention = _registry.PUBLIC["_npu_paged_attention"]
+npu_fused_infer_attention_score_v2 = _registry.PUBLIC["npu_fused_infer_attention_score_v2"]
 
 from torch_npu import _C, npu  # noqa: E402  (submodules after the ops exist)
 
@@ -44,5 +47,6 @@ hifloat8 = _DtypePlaceholder("torch_npu.hifloat8")
 __all__ = [
     "npu_fusion_attention", "npu_prompt_flash_attention", "npu_fused_infer_attention_score",
     "npu_incre_flash_attention", "_npu_flash_attention_unpad", "_npu_reshape_and_cache",
-    "npu_scatter_nd_update_", "npu", "_C",
+    "npu_scatter_nd_update_", "npu_scatter_pa_kv_cache", "_npu_paged_attention",
+    "npu_fused_infer_attention_score_v2", "npu", "_C",
 ]
