@@ -216,3 +216,60 @@ def reference_layer_attention(layer, q, k, v):
 def kv_bytes_per_token(spec):
     """Bytes a KV-cache spec takes per token of one layer (its page over its block)."""
     return spec.page_size_bytes / spec.block_size
+
+
+def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128):
+    """One sequence through vllm-ascend's own ``AscendAttentionBackendImpl.forward`` (the emulated
+    torch_npu ops underneath): a prefill of ``tokens`` tokens (``PrefillNoCache``), then one decode
+    step (``DecodeOnly``) reading the paged K/V caches the prefill wrote, on the q/k/v the layer's
+    own projections and rotary give, V padded by the patch's :func:`pad_v` and the output cut by
+    its :func:`unpad_output` (what the patched ``forward`` does around ``self.attn``). The metadata
+    is what vllm-ascend's builder gives one sequence (fields named as in ``AscendMetadata``), under
+    vLLM's ``set_forward_context``. Returns (output (tokens + 1, heads * v_head_dim) float64, the
+    float64 reference of :func:`reference_layer_attention`)."""
+    import sys
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    from npu_shim.patches.vllm.mimo_v2_pad_v.families import pad_v, unpad_output
+
+    import_ascend_backend()
+    ascend = sys.modules[ASCEND_BACKEND[0]]
+    metadata_class, state = ascend.AscendMetadata, ascend.AscendAttentionState
+    dtype = next(layer.parameters()).dtype
+    attn, impl = layer.attn, layer.attn.impl
+    head = layer.head_dim
+    key_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, head, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens + 1, layer.qkv_proj.input_size, generator=generator).to(dtype)
+    positions = torch.arange(tokens + 1)
+    with torch.no_grad():
+        qkv, _ = layer.qkv_proj(hidden)
+        q, k, v = qkv.split([layer.q_size, layer.k_size, layer.v_size], dim=-1)
+        q, k = layer.rotary_emb(positions, q, k)
+    padded = pad_v(layer, v)
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    outputs = []
+    config = setup()
+    steps = ((state.PrefillNoCache, 0, tokens), (state.DecodeOnly, tokens, tokens + 1))
+    with set_current_vllm_config(config):
+        for step, start, stop in steps:
+            n = stop - start
+            decode = step == state.DecodeOnly
+            metadata = metadata_class(
+                attn_mask=mask, attn_state=step, num_actual_tokens=n, num_decode_tokens=n if decode else 0,
+                num_prefills=0 if decode else 1, num_decodes=1 if decode else 0,
+                seq_lens=torch.tensor([stop]), seq_lens_cpu=torch.tensor([stop]), seq_lens_list=[stop],
+                actual_seq_lengths_q=[n], query_start_loc=torch.tensor([0, n]), max_query_len=n,
+                block_tables=torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0),
+                slot_mapping=torch.arange(start, stop, dtype=torch.int32), causal=True)
+            output = torch.zeros(n, layer.num_heads, head, dtype=dtype)
+            with set_forward_context(None, config, num_tokens=n):
+                result = impl.forward(attn, q[start:stop].view(n, -1, head), k[start:stop].view(n, -1, head),
+                                      padded[start:stop].view(n, -1, head), (key_cache, value_cache), metadata,
+                                      output)
+            outputs.append(unpad_output(layer, result.reshape(n, -1)))
+    return torch.cat(outputs).double(), reference_layer_attention(layer, q, k, v)

@@ -9,11 +9,14 @@ What is exercised: the layer build (upstream's ``__init__`` and the patched one)
 layer gets (vllm-ascend's ``AscendAttentionBackend`` through the platform's answer, stand-in named in
 :mod:`npu_shim.testing.mimo`), the KV-cache spec the layer gives vLLM's KV-cache manager, the cache
 shape vllm-ascend's model runner asks its backend for (``get_kv_cache_shape``) and a K and a V cache
-allocated from them, and the layer forward (prefill of a sequence, then a decode step) with the
+allocated from them; the layer forward (prefill of a sequence, then a decode step) with the
 attention computed by a float64 reference on what the layer hands ``self.attn`` (the padded V), so
 the model-side edits are checked against attention with V 128 from the definition (sinks and the
-window included). Not exercised here: vllm-ascend's model runner itself, and vllm-ascend's
-impl ``forward`` (its op calls run on the emulated ops in the tests of the emulation branch).
+window included); and vllm-ascend's own ``AscendAttentionBackendImpl.forward`` on the emulated
+torch_npu ops, a prefill then a decode step over paged K/V caches, bfloat16, with the patch's pad
+and cut around it (:func:`npu_shim.testing.mimo.ascend_prefill_decode`). Not exercised: vllm-ascend's
+model runner itself (its metadata builder, its cache allocation, ACL graphs): the metadata and
+caches are built here as the runner builds them for one sequence.
 """
 import importlib.metadata
 
@@ -215,6 +218,27 @@ def test_padded_layer_matches_the_reference(mimo, kind):
     assert got.shape == expected.shape == (7, mimo.HIDDEN)
     err = (got.double() - expected.double()).abs().max().item()
     assert err < 1e-4, err
+
+
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
+@pytest.mark.parametrize("kind", ["full", "swa"])
+def test_ascend_impl_prefill_and_decode_match_the_reference(mimo, kind):
+    """vllm-ascend's own impl forward on the emulated ops, bfloat16 (what the hardware takes): a
+    prefill of 6 tokens then one decode step over the paged caches, V padded to 192 and the output
+    cut to 128 as the patched forward does, against attention with V 128 from the definition (the
+    sinks included; the sliding layer's window is 16 here, past the sequence: see the report on
+    vllm-ascend's ``pre_tokens=sliding_window``). Within bfloat16 rounding of the output."""
+    import torch
+
+    _ascend_or_skip()
+    overrides = {"sliding_window_size": 16} if kind == "swa" else {}
+    with mimo.ascend_backend():
+        layer = mimo.build_layer(kind, dtype=torch.bfloat16, **overrides)
+    got, expected = mimo.ascend_prefill_decode(layer)
+    assert got.shape == expected.shape == (7, mimo.HEADS * mimo.V_HEAD_DIM)
+    err = (got - expected).abs().max().item()
+    assert err <= 2 ** -7 * expected.abs().max().item(), err
 
 
 # ---------------------------------------------------------------------------------------------
