@@ -218,7 +218,7 @@ def kv_bytes_per_token(spec):
     return spec.page_size_bytes / spec.block_size
 
 
-def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128):
+def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128, around_decode=None):
     """One sequence through vllm-ascend's own ``AscendAttentionBackendImpl.forward`` (the emulated
     torch_npu ops underneath): a prefill of ``tokens`` tokens (``PrefillNoCache``), then one decode
     step (``DecodeOnly``) reading the paged K/V caches the prefill wrote, on the q/k/v the layer's
@@ -226,7 +226,10 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128)
     its :func:`unpad_output` (what the patched ``forward`` does around ``self.attn``). The metadata
     is what vllm-ascend's builder gives one sequence (fields named as in ``AscendMetadata``), under
     vLLM's ``set_forward_context``. Returns (output (tokens + 1, heads * v_head_dim) float64, the
-    float64 reference of :func:`reference_layer_attention`)."""
+    float64 reference of :func:`reference_layer_attention`). ``around_decode(device_tensors)``: a
+    context manager entered around the decode step's pad, impl call and cut (e.g. a host-sync
+    counter, handed the tensors that live on the device there)."""
+    import contextlib
     import sys
 
     import torch
@@ -267,9 +270,12 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128)
                 block_tables=torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0),
                 slot_mapping=torch.arange(start, stop, dtype=torch.int32), causal=True)
             output = torch.zeros(n, layer.num_heads, head, dtype=dtype)
-            with set_forward_context(None, config, num_tokens=n):
+            device = (q, k, v, key_cache, value_cache, output, metadata.block_tables, metadata.slot_mapping,
+                      metadata.seq_lens, metadata.query_start_loc, mask)
+            around = around_decode(device) if decode and around_decode else contextlib.nullcontext()
+            with set_forward_context(None, config, num_tokens=n), around:
+                step_v = pad_v(layer, v[start:stop]) if decode else padded[start:stop]
                 result = impl.forward(attn, q[start:stop].view(n, -1, head), k[start:stop].view(n, -1, head),
-                                      padded[start:stop].view(n, -1, head), (key_cache, value_cache), metadata,
-                                      output)
-            outputs.append(unpad_output(layer, result.reshape(n, -1)))
+                                      step_v.view(n, -1, head), (key_cache, value_cache), metadata, output)
+                outputs.append(unpad_output(layer, result.reshape(n, -1)))
     return torch.cat(outputs).double(), reference_layer_attention(layer, q, k, v)
