@@ -150,6 +150,33 @@ def test_no_class_global_value_head_dim(mimo):
     assert standard.attn.attn_backend is backend
 
 
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
+def test_equal_head_dims_take_upstreams_path(mimo):
+    """A layer whose V head dim equals its K head dim (a standard layer: 128 / 128) gets what
+    upstream gives it: the platform's backend, head_size_v = head_size, and a forward equal to
+    upstream's forward bit for bit (nothing padded, nothing cut)."""
+    import torch
+
+    _ascend_or_skip()
+    with mimo.ascend_backend():
+        patched = mimo.build_layer("swa", head_dim=128, v_head_dim=128)
+        upstream = mimo.build_layer("swa", init=mimo.upstream_init(), head_dim=128, v_head_dim=128)
+    for layer in (patched, upstream):
+        assert getattr(layer.attn, "head_size_v", 128) == layer.attn.head_size == 128
+    assert type(patched.attn.attn_backend) is type(upstream.attn.attn_backend)
+
+    class Attention(torch.nn.Module):            # the same deterministic stand-in on both sides
+        def forward(self, q, k, v):
+            return v.repeat_interleave(2, dim=-1)[:, :q.shape[-1]] * q.sigmoid()
+
+    forward = mimo.attention_class().forward
+    hidden, positions = torch.randn(5, mimo.HIDDEN, generator=torch.Generator().manual_seed(1)), torch.arange(5)
+    patched._modules["attn"] = Attention()
+    with torch.no_grad():
+        assert torch.equal(forward(patched, positions, hidden), forward.__wrapped_upstream__(patched, positions, hidden))
+
+
 def _run_layer(mimo, layer, tokens, generator):
     """The layer's forward on a prefill of ``tokens`` and a decode step after it, ``self.attn``
     standing in as float64 attention over the cached K and V it is handed (what the backend does
