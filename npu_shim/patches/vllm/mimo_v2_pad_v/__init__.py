@@ -25,7 +25,10 @@ How: ``MiMoV2Attention.__init__`` and ``forward`` are upstream's, edited
   ``NPU_SHIM_VLLM_MIMO_PAD_V=0`` turns it off (upstream's DiffKV path).
 Window: read in the wheels 0.21.0, 0.23.0, 0.24.0, 0.27.1, 0.28.0, 0.29.0 and 0.30.0 (one shape of
   ``__init__``/``forward`` where the edits anchor); 0.20.2 has the same class in
-  ``mimo_v2_flash`` (``vllm.mimo_v2_flash_pad_v``).
+  ``mimo_v2_flash`` (``vllm.mimo_v2_flash_pad_v``). Not claimed above 0.30: on the lanes' vLLM 0.32
+  with vllm-ascend 0.30.0rc2 the edits apply and the layer runs, but vLLM's
+  ``get_kv_cache_spec`` calls ``AscendAttentionBackend.get_supported_kernel_block_sizes`` with an
+  argument that release's backend does not take (``TypeError``, any model's layer).
 Upstream fix: none (vLLM 0.30.0; no vllm-ascend release has a different-V-dim backend).
 Remove when: vllm-ascend serves a layer with ``head_size_v != head_size`` (separate K and V caches,
   its op calls with the V head dim) and the model lets the platform choose the backend.
@@ -36,11 +39,13 @@ PATCH = Patch(
     name="vllm.mimo_v2_pad_v",
     target="vllm.model_executor.models.mimo_v2",
     replaces=("MiMoV2Attention.__init__", "MiMoV2Attention.forward"),
-    requires={"vllm": ">=0.21.0"},
-    outside_window={"vllm": "below, the model lives in mimo_v2_flash (vllm.mimo_v2_flash_pad_v)"},
+    requires={"vllm": ">=0.21.0,<0.31.0"},
+    outside_window={"vllm": "below, the model lives in mimo_v2_flash (vllm.mimo_v2_flash_pad_v); above, not read "
+                            "(the lanes pair those releases with an older vllm-ascend whose backend vLLM's "
+                            "KV-cache spec calls with arguments it does not take, for every model)"},
     needs_npu=True,
     families=(
-        Family("npu_shim.patches.vllm.mimo_v2_pad_v.families:PAD_V", fence=">=0.21.0",
+        Family("npu_shim.patches.vllm.mimo_v2_pad_v.families:PAD_V", fence=">=0.21.0,<0.31.0",
                keeps="vllm-ascend's own attention backend and op calls; the model's V padded to the key head dim"),
     ),
     summary="MiMo-V2-Flash builds and serves on Ascend: V padded to the key head dim (1.2x KV bytes) instead "
