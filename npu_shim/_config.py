@@ -20,6 +20,8 @@ MM_ENCODER_FUSION_SWITCH = "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION"
 PATCH_SWITCHES = {
     "sglang.small_page_fia": "NPU_SHIM_SGLANG_SMALL_PAGE_FIA",
     "sglang.vision_head_pad": "NPU_SHIM_SGLANG_VISION_HEAD_PAD",
+    "vllm.mimo_v2_pad_v": "NPU_SHIM_VLLM_MIMO_PAD_V",
+    "vllm.mimo_v2_flash_pad_v": "NPU_SHIM_VLLM_MIMO_PAD_V",
 }
 
 
@@ -67,6 +69,10 @@ VARIABLES = (
     ("NPU_SHIM_SGLANG_VISION_HEAD_PAD", "boolean, default 1",
      "0 turns the patch off (it shows as disabled): VisionAscendAttention then hands FIA's TND call the "
      "model's head dim as upstream does", "sglang.vision_head_pad"),
+    ("NPU_SHIM_VLLM_MIMO_PAD_V", "boolean, default 1",
+     "0 turns off vllm.mimo_v2_pad_v and vllm.mimo_v2_flash_pad_v: MiMo-V2-Flash takes upstream's DiffKV "
+     "backend (which fails on Ascend at build or KV-cache initialisation); 1 pads V to the key head dim "
+     "(1.2x the KV bytes of K 192 + V 128)", "vllm.mimo_v2_pad_v"),
     ("NPU_SHIM_EMULATE_SOC", "an Ascend SoC name, e.g. Ascend910B1, Ascend310P3",
      "the SoC the emulation reports (default an A2 part); Ascend310P* exercises the 310P paths; "
      "checked only where NPU_SHIM_EMULATE=1", ""),

@@ -1,0 +1,107 @@
+"""The family of ``vllm.mimo_v2_pad_v`` / ``vllm.mimo_v2_flash_pad_v``: ``MiMoV2Attention``'s
+``__init__`` and ``forward``, edited to pad V to the key head dim (the shape of vLLM's own
+0.14 - 0.19 model) instead of handing the layer a DiffKV backend.
+
+One shape of upstream code serves both patches (the model moved from ``mimo_v2_flash`` to
+``mimo_v2``, the class did not change where the edits anchor): ``__init__`` chooses a DiffKV
+backend under ``if self.v_head_dim != self.head_dim:`` and builds one ``Attention(...)`` with
+``head_size_v=``; ``forward`` calls ``attn_output = self.attn(q, k, v)``.
+"""
+import inspect
+
+from npu_shim.patch import NotNeeded, TargetMismatch
+from npu_shim.patches._shared.source_edit import InsertAfter, InsertBefore, ReplaceExpression, edit_function
+from npu_shim.patches._shared.structure import module_class, own_function
+
+CLASS = "MiMoV2Attention"
+CALL = "attn_output = self.attn(q, k, v)"
+
+# __init__: the DiffKV branch is not taken (the platform picks its own attention backend, as for
+# any layer), and the one Attention(...) call goes through padded_attention: head_size_v = head_size.
+INIT_EDITS = (
+    ReplaceExpression("self.v_head_dim != self.head_dim", "False"),
+    ReplaceExpression("Attention", "padded_attention"),
+)
+# forward: V padded with zeros to the key head dim before the attention, the output cut back to
+# the value head dim after it (vLLM 0.19's statements, as helpers: pad_v / unpad_output).
+FORWARD_EDITS = (
+    InsertBefore(CALL, "v = pad_v(self, v)"),
+    InsertAfter(CALL, "attn_output = unpad_output(self, attn_output)"),
+)
+
+
+def pad_v(layer, v):
+    """``v`` (tokens, kv_heads * v_head_dim) padded with zeros to (tokens, kv_heads * head_dim);
+    unchanged where the layer's two head dims are equal."""
+    import torch
+
+    if layer.v_head_dim == layer.head_dim:
+        return v
+    v = v.view(-1, layer.num_kv_heads, layer.v_head_dim)
+    v = torch.nn.functional.pad(v, [0, layer.head_dim - layer.v_head_dim], value=0)
+    return v.view(-1, layer.num_kv_heads * layer.head_dim)
+
+
+def unpad_output(layer, attn_output):
+    """The attention output (tokens, heads * head_dim) cut to (tokens, heads * v_head_dim): the
+    padded columns of V give zero columns of the output, dropped here; unchanged where the layer's
+    two head dims are equal."""
+    if layer.v_head_dim == layer.head_dim:
+        return attn_output
+    return attn_output.view(-1, layer.num_heads, layer.head_dim)[..., :layer.v_head_dim].reshape(
+        -1, layer.num_heads * layer.v_head_dim)
+
+
+def padded_attention_factory(attention_class):
+    """A stand-in for ``attention_class`` (vLLM's ``Attention``) that builds it with the value head
+    dim equal to the key head dim (``head_size_v = head_size``): the layer's own V, padded by
+    :func:`pad_v`. Per call, no state kept: each layer passes its own sizes."""
+    signature = inspect.signature(attention_class)
+    for name in ("head_size", "head_size_v"):
+        if name not in signature.parameters:
+            raise TargetMismatch("%s takes no %s" % (attention_class.__qualname__, name))
+
+    def padded_attention(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.arguments["head_size_v"] = bound.arguments["head_size"]
+        return attention_class(*bound.args, **bound.kwargs)
+
+    return padded_attention
+
+
+class _PadV:
+    def check(self, module, context):
+        layer = module_class(module, CLASS)
+        forward = own_function(layer, "forward")
+        if "functional.pad" in inspect.getsource(forward):
+            raise NotNeeded("%s.forward pads V itself" % CLASS)
+        attention = getattr(module, "Attention", None)
+        if not isinstance(attention, type):
+            raise TargetMismatch("%s has no Attention class" % module.__name__)
+        return self.edited(module, own_function(layer, "__init__"), forward)
+
+    def edited(self, module, init, forward):
+        """{"MiMoV2Attention.__init__": edited, "MiMoV2Attention.forward": edited}; TargetMismatch
+        naming a missing anchor."""
+        return {
+            CLASS + ".__init__": edit_function(
+                init, INIT_EDITS, names={"padded_attention": padded_attention_factory(module.Attention)}),
+            CLASS + ".forward": edit_function(
+                forward, FORWARD_EDITS, names={"pad_v": pad_v, "unpad_output": unpad_output}),
+        }
+
+    def build(self, module, context):
+        layer = module_class(module, CLASS)
+        edited = context.found if isinstance(context.found, dict) else self.check(module, context)
+        init, forward = own_function(layer, "__init__"), own_function(layer, "forward")
+        return {
+            CLASS + ".__init__": context.present(
+                edited[CLASS + ".__init__"], init,
+                "no DiffKV backend; Attention built with head_size_v = head_size (V padded)"),
+            CLASS + ".forward": context.present(
+                edited[CLASS + ".forward"], forward,
+                "V padded with zeros to the key head dim, the output cut back to the value head dim"),
+        }
+
+
+PAD_V = _PadV()

@@ -1,0 +1,281 @@
+"""MiMo-V2-Flash's attention layers (vLLM's own ``MiMoV2Attention``) on CPU, from a tiny config,
+for the tests and ``benchmarks/bench_kv_bytes_mimo.py``.
+
+The layers are built the way vLLM builds them (a ``VllmConfig`` with a CPU ``DeviceConfig``, a
+1-rank gloo model-parallel group, ``set_current_vllm_config``). Two kinds, as in the model:
+
+* ``full``: full attention, no sinks;
+* ``swa``: a sliding window with learnable sinks (``add_swa_attention_sink_bias``);
+
+both with the key head dim 192 and the value head dim 128 (MiMo-V2-Flash's), tiny hidden sizes.
+
+Stand-ins, each because this machine has no NPU:
+
+* torch_npu: npu-shim's emulation, with ``torch.npu`` registered (``register_device_module``);
+* :func:`ascend_backend`: vLLM's backend selector, as the attention layer module sees it, answers
+  vllm-ascend's ``AscendAttentionBackend`` -- the answer of vllm-ascend's platform
+  (``NPUPlatform.get_attn_backend_cls``) for a decoder layer that is neither MLA nor sparse;
+  vllm-ascend's module is imported without ``vllm_ascend/ops/__init__.py``
+  (:mod:`npu_shim.testing.isolation`). A layer handed a backend by the model (upstream's DiffKV
+  path) never asks the selector.
+
+:func:`upstream_layer` builds a layer with upstream's ``__init__`` (the function the shim's
+replacement keeps as ``__wrapped_upstream__``), for the "before" of each release.
+"""
+import contextlib
+import importlib
+import inspect
+import itertools
+import os
+import tempfile
+import types
+
+__all__ = ["ASCEND_BACKEND", "HEAD_DIM", "KINDS", "V_HEAD_DIM", "WINDOW", "ascend_backend", "attention_class",
+           "build_layer", "kv_cache_spec", "model_module", "reference_layer_attention", "setup", "sink_attention_f64"]
+
+HEAD_DIM, V_HEAD_DIM = 192, 128
+HIDDEN, HEADS, KV_HEADS = 64, 4, 2
+WINDOW = 4
+KINDS = {
+    "full": dict(sliding_window_size=-1),
+    "swa": dict(sliding_window_size=WINDOW, add_swa_attention_sink_bias=True),
+}
+ASCEND_BACKEND = ("vllm_ascend.attention.attention_v1", "AscendAttentionBackend")
+
+_CONFIG = None
+_PREFIXES = itertools.count()
+
+
+def setup(emulate=True):
+    """The emulation (``emulate``) and the shim installed, a CPU ``VllmConfig`` with the 1-rank
+    model-parallel group opened (once per process); returns the config."""
+    global _CONFIG
+    if _CONFIG is not None:
+        return _CONFIG
+    os.environ.setdefault("VLLM_PLUGINS", "")     # the lanes use "npu_shim"; never "ascend"
+    import npu_shim
+    from npu_shim import emulation
+
+    if emulate:
+        emulation.install()
+        emulation.register_device_module()    # vllm-ascend names torch.npu at import
+    npu_shim.install()
+    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state
+
+    config = VllmConfig(device_config=DeviceConfig(device="cpu"))
+    with set_current_vllm_config(config):
+        if not parallel_state.model_parallel_is_initialized():
+            init_file = tempfile.NamedTemporaryFile(prefix="npu_shim_mimo_", delete=False)
+            init_file.close()
+            os.unlink(init_file.name)
+            parallel_state.init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, distributed_init_method="file://" + init_file.name,
+                backend="gloo")
+            parallel_state.ensure_model_parallel_initialized(1, 1)
+    _CONFIG = config
+    return config
+
+
+def model_module():
+    """vLLM's MiMo-V2-Flash model module: ``mimo_v2`` (0.21+) or ``mimo_v2_flash`` (up to 0.20)."""
+    for name in ("vllm.model_executor.models.mimo_v2", "vllm.model_executor.models.mimo_v2_flash"):
+        if importlib.util.find_spec(name) is not None:
+            return importlib.import_module(name)
+    raise ImportError("this vLLM has no MiMo-V2-Flash model module")
+
+
+def attention_class():
+    return model_module().MiMoV2Attention
+
+
+def import_ascend_backend():
+    """vllm-ascend's ``AscendAttentionBackend`` (its module imported without the ops package's
+    ``__init__``, under the current config: 0.14.0rc1 reads it at import)."""
+    from vllm.config import set_current_vllm_config
+
+    from npu_shim.testing.isolation import import_vllm_ascend_module
+
+    with set_current_vllm_config(setup()):
+        return getattr(import_vllm_ascend_module(ASCEND_BACKEND[0]), ASCEND_BACKEND[1])
+
+
+class _SpecConfig:
+    """The config a layer's ``get_kv_cache_spec`` reads: the CPU ``VllmConfig``, its
+    ``model_config`` (None here: no checkpoint) standing in as a model that is not MLA (what
+    the sliding-window spec asks on some releases)."""
+
+    def __init__(self, config):
+        self._config = config
+        self.model_config = types.SimpleNamespace(use_mla=False)
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+def kv_cache_spec(layer):
+    """``layer.attn.get_kv_cache_spec`` under the CPU config (:class:`_SpecConfig`)."""
+    return layer.attn.get_kv_cache_spec(_SpecConfig(setup()))
+
+
+@contextlib.contextmanager
+def ascend_backend(asked=None):
+    """Inside the block, the backend selector the attention layer module calls answers vllm-ascend's
+    ``AscendAttentionBackend``; each call's keyword/positional arguments are appended to ``asked``
+    (a list) when given."""
+    backend = import_ascend_backend()
+    layer_module = inspect.getmodule(model_module().Attention)
+    original = layer_module.get_attn_backend
+
+    def get_attn_backend(*args, **kwargs):
+        if asked is not None:
+            asked.append(inspect.signature(original).bind(*args, **kwargs).arguments)
+        return backend
+
+    layer_module.get_attn_backend = get_attn_backend
+    try:
+        yield backend
+    finally:
+        layer_module.get_attn_backend = original
+
+
+def layer_arguments(kind, prefix):
+    return dict(hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                v_head_dim=V_HEAD_DIM, prefix=prefix, **KINDS[kind])
+
+
+def build_layer(kind, init=None, dtype=None, **overrides):
+    """A ``MiMoV2Attention`` of ``kind`` (:data:`KINDS`), built under the current config with a
+    fresh prefix (vLLM registers each attention layer by name); ``init``: the ``__init__`` to run
+    (default: the class's own, patched or not). Weights random, sinks random."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    config = setup()
+    cls = attention_class()
+    arguments = layer_arguments(kind, "model.layers.%d.self_attn" % next(_PREFIXES))
+    arguments.update(overrides)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype or torch.float32)
+    try:
+        with set_current_vllm_config(config):
+            layer = cls.__new__(cls)
+            (init or cls.__init__)(layer, **arguments)
+    finally:
+        torch.set_default_dtype(previous)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for parameter in layer.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator, dtype=torch.float64) * 0.3)
+    return layer
+
+
+def upstream_init():
+    """Upstream's ``MiMoV2Attention.__init__`` (the patched class keeps it as ``__wrapped_upstream__``)."""
+    init = attention_class().__init__
+    return getattr(init, "__wrapped_upstream__", init)
+
+
+def sink_attention_f64(q, k, v, sinks=None, window=None, scale=None):
+    """Causal attention of one sequence ``q`` (T, N, D), ``k`` (T, Nkv, D), ``v`` (T, Nkv, Dv) in
+    float64, from the definition: query i sees keys j <= i, and, with a ``window``, only the last
+    ``window`` of them (j > i - window); a learnable sink s_h adds exp(s_h) to head h's softmax
+    denominator (a logit with a zero value). Built on :func:`npu_shim.testing.reference.attention_f64`
+    (its log-sum-exp gives the sink's share)."""
+    import torch
+
+    from npu_shim.testing.reference import attention_f64
+
+    t = q.shape[0]
+    allowed = None
+    if window is not None:
+        def allowed(segment, sq, skv):
+            rows = torch.arange(sq).unsqueeze(1) + (skv - sq)
+            return torch.arange(skv).unsqueeze(0) > rows - window
+    out, lse = attention_f64(q, k, v, [0, t], scale=scale, causal=True, allowed=allowed, return_lse=True)
+    if sinks is None:
+        return out
+    sinks = sinks.detach().to("cpu", torch.float64).view(1, -1)
+    keep = 1.0 / (1.0 + torch.exp(sinks - lse))          # exp(lse) / (exp(lse) + exp(sink))
+    return out * keep.unsqueeze(-1)
+
+
+def reference_layer_attention(layer, q, k, v):
+    """What ``layer``'s attention should give for one sequence's ``q``/``k``/``v`` as the model
+    splits them (value head dim :data:`V_HEAD_DIM`), float64, (T, heads * v_head_dim)."""
+    t = q.shape[0]
+    window = layer.attn.sliding_window if getattr(layer.attn, "sliding_window", None) else None
+    sinks = getattr(layer, "attention_sink_bias", None)
+    out = sink_attention_f64(q.view(t, layer.num_heads, layer.head_dim),
+                             k.view(t, layer.num_kv_heads, layer.head_dim),
+                             v.view(t, layer.num_kv_heads, layer.v_head_dim),
+                             sinks=sinks, window=window, scale=layer.scaling)
+    return out.reshape(t, -1)
+
+
+def kv_bytes_per_token(spec):
+    """Bytes a KV-cache spec takes per token of one layer (its page over its block)."""
+    return spec.page_size_bytes / spec.block_size
+
+
+def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128, around_decode=None):
+    """One sequence through vllm-ascend's own ``AscendAttentionBackendImpl.forward`` (the emulated
+    torch_npu ops underneath): a prefill of ``tokens`` tokens (``PrefillNoCache``), then one decode
+    step (``DecodeOnly``) reading the paged K/V caches the prefill wrote, on the q/k/v the layer's
+    own projections and rotary give, V padded by the patch's :func:`pad_v` and the output cut by
+    its :func:`unpad_output` (what the patched ``forward`` does around ``self.attn``). The metadata
+    is what vllm-ascend's builder gives one sequence (fields named as in ``AscendMetadata``), under
+    vLLM's ``set_forward_context``. Returns (output (tokens + 1, heads * v_head_dim) float64, the
+    float64 reference of :func:`reference_layer_attention`). ``around_decode(device_tensors)``: a
+    context manager entered around the decode step's pad, impl call and cut (e.g. a host-sync
+    counter, handed the tensors that live on the device there)."""
+    import contextlib
+    import sys
+
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    from npu_shim.patches.vllm.mimo_v2_pad_v.families import pad_v, unpad_output
+
+    import_ascend_backend()
+    ascend = sys.modules[ASCEND_BACKEND[0]]
+    metadata_class, state = ascend.AscendMetadata, ascend.AscendAttentionState
+    dtype = next(layer.parameters()).dtype
+    attn, impl = layer.attn, layer.attn.impl
+    head = layer.head_dim
+    key_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, head, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(tokens + 1, layer.qkv_proj.input_size, generator=generator).to(dtype)
+    positions = torch.arange(tokens + 1)
+    with torch.no_grad():
+        qkv, _ = layer.qkv_proj(hidden)
+        q, k, v = qkv.split([layer.q_size, layer.k_size, layer.v_size], dim=-1)
+        q, k = layer.rotary_emb(positions, q, k)
+    padded = pad_v(layer, v)
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    outputs = []
+    config = setup()
+    steps = ((state.PrefillNoCache, 0, tokens), (state.DecodeOnly, tokens, tokens + 1))
+    with set_current_vllm_config(config):
+        for step, start, stop in steps:
+            n = stop - start
+            decode = step == state.DecodeOnly
+            metadata = metadata_class(
+                attn_mask=mask, attn_state=step, num_actual_tokens=n, num_decode_tokens=n if decode else 0,
+                num_prefills=0 if decode else 1, num_decodes=1 if decode else 0,
+                seq_lens=torch.tensor([stop]), seq_lens_cpu=torch.tensor([stop]), seq_lens_list=[stop],
+                actual_seq_lengths_q=[n], query_start_loc=torch.tensor([0, n]), max_query_len=n,
+                block_tables=torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0),
+                slot_mapping=torch.arange(start, stop, dtype=torch.int32), causal=True)
+            output = torch.zeros(n, layer.num_heads, head, dtype=dtype)
+            device = (q, k, v, key_cache, value_cache, output, metadata.block_tables, metadata.slot_mapping,
+                      metadata.seq_lens, metadata.query_start_loc, mask)
+            around = around_decode(device) if decode and around_decode else contextlib.nullcontext()
+            with set_forward_context(None, config, num_tokens=n), around:
+                step_v = pad_v(layer, v[start:stop]) if decode else padded[start:stop]
+                result = impl.forward(attn, q[start:stop].view(n, -1, head), k[start:stop].view(n, -1, head),
+                                      step_v.view(n, -1, head), (key_cache, value_cache), metadata, output)
+                outputs.append(unpad_output(layer, result.reshape(n, -1)))
+    return torch.cat(outputs).double(), reference_layer_attention(layer, q, k, v)

@@ -1,0 +1,296 @@
+"""MiMo-V2-Flash (K head dim 192, V 128, a sliding-window layer with learnable sinks) with vLLM's own
+``MiMoV2Attention`` on CPU: what upstream does per release, and what the shim does.
+
+Patches: ``vllm.mimo_v2_pad_v`` / ``vllm.mimo_v2_flash_pad_v`` (vLLM 0.20 - 0.30: V padded to the
+key head dim, the platform's backend) and ``vllm.sinks_refuse`` (vllm-ascend 0.14.0rc1: a layer with
+sinks refused at build). Layers from :mod:`npu_shim.testing.mimo` (tiny sizes).
+
+What is exercised: the layer build (upstream's ``__init__`` and the patched one), the backend the
+layer gets (vllm-ascend's ``AscendAttentionBackend`` through the platform's answer, stand-in named in
+:mod:`npu_shim.testing.mimo`), the KV-cache spec the layer gives vLLM's KV-cache manager, the cache
+shape vllm-ascend's model runner asks its backend for (``get_kv_cache_shape``) and a K and a V cache
+allocated from them; the layer forward (prefill of a sequence, then a decode step) with the
+attention computed by a float64 reference on what the layer hands ``self.attn`` (the padded V), so
+the model-side edits are checked against attention with V 128 from the definition (sinks and the
+window included); and vllm-ascend's own ``AscendAttentionBackendImpl.forward`` on the emulated
+torch_npu ops, a prefill then a decode step over paged K/V caches, bfloat16, with the patch's pad
+and cut around it (:func:`npu_shim.testing.mimo.ascend_prefill_decode`). Not exercised: vllm-ascend's
+model runner itself (its metadata builder, its cache allocation, ACL graphs): the metadata and
+caches are built here as the runner builds them for one sequence.
+"""
+import importlib.metadata
+
+import pytest
+from packaging.version import Version
+
+PAD = ("vllm.mimo_v2_pad_v", "vllm.mimo_v2_flash_pad_v")
+
+
+def _vllm():
+    return Version(importlib.metadata.version("vllm"))
+
+
+def _ascend_or_skip():
+    from npu_shim.testing import mimo
+
+    try:
+        return mimo.import_ascend_backend()
+    except Exception as exc:  # the emulation of vllm_ascend.attention.attention_v1's imports
+        pytest.skip("vllm_ascend.attention.attention_v1 does not import under the emulation: %s: %s"
+                    % (type(exc).__name__, exc))
+
+
+@pytest.fixture(scope="module")
+def mimo():
+    from npu_shim.testing import mimo
+
+    mimo.setup()
+    return mimo
+
+
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
+def test_pad_patch_applied(mimo):
+    import npu_shim
+    from npu_shim.testing.claims import claimed_family
+
+    module = mimo.model_module()
+    name = PAD[0] if module.__name__.endswith(".mimo_v2") else PAD[1]
+    row = next(r for r in npu_shim.status() if r["name"] == name)
+    assert row["state"] == "applied" and row["family"] == claimed_family(name).name, row
+    cls = module.MiMoV2Attention
+    assert cls.__init__.__npu_shim_patch__ == cls.forward.__npu_shim_patch__ == name
+
+
+# ---------------------------------------------------------------------------------------------
+# Before: upstream's __init__ on each release (the model hands the layer a DiffKV backend).
+
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
+def test_upstream_diffkv_path_fails_on_ascend(mimo):
+    version = _vllm()
+    init = mimo.upstream_init()
+    if version < Version("0.24"):
+        full = mimo.build_layer("full", init=init)
+        assert full.attn.attn_backend.__name__ == "FlashAttentionDiffKVBackend"
+        with pytest.raises(NameError, match="flash_attn_supports_sinks"):
+            mimo.build_layer("swa", init=init)
+        return
+    for kind in mimo.KINDS:
+        layer = mimo.build_layer(kind, init=init)
+        backend = layer.attn.attn_backend
+        assert backend.__name__ == "TritonAttentionDiffKVBackend"
+        if version < Version("0.29"):
+            # packed K|V in one last dim: no leading 2 for vllm-ascend's runner to split K and V by
+            shape = backend.get_kv_cache_shape(8, 16, mimo.KV_HEADS, mimo.HEAD_DIM)
+            assert shape[-1] == mimo.HEAD_DIM + mimo.V_HEAD_DIM and shape[0] != 2, shape
+        else:
+            with pytest.raises(AttributeError, match="get_kv_cache_shape"):
+                backend.get_kv_cache_shape(8, 16, mimo.KV_HEADS, mimo.HEAD_DIM)
+    # the DiffKV backends keep the value head dim on the class: upstream set it for every model
+    assert backend.head_size_v == mimo.V_HEAD_DIM
+
+
+# ---------------------------------------------------------------------------------------------
+# After: the patched layer on vllm-ascend's backend.
+
+def _kv_cache(mimo, layer, backend, num_blocks=4):
+    """The layer's spec, the shape vllm-ascend's runner asks its backend for, and K/V caches."""
+    import torch
+
+    spec = mimo.kv_cache_spec(layer)
+    shape = backend.get_kv_cache_shape(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_size)
+    assert shape[0] == 2, shape                         # vllm-ascend: K and V, split on dim 0
+    head_size_v = getattr(spec, "head_size_v", spec.head_size)
+    key = torch.zeros(shape[1:], dtype=spec.dtype)
+    value = torch.zeros((*shape[1:-1], head_size_v), dtype=spec.dtype)
+    assert spec.page_size_bytes == spec.block_size * spec.num_kv_heads * (spec.head_size + head_size_v) \
+        * key.element_size()
+    return spec, key, value
+
+
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
+def test_patched_layers_build_on_the_ascend_backend(mimo):
+    backend = _ascend_or_skip()
+    asked = []
+    with mimo.ascend_backend(asked):
+        layers = {kind: mimo.build_layer(kind) for kind in mimo.KINDS}
+    assert [a["head_size"] for a in asked] == [mimo.HEAD_DIM, mimo.HEAD_DIM]
+    for kind, layer in layers.items():
+        assert layer.attn.attn_backend is backend
+        assert getattr(layer.attn, "head_size_v", mimo.HEAD_DIM) == mimo.HEAD_DIM
+        assert layer.v_head_dim == mimo.V_HEAD_DIM       # the model's projections keep V 128
+        spec, key, value = _kv_cache(mimo, layer, backend)
+        assert spec.head_size == mimo.HEAD_DIM and getattr(spec, "head_size_v", mimo.HEAD_DIM) == mimo.HEAD_DIM
+        assert key.shape[-1] == value.shape[-1] == mimo.HEAD_DIM
+        assert (type(spec).__name__ == "SlidingWindowSpec") == (kind == "swa")
+    assert layers["swa"].attn.impl.sinks is layers["swa"].attention_sink_bias
+
+
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
+def test_no_class_global_value_head_dim(mimo):
+    """A MiMo layer and a standard layer (V = K = 128) in one process each keep their own value head
+    dim, and the patched layer sets nothing on a DiffKV backend class."""
+    backend = _ascend_or_skip()
+    layer_module = mimo.model_module()
+    diffkv = []
+    for name in ("FlashAttentionDiffKVBackend",):
+        if hasattr(layer_module, name):
+            diffkv.append(getattr(layer_module, name))
+    before = [getattr(c, "head_size_v", None) for c in diffkv]
+    with mimo.ascend_backend():
+        mimo_layer = mimo.build_layer("swa")
+        standard = mimo.build_layer("full", head_dim=128, v_head_dim=128)
+    assert [getattr(c, "head_size_v", None) for c in diffkv] == before
+    assert mimo.kv_cache_spec(mimo_layer).head_size == mimo.HEAD_DIM
+    spec = mimo.kv_cache_spec(standard)
+    assert spec.head_size == 128 and getattr(spec, "head_size_v", 128) == 128
+    assert standard.attn.attn_backend is backend
+
+
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
+def test_equal_head_dims_take_upstreams_path(mimo):
+    """A layer whose V head dim equals its K head dim (a standard layer: 128 / 128) gets what
+    upstream gives it: the platform's backend, head_size_v = head_size, and a forward equal to
+    upstream's forward bit for bit (nothing padded, nothing cut)."""
+    import torch
+
+    _ascend_or_skip()
+    with mimo.ascend_backend():
+        patched = mimo.build_layer("swa", head_dim=128, v_head_dim=128)
+        upstream = mimo.build_layer("swa", init=mimo.upstream_init(), head_dim=128, v_head_dim=128)
+    for layer in (patched, upstream):
+        assert getattr(layer.attn, "head_size_v", 128) == layer.attn.head_size == 128
+    assert type(patched.attn.attn_backend) is type(upstream.attn.attn_backend)
+
+    class Attention(torch.nn.Module):            # the same deterministic stand-in on both sides
+        def forward(self, q, k, v):
+            return v.repeat_interleave(2, dim=-1)[:, :q.shape[-1]] * q.sigmoid()
+
+    forward = mimo.attention_class().forward
+    hidden, positions = torch.randn(5, mimo.HIDDEN, generator=torch.Generator().manual_seed(1)), torch.arange(5)
+    patched._modules["attn"] = Attention()
+    with torch.no_grad():
+        assert torch.equal(forward(patched, positions, hidden), forward.__wrapped_upstream__(patched, positions, hidden))
+
+
+def _run_layer(mimo, layer, tokens, generator):
+    """The layer's forward on a prefill of ``tokens`` and a decode step after it, ``self.attn``
+    standing in as float64 attention over the cached K and V it is handed (what the backend does
+    with its cache); returns outputs and what the reference says they must be."""
+    import torch
+
+    cache = {"k": [], "v": [], "q": []}
+    window = layer.attn.sliding_window or None
+    sinks = getattr(layer, "attention_sink_bias", None)
+
+    class CachedAttention(torch.nn.Module):
+        def forward(self, q, k, v):
+            n = q.shape[0]
+            cache["q"].append(q), cache["k"].append(k), cache["v"].append(v)
+            keys, values = torch.cat(cache["k"]), torch.cat(cache["v"])
+            head_v = values.shape[-1] // layer.num_kv_heads
+            t = keys.shape[0]
+            queries = torch.cat([torch.zeros(t - n, q.shape[1], dtype=q.dtype), q])
+            out = mimo.sink_attention_f64(queries.view(t, layer.num_heads, -1),
+                                          keys.view(t, layer.num_kv_heads, -1),
+                                          values.view(t, layer.num_kv_heads, head_v),
+                                          sinks=sinks, window=window, scale=layer.scaling)
+            return out[t - n:].reshape(n, -1).to(q.dtype)
+
+    real = layer.attn
+    layer.__dict__["_modules"]["attn"] = CachedAttention()
+    layer.attn.sliding_window = real.sliding_window
+    try:
+        hidden = torch.randn(tokens + 1, mimo.HIDDEN, generator=generator)
+        positions = torch.arange(tokens + 1)
+        with torch.no_grad():
+            prefill = layer(positions[:tokens], hidden[:tokens])
+            decode = layer(positions[tokens:], hidden[tokens:])
+            qkv, _ = layer.qkv_proj(hidden)
+            q, k, v = qkv.split([layer.q_size, layer.k_size, layer.v_size], dim=-1)
+            q, k = layer.rotary_emb(positions, q, k)
+            expected = mimo.reference_layer_attention(layer_like(layer, real), q, k, v)
+            expected, _ = layer.o_proj(expected.to(hidden.dtype))
+    finally:
+        layer.__dict__["_modules"]["attn"] = real
+    return torch.cat([prefill, decode]), expected
+
+
+def layer_like(layer, attn):
+    import types
+
+    return types.SimpleNamespace(num_heads=layer.num_heads, num_kv_heads=layer.num_kv_heads,
+                                 head_dim=layer.head_dim, v_head_dim=layer.v_head_dim,
+                                 scaling=layer.scaling, attn=attn,
+                                 attention_sink_bias=getattr(layer, "attention_sink_bias", None))
+
+
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
+@pytest.mark.parametrize("kind", ["full", "swa"])
+def test_padded_layer_matches_the_reference(mimo, kind):
+    """Prefill (6 tokens, past the window of 4) and one decode step: the patched forward (V padded to
+    192, the output cut back to 128) equals attention with V 128 from the definition, sinks and
+    window included, within float32 rounding."""
+    import torch
+
+    _ascend_or_skip()
+    with mimo.ascend_backend():
+        layer = mimo.build_layer(kind)
+    got, expected = _run_layer(mimo, layer, 6, torch.Generator().manual_seed(3))
+    assert got.shape == expected.shape == (7, mimo.HIDDEN)
+    err = (got.double() - expected.double()).abs().max().item()
+    assert err < 1e-4, err
+
+
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
+@pytest.mark.parametrize("kind", ["full", "swa"])
+def test_ascend_impl_prefill_and_decode_match_the_reference(mimo, kind):
+    """vllm-ascend's own impl forward on the emulated ops, bfloat16 (what the hardware takes): a
+    prefill of 6 tokens then one decode step over the paged caches, V padded to 192 and the output
+    cut to 128 as the patched forward does, against attention with V 128 from the definition (the
+    sinks included; the sliding layer's window is 16 here, past the sequence: see the report on
+    vllm-ascend's ``pre_tokens=sliding_window``). Within bfloat16 rounding of the output."""
+    import torch
+
+    _ascend_or_skip()
+    overrides = {"sliding_window_size": 16} if kind == "swa" else {}
+    with mimo.ascend_backend():
+        layer = mimo.build_layer(kind, dtype=torch.bfloat16, **overrides)
+    got, expected = mimo.ascend_prefill_decode(layer)
+    assert got.shape == expected.shape == (7, mimo.HEADS * mimo.V_HEAD_DIM)
+    err = (got - expected).abs().max().item()
+    assert err <= 2 ** -7 * expected.abs().max().item(), err
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM 0.14.1 / vllm-ascend 0.14.0rc1: the model pads V itself; vllm-ascend drops the sinks.
+
+@pytest.mark.claimed("vllm.sinks_refuse")
+@pytest.mark.patch("vllm.sinks_refuse")
+def test_ascend_014_refuses_a_layer_with_sinks(mimo):
+    from vllm.config import set_current_vllm_config
+
+    backend = _ascend_or_skip()
+    with set_current_vllm_config(mimo.setup()):
+        impl = backend.get_impl_cls()
+    with mimo.ascend_backend():
+        full = mimo.build_layer("full")        # no sinks: upstream's __init__, untouched
+        assert type(full.attn.impl) is impl
+        with pytest.raises(NotImplementedError, match="learnable sinks.*dropped"):
+            mimo.build_layer("swa")
+    # before: upstream's __init__ takes the sinks into **kwargs and keeps nothing of them
+    patched = impl.__init__
+    impl.__init__ = patched.__wrapped_upstream__
+    try:
+        with mimo.ascend_backend():
+            swa = mimo.build_layer("swa")
+    finally:
+        impl.__init__ = patched
+    assert swa.attention_sink_bias is not None
+    assert not any(value is swa.attention_sink_bias for value in vars(swa.attn.impl).values())
