@@ -16,7 +16,8 @@ What the emulated package provides (details in each op module's docstring):
 ``_npu_flash_attention_unpad``, ``_npu_reshape_and_cache``, ``npu_scatter_nd_update_`` as ``torch_npu.X``
 and ``torch.ops.npu.X``; ``torch_npu.npu`` with ``is_available() == False``,
 the emulated SoC (``NPU_SHIM_EMULATE_SOC``) and no-op streams/events
-(``torch_npu.npu.streams``); ``torch_npu._C._npu_get_soc_version``. It does not
+(``torch_npu.npu.streams``); ``torch_npu._C._npu_get_soc_version`` and
+``torch_npu._C._weak_ref_tensor`` (a tensor that does not own its memory, see ``weak_ref``). It does not
 create ``torch.npu`` (see the package docstring for why).
 """
 import importlib.util
