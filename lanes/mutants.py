@@ -77,6 +77,10 @@ MUTANTS = (
            "vllm-0.18", "a stale declaration",
            ("npu_shim/patches/vllm_ascend/mm_encoder/v018_310p.py", "num_heads=heads, num_kv_heads=k.shape[1], out=out)",
             "num_heads=heads, num_kv_heads=layer.num_kv_heads, out=out)")),
+    mutant("l", "the encoder ACL-graph fix leaves the FIA workspaces to weak tensors (upstream's helper call kept)",
+           "vllm-0.23", "507011",
+           ("npu_shim/patches/vllm_ascend/encoder_acl_graph_refs.py",
+            'return edit_function(capture, (Replace("%s()" % self.helper, ""),))', "return edit_function(capture, ())")),
 )
 
 

@@ -18,7 +18,8 @@ and the decoder ops (``decoder_attention``): ``_npu_paged_attention``,
 ``npu_fused_infer_attention_score_v2``, ``npu_scatter_pa_kv_cache`` as ``torch_npu.X``
 and ``torch.ops.npu.X``; ``torch_npu.npu`` with ``is_available() == False``,
 the emulated SoC (``NPU_SHIM_EMULATE_SOC``) and no-op streams/events
-(``torch_npu.npu.streams``); ``torch_npu._C._npu_get_soc_version``; import
+(``torch_npu.npu.streams``); ``torch_npu._C._npu_get_soc_version`` and
+``torch_npu._C._weak_ref_tensor`` (a tensor that does not own its memory, see ``weak_ref``); import
 placeholders (``placeholders``) for names upstream reads at import time only. It does
 not create ``torch.npu`` by itself (see the package docstring for why):
 :func:`register_device_module` does, for code that needs it (vllm-ascend).

@@ -13,6 +13,7 @@ BUILTIN_PATCHES = (
     ("vllm.moonvit_attn", "npu_shim.patches.vllm.moonvit_attn"),
     ("vllm.mm_encoder_attn", "npu_shim.patches.vllm_ascend.mm_encoder_attn"),
     ("vllm.mm_encoder_attn_310p", "npu_shim.patches.vllm_ascend.mm_encoder_attn_310p"),
+    ("vllm.encoder_acl_graph_refs", "npu_shim.patches.vllm_ascend.encoder_acl_graph_refs"),
     ("vllm.mm_encoder_host_lengths", "npu_shim.patches.vllm.mm_encoder_host_lengths"),
     ("vllm.qwen2_5_vl_host_lengths", "npu_shim.patches.vllm.qwen2_5_vl_host_lengths"),
     ("vllm.qwen2_vl_host_lengths", "npu_shim.patches.vllm.qwen2_vl_host_lengths"),

@@ -1,7 +1,8 @@
-"""The few ``torch_npu._C`` entry points upstream code reads (SoC probing), and import
-placeholders (npu_shim.emulation.placeholders) for names read at import time only."""
+"""The few ``torch_npu._C`` entry points upstream code reads (SoC probing, weak tensors), and
+import placeholders (npu_shim.emulation.placeholders) for names read at import time only."""
 from npu_shim.emulation import soc as _soc
 from npu_shim.emulation.placeholders import placeholder_class as _placeholder_class
+from npu_shim.emulation.weak_ref import weak_ref_tensor as _weak_ref_tensor  # noqa: F401
 
 # vllm_ascend.compilation.acl_graph annotates GraphParams.handles with it (graph capture).
 _NPUTaskGroupHandle = _placeholder_class("torch_npu._C._NPUTaskGroupHandle")

@@ -1,0 +1,117 @@
+"""Run vllm-ascend's encoder ACL-graph capture off the device, and check what its replay writes into.
+
+Used by the selftest of ``vllm.encoder_acl_graph_refs`` and tests/lanes/test_encoder_acl_graph.py.
+What runs is upstream's ``EncoderAclGraphManager.capture`` (with vLLM's
+``EncoderCudaGraphManager.capture`` looping over the budgets) and ``_capture_budget_graph``. The
+stand-ins, named:
+
+* the manager is made with ``object.__new__`` and given the attributes those functions read (its
+  ``__init__`` needs a whole vLLM model runner);
+* :class:`ToyModel`: its ``encoder_cudagraph_forward`` doubles the input and, while capturing, makes
+  the budget's FIA workspace and registers it with upstream's ``update_encoder_graph_workspace``,
+  as vllm-ascend's ``_forward_capture_fia`` does in its first layer;
+* :func:`graph_stand_in`: where there is no ``torch.npu`` (this CPU), ``torch.npu.NPUGraph`` /
+  ``torch.npu.graph`` are a graph that captures nothing (the capture runs eagerly, replay does
+  nothing), for the duration of the block.
+
+:func:`replay` checks the two buffers upstream's replay writes into:
+``BudgetGraphMetadata.output_buffer`` (what ``_run_budget_graph`` returns after ``graph.replay()``)
+and the budget's workspace (what ``update_encoder_graph_params`` hands
+``npu_fused_infer_attention_score.out``), with :func:`npu_shim.emulation.weak_ref.require_alive`:
+one whose owner was released raises the 507011 error replay raised on the device (vllm-ascend PR
+#16794). Not modelled: the real graph capture and replay, the graph pool, the NPU allocator.
+"""
+import contextlib
+import types
+
+WIDTH = 4
+WORKSPACE_ELEMENTS = 64
+
+
+class ToyModel:
+    """The model's two capture hooks (see the module docstring); ``inputs[budget]`` is the input."""
+
+    def __init__(self, module, device="cpu"):
+        self.module, self.device, self.inputs = module, device, {}
+
+    def prepare_encoder_cudagraph_capture_inputs(self, token_budget, max_batch_size, max_frames_per_batch,
+                                                 device, dtype, path="default"):
+        import torch
+
+        pixels = torch.arange(token_budget * WIDTH, dtype=dtype, device=device).reshape(token_budget, WIDTH)
+        self.inputs[token_budget] = pixels
+        buffers = {"cu_seqlens": torch.tensor([0, token_budget], dtype=torch.int32, device=device)}
+        return types.SimpleNamespace(mm_kwargs={"pixel_values": pixels}, buffers=buffers,
+                                     values={"pixel_values": pixels, **buffers})
+
+    def encoder_cudagraph_forward(self, values, *args, path="default"):
+        import torch
+
+        context = self.module.get_encoder_forward_context()
+        if context.capturing:
+            params = self.module.get_encoder_graph_params()
+            if params.workspaces.get(context.token_budget) is None:
+                workspace = torch.empty(WORKSPACE_ELEMENTS, device=values["pixel_values"].device)
+                self.module.update_encoder_graph_workspace(context.token_budget, workspace)
+        return values["pixel_values"] * 2
+
+
+@contextlib.contextmanager
+def graph_stand_in():
+    """``torch.npu.NPUGraph`` / ``torch.npu.graph`` as a graph that captures nothing, where torch
+    has no ``npu`` (put back on exit); on an NPU machine, nothing changes."""
+    import torch
+
+    if hasattr(torch, "npu"):
+        yield False
+        return
+
+    class Graph:
+        def replay(self):
+            pass
+
+    @contextlib.contextmanager
+    def graph(npu_graph, pool=None, *args, **kwargs):
+        yield npu_graph
+
+    torch.npu = types.SimpleNamespace(NPUGraph=Graph, graph=graph)
+    try:
+        yield True
+    finally:
+        del torch.npu
+
+
+def capture(module, budgets, device="cpu"):
+    """Upstream's capture of ``budgets`` by ``module``'s ``EncoderAclGraphManager``, the capture's
+    locals collected afterwards; ``(manager, model)``."""
+    import gc
+
+    import torch
+
+    manager = object.__new__(module.EncoderAclGraphManager)
+    model = ToyModel(module, device)
+    manager.__dict__.update(
+        model=model, token_budgets=list(budgets), path_token_budgets={"default": list(budgets)},
+        _capture_axes=(), budget_graphs={}, graph_pool=None, update_stream=None, fullatt=None,
+        max_batch_size=1, max_frames_per_batch=1, device=torch.device(device), dtype=torch.float32,
+        config=types.SimpleNamespace(input_key_by_modality={"image": "pixel_values"}))
+    manager.capture()
+    gc.collect()
+    return manager, model
+
+
+def graphs(manager):
+    """``{budget: BudgetGraphMetadata}`` (vLLM 0.24+ keys them by path first)."""
+    found = manager.budget_graphs.get("default", manager.budget_graphs)
+    return {meta.token_budget: meta for meta in found.values()}
+
+
+def replay(module, manager, budget):
+    """Replay ``budget``'s graph; what it writes into checked as the device would find it; the
+    output buffer."""
+    from npu_shim.emulation.weak_ref import require_alive
+
+    meta = graphs(manager)[budget]
+    meta.graph.replay()
+    require_alive(module.get_encoder_graph_params().workspaces[budget], "the FIA workspace of budget %d" % budget)
+    return require_alive(meta.output_buffer, "the output buffer of budget %d" % budget)
