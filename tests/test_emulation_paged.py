@@ -15,8 +15,9 @@ import torch_npu  # noqa: E402
 pytestmark = pytest.mark.float32_math
 
 # max |out - float64|, atol only (rtol 0); measured worst (base lane, CPU torch 2.13):
-# float32 7.4e-7, bfloat16 7.5e-3 (no float16 case here)
-TOL = {torch.float32: 7e-6, torch.bfloat16: 1.6e-2}
+# float32 7.8e-6 (Dqk 192 / Dv 128 at scale 0.2: logits of about 3 sigma), bfloat16 7.8e-3
+# (no float16 case here)
+TOL = {torch.float32: 1.6e-5, torch.bfloat16: 1.6e-2}
 
 
 def recorded(comparison, got, want, dtype):
@@ -88,9 +89,9 @@ def test_fia_tnd_paged_chunked_prefill_dv_differs(block_size, dtype):
     assert out.shape == (cq[-1], 8, 128) and lse.shape == (cq[-1], 8, 1)
     close(out, want, dtype)
     from npu_shim.testing.errors import within
-    # measured worst 6.8e-7 (float32), 5.3e-7 (bfloat16: the statistics are float32 either way)
-    within("emulation FIA log-sum-exp vs float64", (lse[..., 0].double() - want_lse).abs().max(), 6e-6, dtype)
-    torch.testing.assert_close(lse[..., 0].double(), want_lse, atol=6e-6, rtol=0)
+    # measured worst 6.8e-6 (float32), 3.1e-6 (bfloat16: the statistics are float32 either way), Dqk 192
+    within("emulation FIA log-sum-exp vs float64", (lse[..., 0].double() - want_lse).abs().max(), 1.4e-5, dtype)
+    torch.testing.assert_close(lse[..., 0].double(), want_lse, atol=1.4e-5, rtol=0)
 
 
 def test_fia_tnd_paged_bnsd_cache_layout_and_no_lse():
