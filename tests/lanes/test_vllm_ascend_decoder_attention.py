@@ -15,7 +15,11 @@ from npu_shim.testing.errors import Tolerance
 
 # keeps_process_state: it registers torch.npu (the emulation's) and imports all of vllm_ascend.ops,
 # which the other tests of a lane must not find: it runs after them.
-pytestmark = [pytest.mark.lanes("vllm-0.14", "vllm-0.21", "vllm-0.24", "vllm-0.27", "vllm-0.30"),
+# The lanes: the releases whose decoder path the MiMo-V2-Flash patches use (vllm.mimo_v2_pad_v's
+# window, one lane per shape of attention_v1) and the one vllm.sinks_refuse guards.
+pytestmark = [pytest.mark.claimed("vllm.mimo_v2_pad_v",
+                                  pinned={"vllm-ascend": ("0.21.0rc1", "0.24.0rc1", "0.27.1rc1", "0.30.0rc2")}),
+              pytest.mark.claimed("vllm.sinks_refuse"),
               pytest.mark.keeps_process_state]
 
 # max |out - float64| of the layer (|ref| <= ~3), measured worst over the five lanes:

@@ -55,7 +55,6 @@ from npu_shim.patches._shared.structure import own_function, upstream_of
 TARGET = "sglang.srt.layers.attention.vision"
 FORWARD = "VisionAscendAttention.forward"
 FIA = "npu_fused_infer_attention_score"
-SWITCH = "NPU_SHIM_SGLANG_VISION_HEAD_PAD"
 PARAMETERS = ("self", "q", "k", "v", "cu_seqlens", "bsz", "seq_len", "softmax_scale")
 # TND head dims: 64 < D < 128 is padded to 128 (CANN's set is 64, 128, 192)
 SMALLEST, PADDED = 64, 128
