@@ -218,7 +218,8 @@ def kv_bytes_per_token(spec):
     return spec.page_size_bytes / spec.block_size
 
 
-def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128, around_decode=None):
+def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128, around_decode=None,
+                          device="cpu"):
     """One sequence through vllm-ascend's own ``AscendAttentionBackendImpl.forward`` (the emulated
     torch_npu ops underneath): a prefill of ``tokens`` tokens (``PrefillNoCache``), then one decode
     step (``DecodeOnly``) reading the paged K/V caches the prefill wrote, on the q/k/v the layer's
@@ -228,7 +229,9 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
     vLLM's ``set_forward_context``. Returns (output (tokens + 1, heads * v_head_dim) float64, the
     float64 reference of :func:`reference_layer_attention`). ``around_decode(device_tensors)``: a
     context manager entered around the decode step's pad, impl call and cut (e.g. a host-sync
-    counter, handed the tensors that live on the device there)."""
+    counter, handed the tensors that live on the device there). ``device``: where the layer, the
+    caches and the metadata's device tensors live (``"npu"`` for the real kernels; the layer is
+    moved there)."""
     import contextlib
     import sys
 
@@ -242,19 +245,20 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
     ascend = sys.modules[ASCEND_BACKEND[0]]
     metadata_class, state = ascend.AscendMetadata, ascend.AscendAttentionState
     dtype = next(layer.parameters()).dtype
+    layer.to(device)
     attn, impl = layer.attn, layer.attn.impl
     head = layer.head_dim
-    key_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, head, dtype=dtype)
+    key_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, head, dtype=dtype, device=device)
     value_cache = torch.zeros_like(key_cache)
     generator = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(tokens + 1, layer.qkv_proj.input_size, generator=generator).to(dtype)
-    positions = torch.arange(tokens + 1)
+    hidden = torch.randn(tokens + 1, layer.qkv_proj.input_size, generator=generator).to(device, dtype)
+    positions = torch.arange(tokens + 1, device=device)
     with torch.no_grad():
         qkv, _ = layer.qkv_proj(hidden)
         q, k, v = qkv.split([layer.q_size, layer.k_size, layer.v_size], dim=-1)
         q, k = layer.rotary_emb(positions, q, k)
     padded = pad_v(layer, v)
-    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool), diagonal=1)
+    mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
     outputs = []
     config = setup()
     steps = ((state.PrefillNoCache, 0, tokens), (state.DecodeOnly, tokens, tokens + 1))
@@ -265,17 +269,17 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
             metadata = metadata_class(
                 attn_mask=mask, attn_state=step, num_actual_tokens=n, num_decode_tokens=n if decode else 0,
                 num_prefills=0 if decode else 1, num_decodes=1 if decode else 0,
-                seq_lens=torch.tensor([stop]), seq_lens_cpu=torch.tensor([stop]), seq_lens_list=[stop],
-                actual_seq_lengths_q=[n], query_start_loc=torch.tensor([0, n]), max_query_len=n,
-                block_tables=torch.arange(num_blocks, dtype=torch.int32).unsqueeze(0),
-                slot_mapping=torch.arange(start, stop, dtype=torch.int32), causal=True)
-            output = torch.zeros(n, layer.num_heads, head, dtype=dtype)
-            device = (q, k, v, key_cache, value_cache, output, metadata.block_tables, metadata.slot_mapping,
-                      metadata.seq_lens, metadata.query_start_loc, mask)
-            around = around_decode(device) if decode and around_decode else contextlib.nullcontext()
+                seq_lens=torch.tensor([stop], device=device), seq_lens_cpu=torch.tensor([stop]), seq_lens_list=[stop],
+                actual_seq_lengths_q=[n], query_start_loc=torch.tensor([0, n], device=device), max_query_len=n,
+                block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
+                slot_mapping=torch.arange(start, stop, dtype=torch.int32, device=device), causal=True)
+            output = torch.zeros(n, layer.num_heads, head, dtype=dtype, device=device)
+            on_device = (q, k, v, key_cache, value_cache, output, metadata.block_tables, metadata.slot_mapping,
+                         metadata.seq_lens, metadata.query_start_loc, mask)
+            around = around_decode(on_device) if decode and around_decode else contextlib.nullcontext()
             with set_forward_context(None, config, num_tokens=n), around:
                 step_v = pad_v(layer, v[start:stop]) if decode else padded[start:stop]
                 result = impl.forward(attn, q[start:stop].view(n, -1, head), k[start:stop].view(n, -1, head),
                                       step_v.view(n, -1, head), (key_cache, value_cache), metadata, output)
                 outputs.append(unpad_output(layer, result.reshape(n, -1)))
-    return torch.cat(outputs).double(), reference_layer_attention(layer, q, k, v)
+    return torch.cat(outputs).double().cpu(), reference_layer_attention(layer, q.cpu(), k.cpu(), v.cpu())

@@ -13,7 +13,7 @@ Window: read in the wheel 0.20.2 (0.21.0 moved the file to ``mimo_v2``).
 Upstream fix: none.
 Remove when: as ``vllm.mimo_v2_pad_v``.
 """
-from npu_shim.patch import Family, Patch
+from npu_shim.patch import Family, Patch, Selftest
 
 PATCH = Patch(
     name="vllm.mimo_v2_flash_pad_v",
@@ -26,6 +26,7 @@ PATCH = Patch(
         Family("npu_shim.patches.vllm.mimo_v2_pad_v.families:PAD_V", fence=">=0.20.0,<0.21.0",
                keeps="vllm-ascend's own attention backend and op calls; the model's V padded to the key head dim"),
     ),
+    selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_pad_v", host_syncs=0, arguments={"model": "mimo_v2_flash"}),
     summary="MiMo-V2-Flash (mimo_v2_flash) builds and serves on Ascend: V padded to the key head dim instead "
             "of a DiffKV backend that crashes there",
 )

@@ -33,7 +33,7 @@ Upstream fix: none (vLLM 0.30.0; no vllm-ascend release has a different-V-dim ba
 Remove when: vllm-ascend serves a layer with ``head_size_v != head_size`` (separate K and V caches,
   its op calls with the V head dim) and the model lets the platform choose the backend.
 """
-from npu_shim.patch import Family, Patch
+from npu_shim.patch import Family, Patch, Selftest
 
 PATCH = Patch(
     name="vllm.mimo_v2_pad_v",
@@ -48,6 +48,7 @@ PATCH = Patch(
         Family("npu_shim.patches.vllm.mimo_v2_pad_v.families:PAD_V", fence=">=0.21.0,<0.31.0",
                keeps="vllm-ascend's own attention backend and op calls; the model's V padded to the key head dim"),
     ),
+    selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_pad_v", host_syncs=0, arguments={"model": "mimo_v2"}),
     summary="MiMo-V2-Flash builds and serves on Ascend: V padded to the key head dim (1.2x KV bytes) instead "
             "of a DiffKV backend that crashes there",
 )
