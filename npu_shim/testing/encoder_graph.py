@@ -59,10 +59,14 @@ class ToyModel:
 @contextlib.contextmanager
 def graph_stand_in():
     """``torch.npu.NPUGraph`` / ``torch.npu.graph`` as a graph that captures nothing, where torch
-    has no ``npu`` (put back on exit); on an NPU machine, nothing changes."""
+    has no ``npu`` or has the emulation's (whose NPUGraph is an import placeholder; put back on
+    exit); on an NPU machine, nothing changes."""
     import torch
 
-    if hasattr(torch, "npu"):
+    from npu_shim import emulation
+
+    existing = getattr(torch, "npu", None)
+    if existing is not None and not emulation.is_emulated():
         yield False
         return
 
@@ -74,11 +78,24 @@ def graph_stand_in():
     def graph(npu_graph, pool=None, *args, **kwargs):
         yield npu_graph
 
-    torch.npu = types.SimpleNamespace(NPUGraph=Graph, graph=graph)
+    if existing is None:
+        torch.npu = types.SimpleNamespace(NPUGraph=Graph, graph=graph)
+        try:
+            yield True
+        finally:
+            del torch.npu
+        return
+    # the emulation's torch.npu, registered by an earlier test of this process
+    saved = {name: getattr(existing, name, None) for name in ("NPUGraph", "graph")}
+    existing.NPUGraph, existing.graph = Graph, graph
     try:
         yield True
     finally:
-        del torch.npu
+        for name, value in saved.items():
+            if value is None:
+                delattr(existing, name)
+            else:
+                setattr(existing, name, value)
 
 
 def capture(module, budgets, device="cpu"):

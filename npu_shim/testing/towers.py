@@ -116,17 +116,39 @@ TOWERS = {
 def targets_importable():
     """Every installed target importable off the NPU, as the lane gate imports them: where
     vllm-ascend is installed, its ops package registered without its ``__init__``
-    (:func:`npu_shim.testing.isolation.import_vllm_ascend_ops_module`); where vLLM is,
+    (:func:`npu_shim.testing.isolation.import_vllm_ascend_ops_module`), and, on the emulation,
+    ``torch.npu`` registered inside the block as a real torch_npu registers it (vllm-ascend's
+    attention backend names it at import: ``vllm.sinks_refuse``'s target); where vLLM is,
     torchvision's import-only placeholder (:func:`placeholder_torchvision`) held inside the block."""
-    if importlib.util.find_spec("vllm_ascend") is not None:
-        from npu_shim.testing.isolation import import_vllm_ascend_ops_module
+    with contextlib.ExitStack() as stack:
+        if importlib.util.find_spec("vllm_ascend") is not None:
+            from npu_shim.testing.isolation import import_vllm_ascend_ops_module
 
-        import_vllm_ascend_ops_module()
-    if importlib.util.find_spec("vllm") is None:
+            import_vllm_ascend_ops_module()
+            stack.enter_context(_device_module_registered())
+        if importlib.util.find_spec("vllm") is not None:
+            stack.enter_context(placeholder_torchvision())
+        yield
+
+
+@contextlib.contextmanager
+def _device_module_registered():
+    """``torch.npu`` as the emulation's while the block runs, where torch_npu is the emulation
+    and ``torch.npu`` is not there yet; removed again after it (sglang and transformers probe
+    ``torch.npu``, and the other tests of a lane process must not find it)."""
+    import torch
+
+    from npu_shim import emulation
+
+    if hasattr(torch, "npu") or not emulation.is_emulated():
         yield
         return
-    with placeholder_torchvision():
+    emulation.register_device_module()
+    try:
         yield
+    finally:
+        if hasattr(torch, "npu"):
+            del torch.npu
 
 
 @contextlib.contextmanager
