@@ -63,6 +63,15 @@ def test_mm_encoder_fusion_attention_switch_validated_and_shown():
     assert Settings({}).switches("vllm.glm_ocr_host_lengths") == {}
 
 
+def test_mimo_pad_sinks_switch_validated_and_shown():
+    assert Settings({}).mimo_pad_sinks is False
+    assert Settings({"NPU_SHIM_VLLM_MIMO_PAD_SINKS": "1"}).mimo_pad_sinks is True
+    with pytest.raises(ConfigError, match="NPU_SHIM_VLLM_MIMO_PAD_SINKS='pad' is not a boolean"):
+        Settings({"NPU_SHIM_VLLM_MIMO_PAD_SINKS": "pad"})
+    assert Settings({"NPU_SHIM_VLLM_MIMO_PAD_SINKS": "on"}).switches("vllm.mimo_v2_pad_v") == {
+        "NPU_SHIM_VLLM_MIMO_PAD_SINKS": True}
+
+
 def test_mm_encoder_tnd_switch_validated():
     assert Settings({}).mm_encoder_tnd is False
     assert Settings({"NPU_SHIM_MM_ENCODER_TND": "1"}).mm_encoder_tnd is True

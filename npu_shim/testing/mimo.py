@@ -31,7 +31,8 @@ import tempfile
 import types
 
 __all__ = ["ASCEND_BACKEND", "HEAD_DIM", "KINDS", "V_HEAD_DIM", "WINDOW", "ascend_backend", "attention_class",
-           "build_layer", "kv_cache_spec", "model_module", "reference_layer_attention", "setup", "sink_attention_f64"]
+           "build_layer", "kv_cache_spec", "model_module", "pad_sinks", "reference_layer_attention", "setup",
+           "sink_attention_f64"]
 
 HEAD_DIM, V_HEAD_DIM = 192, 128
 HIDDEN, HEADS, KV_HEADS = 64, 4, 2
@@ -137,6 +138,19 @@ def ascend_backend(asked=None):
         yield backend
     finally:
         layer_module.get_attn_backend = original
+
+
+@contextlib.contextmanager
+def pad_sinks():
+    """Inside the block, ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1``: this process's settings (the environment's,
+    with that switch on) replaced, restored after; a layer with sinks is then built with V padded."""
+    from npu_shim import _config
+
+    previous = _config.use_settings(_config.Settings(dict(os.environ, NPU_SHIM_VLLM_MIMO_PAD_SINKS="1")))
+    try:
+        yield
+    finally:
+        _config.use_settings(previous)
 
 
 def layer_arguments(kind, prefix):

@@ -2,8 +2,10 @@
 ``MiMoV2Attention`` on CPU: what upstream does per release, and what the shim does.
 
 Patches: ``vllm.mimo_v2_pad_v`` / ``vllm.mimo_v2_flash_pad_v`` (vLLM 0.20 - 0.30: V padded to the
-key head dim, the platform's backend) and ``vllm.sinks_refuse`` (vllm-ascend 0.14.0rc1: a layer with
-sinks refused at build). Layers from :mod:`npu_shim.testing.mimo` (tiny sizes).
+key head dim, the platform's backend; a layer with sinks refused at build unless
+``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1``, since the FIA v2 call it would make is not on the op's page)
+and ``vllm.sinks_refuse`` (vllm-ascend 0.14.0rc1: a layer with sinks refused at build).
+Layers from :mod:`npu_shim.testing.mimo` (tiny sizes).
 
 What is exercised: the layer build (upstream's ``__init__`` and the patched one), the backend the
 layer gets (vllm-ascend's ``AscendAttentionBackend`` through the platform's answer, stand-in named in
@@ -24,6 +26,11 @@ import pytest
 from packaging.version import Version
 
 PAD = ("vllm.mimo_v2_pad_v", "vllm.mimo_v2_flash_pad_v")
+REFUSED = (r"MiMoV2Attention layer 'model\.layers\.\d+\.self_attn\.attn' \(learnable sinks, K head dim 192, "
+           r"V head dim 128\): not built with V padded to 192\..*npu_fused_infer_attention_score_v2.*"
+           r"op-plugin revision 5e735e5.*GQA和PA场景不支持V_D等于192.*仅支持value的d小于等于128.*"
+           r"vLLM's own model makes the same padded call in the releases where it pads V itself\. "
+           r"NPU_SHIM_VLLM_MIMO_PAD_SINKS=1 builds it padded anyway")
 
 
 def _vllm():
@@ -111,10 +118,28 @@ def _kv_cache(mimo, layer, backend, num_blocks=4):
 
 @pytest.mark.claimed(*PAD)
 @pytest.mark.patch(*PAD)
+def test_sink_layer_refused_at_build_by_default(mimo):
+    """The sliding-window layer (learnable sinks) is refused at build, naming the layer and the
+    op page's rules; the full layer (no sinks) builds padded."""
+    import torch
+
+    _ascend_or_skip()
+    with mimo.ascend_backend():
+        full = mimo.build_layer("full")
+        with pytest.raises(NotImplementedError, match=REFUSED):
+            mimo.build_layer("swa")
+        with pytest.raises(NotImplementedError, match=REFUSED):
+            mimo.build_layer("swa", dtype=torch.bfloat16, sliding_window_size=16)
+    assert full.attn.head_size == getattr(full.attn, "head_size_v", mimo.HEAD_DIM) == mimo.HEAD_DIM
+
+
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
 def test_patched_layers_build_on_the_ascend_backend(mimo):
+    """NPU_SHIM_VLLM_MIMO_PAD_SINKS=1: both layers built padded on vllm-ascend's backend."""
     backend = _ascend_or_skip()
     asked = []
-    with mimo.ascend_backend(asked):
+    with mimo.ascend_backend(asked), mimo.pad_sinks():
         layers = {kind: mimo.build_layer(kind) for kind in mimo.KINDS}
     assert [a["head_size"] for a in asked] == [mimo.HEAD_DIM, mimo.HEAD_DIM]
     for kind, layer in layers.items():
@@ -141,7 +166,7 @@ def test_no_class_global_value_head_dim(mimo):
             diffkv.append(getattr(layer_module, name))
     before = [getattr(c, "head_size_v", None) for c in diffkv]
     with mimo.ascend_backend():
-        mimo_layer = mimo.build_layer("swa")
+        mimo_layer = mimo.build_layer("full")
         standard = mimo.build_layer("full", head_dim=128, v_head_dim=128)
     assert [getattr(c, "head_size_v", None) for c in diffkv] == before
     assert mimo.kv_cache_spec(mimo_layer).head_size == mimo.HEAD_DIM
@@ -235,11 +260,12 @@ def layer_like(layer, attn):
 def test_padded_layer_matches_the_reference(mimo, kind):
     """Prefill (6 tokens, past the window of 4) and one decode step: the patched forward (V padded to
     192, the output cut back to 128) equals attention with V 128 from the definition, sinks and
-    window included, within float32 rounding."""
+    window included, within float32 rounding. The sliding layer is built with
+    NPU_SHIM_VLLM_MIMO_PAD_SINKS=1 (refused by default); no torch_npu op is called here."""
     import torch
 
     _ascend_or_skip()
-    with mimo.ascend_backend():
+    with mimo.ascend_backend(), mimo.pad_sinks():
         layer = mimo.build_layer(kind)
     got, expected = _run_layer(mimo, layer, 6, torch.Generator().manual_seed(3))
     assert got.shape == expected.shape == (7, mimo.HIDDEN)
@@ -249,23 +275,38 @@ def test_padded_layer_matches_the_reference(mimo, kind):
 
 @pytest.mark.claimed(*PAD)
 @pytest.mark.patch(*PAD)
-@pytest.mark.parametrize("kind", ["full", "swa"])
-def test_ascend_impl_prefill_and_decode_match_the_reference(mimo, kind):
-    """vllm-ascend's own impl forward on the emulated ops, bfloat16 (what the hardware takes): a
-    prefill of 6 tokens then one decode step over the paged caches, V padded to 192 and the output
-    cut to 128 as the patched forward does, against attention with V 128 from the definition (the
-    sinks included; the sliding layer's window is 16 here, past the sequence: see the report on
-    vllm-ascend's ``pre_tokens=sliding_window``). Within bfloat16 rounding of the output."""
+def test_ascend_impl_prefill_and_decode_match_the_reference(mimo):
+    """vllm-ascend's own impl forward on the emulated ops, bfloat16 (what the hardware takes): the
+    full layer, a prefill of 6 tokens then one decode step over the paged caches, V padded to 192
+    and the output cut to 128 as the patched forward does, against attention with V 128 from the
+    definition. Within bfloat16 rounding of the output."""
     import torch
 
     _ascend_or_skip()
-    overrides = {"sliding_window_size": 16} if kind == "swa" else {}
     with mimo.ascend_backend():
-        layer = mimo.build_layer(kind, dtype=torch.bfloat16, **overrides)
+        layer = mimo.build_layer("full", dtype=torch.bfloat16)
     got, expected = mimo.ascend_prefill_decode(layer)
     assert got.shape == expected.shape == (7, mimo.HEADS * mimo.V_HEAD_DIM)
     err = (got - expected).abs().max().item()
     assert err <= 2 ** -7 * expected.abs().max().item(), err
+
+
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
+def test_sink_layer_built_by_the_switch_is_refused_by_the_op(mimo):
+    """NPU_SHIM_VLLM_MIMO_PAD_SINKS=1: the sliding layer (sinks, GQA, window 16) builds padded, and
+    vllm-ascend's impl hands npu_fused_infer_attention_score_v2 V_D 192 on a paged cache with
+    learnable_sink, which the op's page does not take: the emulation refuses it, as documented
+    (what a CANN following that page would do)."""
+    import torch
+
+    _ascend_or_skip()
+    with mimo.ascend_backend(), mimo.pad_sinks():
+        layer = mimo.build_layer("swa", dtype=torch.bfloat16, sliding_window_size=16)
+    assert layer.attn.impl.sinks is layer.attention_sink_bias
+    with pytest.raises(NotImplementedError, match="npu_fused_infer_attention_score_v2.*(GQA和PA场景不支持V_D等于192"
+                                                  "|仅支持value的d小于等于128)"):
+        mimo.ascend_prefill_decode(layer)
 
 
 # ---------------------------------------------------------------------------------------------

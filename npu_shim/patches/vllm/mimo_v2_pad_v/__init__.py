@@ -23,6 +23,16 @@ How: ``MiMoV2Attention.__init__`` and ``forward`` are upstream's, edited
   models. Cost: the V cache is 192 wide instead of 128: (192 + 192) / (192 + 128) = 1.2x the KV
   bytes of a native K 192 / V 128 cache (benchmarks/bench_kv_bytes_mimo.py).
   ``NPU_SHIM_VLLM_MIMO_PAD_V=0`` turns it off (upstream's DiffKV path).
+  Layers with learnable sinks (MiMo's sliding-window layers, ``sinks=`` through ``Attention``'s
+  ``**extra_impl_args``) are refused at build (``NotImplementedError`` naming the layer), never
+  mid-request: padded, vllm-ascend would hand torch_npu's ``npu_fused_infer_attention_score_v2``
+  V_D 192 with GQA, a paged cache and ``learnable_sink``, which that op's page (op-plugin revision
+  5e735e5) does not take ("GQA和PA场景不支持V_D等于192"; learnable_sink "仅支持value的d小于等于128");
+  vLLM 0.15 - 0.19 make the same padded call. So on this patch only the full layers serve, and
+  MiMo-V2-Flash as a whole does not build by default. ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1`` builds the
+  sink layers padded anyway, for a CANN that takes that call (unproven here: the emulation,
+  following the page, refuses it). The documented path -- a separate 128-wide V cache and FIA v2
+  with V_D 128 -- is not built.
 Window: read in the wheels 0.21.0, 0.23.0, 0.24.0, 0.27.1, 0.28.0, 0.29.0 and 0.30.0 (one shape of
   ``__init__``/``forward`` where the edits anchor); 0.20.2 has the same class in
   ``mimo_v2_flash`` (``vllm.mimo_v2_flash_pad_v``). Not claimed above 0.30: on the lanes' vLLM 0.32
@@ -49,6 +59,7 @@ PATCH = Patch(
                keeps="vllm-ascend's own attention backend and op calls; the model's V padded to the key head dim"),
     ),
     selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_pad_v", host_syncs=0, arguments={"model": "mimo_v2"}),
-    summary="MiMo-V2-Flash builds and serves on Ascend: V padded to the key head dim (1.2x KV bytes) instead "
-            "of a DiffKV backend that crashes there",
+    summary="MiMo-V2-Flash's full layers build and serve on Ascend: V padded to the key head dim (6/5 the KV "
+            "bytes) instead of a DiffKV backend that crashes there; its sliding-window layers (sinks) refused "
+            "at build (the op's page does not take V_D 192 with sinks), NPU_SHIM_VLLM_MIMO_PAD_SINKS=1 to pad them",
 )

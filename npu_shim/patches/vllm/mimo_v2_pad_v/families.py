@@ -9,6 +9,7 @@ backend under ``if self.v_head_dim != self.head_dim:`` and builds one ``Attentio
 """
 import inspect
 
+from npu_shim import _config
 from npu_shim.patch import NotNeeded, TargetMismatch
 from npu_shim.patches._shared.source_edit import InsertAfter, InsertBefore, ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import module_class, own_function
@@ -23,7 +24,8 @@ INIT_EDITS = (
     ReplaceExpression("Attention", "padded_attention"),
 )
 # forward: V padded with zeros to the key head dim before the attention, the output cut back to
-# the value head dim after it (vLLM 0.19's statements, as helpers: pad_v / unpad_output).
+# the value head dim after it (the statements of vLLM's own model before its DiffKV backends, as
+# helpers: pad_v / unpad_output).
 FORWARD_EDITS = (
     InsertBefore(CALL, "v = pad_v(self, v)"),
     InsertAfter(CALL, "attn_output = unpad_output(self, attn_output)"),
@@ -52,18 +54,48 @@ def unpad_output(layer, attn_output):
         -1, layer.num_heads * layer.v_head_dim)
 
 
+# torch_npu's npu_fused_infer_attention_score_v2 (op-plugin's page, revision 5e735e5), which
+# vllm-ascend calls for a layer with sinks: learnable_sink only with V_D <= 128.
+SINK_MAX_V_DIM = 128
+SINKS_REFUSED = (
+    "MiMoV2Attention layer %r (learnable sinks, K head dim %d, V head dim %d): not built with V padded "
+    "to %d. vllm-ascend would serve it with torch_npu's npu_fused_infer_attention_score_v2 with V_D %d, "
+    "GQA, a paged cache and learnable_sink, which that op's page (op-plugin revision 5e735e5) does not "
+    "take: \"GQA和PA场景不支持V_D等于192\" (V_D 192 not with GQA or page attention) and learnable_sink "
+    "\"仅支持value的d小于等于128\" (sinks only with V_D <= 128); vLLM's own model makes the same padded "
+    "call in the releases where it pads V itself. NPU_SHIM_VLLM_MIMO_PAD_SINKS=1 builds it padded anyway "
+    "(for a CANN that takes that call; unproven here), or serve another model.")
+
+
+def _sinks(bound, extra):
+    """The ``sinks`` the call passes: a parameter of its own, or in ``**extra`` (vLLM's
+    ``**extra_impl_args``)."""
+    if "sinks" in bound.arguments:
+        return bound.arguments["sinks"]
+    return (bound.arguments.get(extra) or {}).get("sinks") if extra else None
+
+
 def padded_attention_factory(attention_class):
     """A stand-in for ``attention_class`` (vLLM's ``Attention``) that builds it with the value head
     dim equal to the key head dim (``head_size_v = head_size``): the layer's own V, padded by
-    :func:`pad_v`. Per call, no state kept: each layer passes its own sizes."""
+    :func:`pad_v`. Per call, no state kept: each layer passes its own sizes. A layer with sinks
+    whose V would be padded past :data:`SINK_MAX_V_DIM` is refused (NotImplementedError, naming
+    the layer and the op's rules) unless ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1``."""
     signature = inspect.signature(attention_class)
     for name in ("head_size", "head_size_v"):
         if name not in signature.parameters:
             raise TargetMismatch("%s takes no %s" % (attention_class.__qualname__, name))
+    extra = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
     def padded_attention(*args, **kwargs):
         bound = signature.bind(*args, **kwargs)
-        bound.arguments["head_size_v"] = bound.arguments["head_size"]
+        head_size, head_size_v = bound.arguments["head_size"], bound.arguments.get("head_size_v")
+        padded = head_size_v is not None and head_size_v != head_size
+        if padded and head_size > SINK_MAX_V_DIM and _sinks(bound, extra) is not None \
+                and not _config.settings().mimo_pad_sinks:
+            raise NotImplementedError(SINKS_REFUSED % (bound.arguments.get("prefix", ""), head_size,
+                                                       head_size_v, head_size, head_size))
+        bound.arguments["head_size_v"] = head_size
         return attention_class(*bound.args, **bound.kwargs)
 
     return padded_attention
