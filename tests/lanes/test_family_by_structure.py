@@ -31,6 +31,17 @@ NOTE = "family chosen by structure: vllm-ascend %s is a development build" % DEV
 ENCODER = ("vllm.mm_encoder_attn", "vllm.mm_encoder_attn_310p")
 
 
+def window_admits_dev_version(name):
+    """Whether patch ``name``'s window (its ``requires`` on vllm-ascend) admits DEV_VERSION."""
+    import importlib
+
+    from npu_shim.engine.guards import within
+    from npu_shim.patches import BUILTIN_PATCHES
+
+    spec = importlib.import_module(dict(BUILTIN_PATCHES)[name]).PATCH.requires.get("vllm-ascend")
+    return spec is None or within(spec, DEV_VERSION)
+
+
 def fresh(what, tmp_path, shadow=None, **env):
     environ = {k: v for k, v in os.environ.items() if not k.startswith("NPU_SHIM")}
     environ.update(env)
@@ -97,6 +108,12 @@ def test_a_development_version_gets_the_releases_family(tmp_path):
     fenced = [name for name in ENCODER if released[name]["state"] == "applied"]
     assert fenced, released
     for name, row in released.items():
+        if not window_admits_dev_version(name):
+            # a patch whose window starts above the development build (vllm.encoder_acl_graph_refs:
+            # the encoder ACL graph came in 0.22.1rc1): the window rules it out, structure is not asked
+            assert shadowed[name]["state"] == "skipped" and "is outside" in shadowed[name]["reason"], \
+                (name, shadowed[name])
+            continue
         assert (shadowed[name]["state"], shadowed[name]["family"]) == (row["state"], row["family"]), \
             (name, row, shadowed[name])
     for name in fenced:

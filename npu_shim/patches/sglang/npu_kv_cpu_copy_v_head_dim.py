@@ -12,7 +12,7 @@ Upstream fix: none released (sglang PR #39058, closed unmerged, passed v_head_di
   only).
 Remove when: the pinned sglang views V with ``v_head_dim`` there.
 """
-from npu_shim.patch import Family, NotNeeded, Patch
+from npu_shim.patch import Family, NotNeeded, Patch, Selftest
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import module_class, own_function, replace_own
 
@@ -68,4 +68,6 @@ PATCH = Patch(
     needs_npu=True,
     families=(Family(__name__ + ":CPU_COPIES", fence=">=0.5.14", keeps=KEEPS),),
     summary="the NPU MHA pool's get_cpu_copy/load_cpu_copy view V with the pool's v_head_dim",
+    selftest=Selftest("npu_shim.selftest.sglang_v_head_dim:run", host_syncs=4,
+                      arguments={"round_trip": "cpu_copy"}),
 )

@@ -30,7 +30,7 @@ import ast
 import inspect
 import textwrap
 
-from npu_shim.patch import Family, NotNeeded, Patch, TargetMismatch
+from npu_shim.patch import Family, NotNeeded, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.source_edit import AddKeyword, edit_function
 from npu_shim.patches._shared.structure import module_class, own_function, replace_own
 
@@ -160,4 +160,6 @@ PATCH = Patch(
     families=(Family(__name__ + ":ASCEND_MHA_BUILDER", fence=">=0.5.16", keeps=KEEPS),),
     summary="the NPU MHA KV pool gets the model's v_head_dim (K 192 / V 128 models); a model whose layer "
             "kinds need different per-rank KV heads is refused at pool construction, naming the way out",
+    selftest=Selftest("npu_shim.selftest.sglang_v_head_dim:run", host_syncs=0,
+                      arguments={"round_trip": "set_kv_buffer"}),
 )

@@ -1,0 +1,144 @@
+"""Selftests of ``sglang.npu_mha_v_head_dim`` / ``sglang.npu_mha_v_head_dim_inline`` (the pool gets
+the model's V head dim) and ``sglang.npu_kv_cpu_copy_v_head_dim`` (its CPU copies view V with it).
+
+Builds sglang's NPU MHA KV pool through the release's own builder
+(``KVCacheConfigurator._build_ascend_mha_kv_pool``, or the inline build in
+``ModelRunnerKVCacheMixin._init_pools`` on 0.5.14 / 0.5.15; :mod:`npu_shim.testing.sglang_kv_pool`)
+for a K 192 / V 128 model (MiMo-V2-Flash's head dims; 2 KV heads, attention TP 1, 2 layers,
+80 token slots in pages of 16, bfloat16: with sglang's padding page the V buffer divides into
+K-wide rows, so upstream's K-wide view of V in the CPU copies takes wrong rows silently rather
+than failing, which the comparison must catch), then writes random K/V of those widths into both layers
+with the pool's ``set_kv_buffer`` at scattered slots (upstream's pool, V K-wide, refuses that
+write) and reads them back from the pool's buffers. ``round_trip="cpu_copy"`` also takes the
+written slots to the host with ``get_cpu_copy`` and loads them at other slots with
+``load_cpu_copy``, and compares both. A copy is exact: the error (max |read - written|) must
+be 0.
+
+Reads counted (off an NPU the K/V inputs, the slots and the pool's buffers stand in for device
+memory): the builder and ``set_kv_buffer``, none; ``get_cpu_copy`` copies each layer's K
+and V rows to the host, one read per tensor and chunk: 2 layers x (K, V) = 4 (one chunk).
+"""
+import time
+
+PATCHES = {"set_kv_buffer": ("sglang.npu_mha_v_head_dim", "sglang.npu_mha_v_head_dim_inline"),
+           "cpu_copy": ("sglang.npu_kv_cpu_copy_v_head_dim",)}
+CONFIG = dict(num_attention_heads=8, num_key_value_heads=2, head_dim=192, v_head_dim=128)
+LAYERS, TOKENS, PAGE_SIZE = 2, 80, 16
+BUILT_BY = {"builder": "KVCacheConfigurator._build_ascend_mha_kv_pool",
+            "inline": "ModelRunnerKVCacheMixin._init_pools"}
+WRITTEN, LOADED = (3, 17, 18, 40), (50, 9, 33, 34)      # slots set_kv_buffer writes / load_cpu_copy fills
+
+
+def _builder(round_trip, patch):
+    """The builder patch the pool is built by: ``patch`` itself, or for the CPU copies the one of
+    the two that applies to the installed release (0.5.16 on the builder's, below the inline one)."""
+    from npu_shim import status
+    from npu_shim.selftest import applied_target
+
+    applied_target(patch)           # raises, naming the state, where ``patch`` is not applied
+    if round_trip == "set_kv_buffer":
+        return patch
+    rows = {r["name"]: r for r in status()}
+    builders = [name for name in PATCHES["set_kv_buffer"] if rows[name]["state"] == "applied"]
+    if not builders:
+        raise RuntimeError("%s: neither %s is applied here, and a pool whose V is narrower than K needs one"
+                           % (patch, " nor ".join(PATCHES["set_kv_buffer"])))
+    return builders[0]
+
+
+def _device_buffers(pool):
+    """The pool's tensors (its K/V buffers: a list per layer, or one tensor whose rows are the
+    layers, as the release keeps them), to stand in for device memory in the count on CPU."""
+    import torch
+
+    found = []
+    for value in vars(pool).values():
+        items = value if isinstance(value, (list, tuple)) else [value]
+        found += [t for t in items if isinstance(t, torch.Tensor)]
+    return found
+
+
+def _layer(pool, layer_id):
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    return RadixAttention(num_heads=CONFIG["num_attention_heads"], head_dim=pool.head_dim,
+                          scaling=pool.head_dim ** -0.5, num_kv_heads=pool.head_num, layer_id=layer_id,
+                          v_head_dim=CONFIG["v_head_dim"])
+
+
+def _rows(buffer, pool, width, slots):
+    return buffer.reshape(-1, pool.head_num, width)[slots]
+
+
+def _error(read, written):
+    import torch
+
+    if tuple(read.shape) != tuple(written.shape):
+        raise RuntimeError("read back %s, wrote %s" % (tuple(read.shape), tuple(written.shape)))
+    return (read.to("cpu", torch.float64) - written.to("cpu", torch.float64)).abs().max().item()
+
+
+def run(device=None, round_trip="set_kv_buffer", patch=None):
+    import torch
+
+    from npu_shim.engine import counters
+    from npu_shim.testing import count_host_syncs
+    from npu_shim.testing import sglang_kv_pool as kv_pool
+
+    if round_trip not in PATCHES:
+        raise ValueError("round_trip must be one of %s, not %r" % (sorted(PATCHES), round_trip))
+    device = device or "cpu"
+    builder = _builder(round_trip, patch)
+    dtype = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    heads = CONFIG["num_key_value_heads"]
+    written = [(torch.randn(len(WRITTEN), heads, CONFIG["head_dim"], generator=gen).to(device, dtype),
+                torch.randn(len(WRITTEN), heads, CONFIG["v_head_dim"], generator=gen).to(device, dtype))
+               for _ in range(LAYERS)]
+    slots = torch.tensor(WRITTEN, device=device)
+    targets = torch.tensor(LOADED, device=device)
+    calls = {name: counters.snapshot().get(name, {}).get("calls", 0) for name in (builder, patch)}
+
+    started = time.perf_counter()
+    with count_host_syncs(device_tensors=[slots, targets] + [t for kv in written for t in kv]) as syncs:
+        pool = kv_pool.build_pool(kv_pool.model_config(**CONFIG), tp=1, tokens=TOKENS, page_size=PAGE_SIZE,
+                                  layers=LAYERS, dtype=dtype, device=device)
+        syncs.mark_device(*_device_buffers(pool))
+        for layer_id, (k, v) in enumerate(written):
+            pool.set_kv_buffer(_layer(pool, layer_id), slots, k, v)
+        if round_trip == "cpu_copy":
+            with kv_pool.npu_device_module():
+                copy = pool.get_cpu_copy(slots)
+                pool.load_cpu_copy(copy, targets)
+    if device != "cpu":
+        torch.npu.synchronize()
+    seconds = time.perf_counter() - started
+
+    if (pool.head_dim, pool.v_head_dim) != (CONFIG["head_dim"], CONFIG["v_head_dim"]):
+        raise RuntimeError("the pool was built with K %d / V %d, the model's are K %d / V %d"
+                           % (pool.head_dim, pool.v_head_dim, CONFIG["head_dim"], CONFIG["v_head_dim"]))
+    now = counters.snapshot()
+    for name in {builder, patch}:
+        if now.get(name, {}).get("calls", 0) <= calls[name]:
+            raise RuntimeError("%s did not run (its calls counter stayed at %d)" % (name, calls[name]))
+    errors = []
+    for layer_id, (k, v) in enumerate(written):
+        buffers = (pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id))
+        errors += [_error(_rows(buffers[0], pool, pool.head_dim, slots), k),
+                   _error(_rows(buffers[1], pool, pool.v_head_dim, slots), v)]
+        if round_trip == "cpu_copy":
+            host_k, host_v = copy[layer_id][0]
+            errors += [_error(host_k, k), _error(host_v, v),
+                       _error(_rows(buffers[0], pool, pool.head_dim, targets), k),
+                       _error(_rows(buffers[1], pool, pool.v_head_dim, targets), v)]
+    return {
+        "max_abs_err": max(errors),
+        "tolerance": 0.0,
+        "host_syncs": syncs.count,
+        "seconds": seconds,
+        "detail": "NPUMHATokenToKVPool built by %s (%s), K %d / V %d, %d KV heads, %d layers, bfloat16 on %s: "
+                  "set_kv_buffer at slots %s read back%s; error 0 expected (copies)" % (
+                      BUILT_BY[kv_pool.builder_kind()], builder, pool.head_dim, pool.v_head_dim, heads, LAYERS, device,
+                      list(WRITTEN), ", get_cpu_copy -> load_cpu_copy at slots %s" % list(LOADED)
+                      if round_trip == "cpu_copy" else ""),
+    }
