@@ -29,7 +29,7 @@ TIMEOUT_S = 300
 
 # Three sequences of uneven length (one with a cached prefix), GQA, diff-KV.
 SPEC_JSON = json.dumps({"extend_lens": [33, 70, 21], "page_size": 16, "num_heads": 8,
-                        "num_kv_heads": 2, "qk_head_dim": 48, "v_head_dim": 32,
+                        "num_kv_heads": 2, "qk_head_dim": 192, "v_head_dim": 128,
                         "prefix_lens": [0, 9, 4], "cp_size": 2, "dtype": "bfloat16", "seed": 5})
 
 

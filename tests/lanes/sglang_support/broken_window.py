@@ -152,7 +152,7 @@ def main(wheel_path):
         cp_case.Spec(extend_lens=(45,), page_size=16, seed=1),
         cp_case.Spec(extend_lens=(33, 70, 21), page_size=16, num_heads=8, num_kv_heads=2, seed=2),
         cp_case.Spec(extend_lens=(19, 64, 8, 130, 27), page_size=128, num_heads=4, num_kv_heads=1,
-                     qk_head_dim=48, v_head_dim=32, prefix_lens=(0, 7, 0, 20, 3), seed=3),
+                     qk_head_dim=192, v_head_dim=128, prefix_lens=(0, 7, 0, 20, 3), seed=3),
     ]
     cases = []
     for spec in specs:
