@@ -27,7 +27,6 @@ import importlib
 import inspect
 import itertools
 import os
-import tempfile
 import types
 
 __all__ = ["ASCEND_BACKEND", "HEAD_DIM", "KINDS", "V_HEAD_DIM", "WINDOW", "ascend_backend", "attention_class",
@@ -62,18 +61,11 @@ def setup(emulate=True):
         emulation.register_device_module()    # vllm-ascend names torch.npu at import
     npu_shim.install()
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
+    from npu_shim.testing.towers import open_one_rank_group
 
     config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(config):
-        if not parallel_state.model_parallel_is_initialized():
-            init_file = tempfile.NamedTemporaryFile(prefix="npu_shim_mimo_", delete=False)
-            init_file.close()
-            os.unlink(init_file.name)
-            parallel_state.init_distributed_environment(
-                world_size=1, rank=0, local_rank=0, distributed_init_method="file://" + init_file.name,
-                backend="gloo")
-            parallel_state.ensure_model_parallel_initialized(1, 1)
+        open_one_rank_group("npu_shim_mimo_")
     _CONFIG = config
     return config
 

@@ -224,6 +224,22 @@ def _no_pinned_memory():
     return False
 
 
+def open_one_rank_group(prefix):
+    """vLLM's model-parallel groups for a single rank on gloo (a file rendezvous named with
+    ``prefix``), unless this process has them; inside ``set_current_vllm_config``."""
+    from vllm.distributed import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        return
+    init_file = tempfile.NamedTemporaryFile(prefix=prefix, delete=False)
+    init_file.close()
+    os.unlink(init_file.name)
+    parallel_state.init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, distributed_init_method="file://" + init_file.name,
+        backend="gloo")
+    parallel_state.ensure_model_parallel_initialized(1, 1)
+
+
 class Stack(types.SimpleNamespace):
     """What :func:`setup` prepared: ``config`` (the VllmConfig), ``modules`` (tower
     name -> vLLM module), ``attention`` / ``upstream`` (device class -> patched /
@@ -249,18 +265,10 @@ def setup(emulate=True):
         emulation.install()
     npu_shim.install()
     from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
 
     config = VllmConfig(device_config=DeviceConfig(device="cpu"))
     with set_current_vllm_config(config):
-        if not parallel_state.model_parallel_is_initialized():
-            init_file = tempfile.NamedTemporaryFile(prefix="npu_shim_towers_", delete=False)
-            init_file.close()
-            os.unlink(init_file.name)
-            parallel_state.init_distributed_environment(
-                world_size=1, rank=0, local_rank=0, distributed_init_method="file://" + init_file.name,
-                backend="gloo")
-            parallel_state.ensure_model_parallel_initialized(1, 1)
+        open_one_rank_group("npu_shim_towers_")
         with placeholder_torchvision():
             modules = {name: importlib.import_module(spec[0]) for name, spec in TOWERS.items()}
             modules["Kimi-VL"] = importlib.import_module(MOONVIT[0])
