@@ -118,8 +118,13 @@ NO_SUITES = {
         "arrives in 0.18.0, the base-class test in 0.23.0",
     "vllm-ascend's other tests/ut files naming the class":
         "0.26.0rc1's tests/ut/models/test_kimi_k3.py stubs MMEncoderAttention out of vllm-ascend's own Kimi-K3 "
-        "model (no patch touches it); tests/ut/worker/test_encoder_acl_graph.py (0.23.0 on) tests "
-        "vllm_ascend.worker.encoder_acl_graph, which the shim calls but does not patch",
+        "model (no patch touches it)",
+    "vllm-ascend's tests/ut/worker/test_encoder_acl_graph.py (vllm.encoder_acl_graph_refs; 0.23.0 on, "
+    "absent from 0.22.1rc1)":
+        "tried as a suite on lane vllm-0.23: 5 of 7 pass; test_capture_graph_params and "
+        "test_capture_budget_graph_npu fail with and without the shim alike (TypeError: 'NoneType' object is "
+        "not callable, in this CPU setting), so the two tests that reach the patched capture cannot gate it "
+        "until that is understood",
     "sglang (every sglang.* patch)":
         "the package index has sglang source archives only up to 0.5.10.post1, none for the lanes' releases "
         "0.5.11 - 0.5.23; the archive (like each wheel) holds the python package alone (sglang/, "
