@@ -111,7 +111,8 @@ def capture(module, budgets, device="cpu"):
         model=model, token_budgets=list(budgets), path_token_budgets={"default": list(budgets)},
         _capture_axes=(), budget_graphs={}, graph_pool=None, update_stream=None, fullatt=None,
         max_batch_size=1, max_frames_per_batch=1, device=torch.device(device), dtype=torch.float32,
-        config=types.SimpleNamespace(input_key_by_modality={"image": "pixel_values"}))
+        # enable_dual_path_graph: vLLM 0.24 - 0.26's capture asks it (one path here)
+        config=types.SimpleNamespace(input_key_by_modality={"image": "pixel_values"}, enable_dual_path_graph=False))
     manager.capture()
     gc.collect()
     return manager, model
