@@ -1,0 +1,123 @@
+"""vllm.ascend_attention_v_head_dim — vllm-ascend's decoder attention serves a layer whose V head dim differs from K's.
+
+Why: vLLM's ``Attention`` takes ``head_size_v`` (MiMo-V2-Flash: K 192, V 128), sizes the layer's
+  output and KV-cache spec with it, and vllm-ascend's model runner already allocates such a
+  layer's K and V caches apart, V ``head_size_v`` wide (``_reshape_kv_cache_tensors``). But
+  ``AscendAttentionBackendImpl`` knows only ``head_size``: a layer without sinks takes
+  ``npu_fused_infer_attention_score`` (FIA v1) and views its output ``(tokens, heads,
+  head_size)`` (a ``RuntimeError`` for V 128), and its decode takes ATB's
+  ``_npu_paged_attention``, whose documented inputs have one head size for both caches. FIA v1's
+  page documents K 192 / V 128 only without page attention; ``npu_fused_infer_attention_score_v2``
+  (FIA v2, op-plugin page revision 5e735e5, TND constraints) documents "Q_D、K_D等于192, V_D等于
+  128" with GQA and page attention, and ``learnable_sink`` with V_D <= 128. vllm-ascend already
+  makes that FIA v2 call, in TND with the paged cache, for every layer with learnable sinks.
+How: two of the impl's methods are upstream's, edited (:func:`npu_shim.patches._shared.source_edit.edit_function`):
+  in ``forward_fused_infer_attention`` the test that sends a layer with sinks to FIA v2 (eager and
+  graph capture alike) also sends a layer whose output is not ``head_size`` wide
+  (``value_head_dim_differs``); in ``forward_impl`` such a layer never takes the paged-attention
+  decode. The V head dim is read per call from the ``output`` vLLM hands the impl, shaped
+  ``(tokens, heads, head_size_v)``: no state on the impl or its class, so two models in one
+  process keep their own. A layer with V == K takes upstream's code unchanged (the added test is
+  False). The FIA v2 call is upstream's own (its arguments, ``learnable_sink=self.sinks`` None for
+  a layer without sinks, ``sparse_mode`` 3 causal / 4 with a window), fed the separate K and V
+  caches vllm-ascend already views as ``(blocks, block_size, kv_heads * head dim)``.
+Window: read in the builds of 0.20.2rc1, 0.21.0rc1, 0.22.1rc1, 0.23.0, 0.24.0rc1, 0.25.1rc1,
+  0.26.0rc1, 0.27.1rc1, 0.28.0rc1, 0.29.0rc1 and 0.30.0rc2 (the sinks test twice in
+  ``forward_fused_infer_attention``: graph capture and eager; the paged-attention test once in
+  ``forward_impl``). Below 0.20, vLLM's model pads V itself and no layer reaches the impl with V != K.
+Upstream fix: none (no vllm-ascend release reads ``head_size_v`` in its attention impl).
+Remove when: vllm-ascend's attention impl serves ``head_size_v != head_size``.
+"""
+from npu_shim.patch import Family, Patch
+from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
+from npu_shim.patches._shared.structure import module_class, own_function
+
+TARGET = "vllm_ascend.attention.attention_v1"
+IMPL = "AscendAttentionBackendImpl"
+FIA = "forward_fused_infer_attention"
+IMPL_FORWARD = "forward_impl"
+REPLACES = (IMPL + "." + FIA, IMPL + "." + IMPL_FORWARD)
+
+FIA_EDITS = (
+    ReplaceExpression("self.sinks is not None", "self.sinks is not None or value_head_dim_differs(self, output)",
+                      count=2),
+)
+IMPL_FORWARD_EDITS = (
+    ReplaceExpression("self.sliding_window is None",
+                      "self.sliding_window is None and not value_head_dim_differs(self, output)"),
+)
+
+
+def value_head_dim(impl, output):
+    """The value head dim of the layer ``impl`` serves, read from the ``output`` vLLM hands it:
+    ``(tokens, heads, head_size_v)``, or ``(tokens, heads * head_size_v)``."""
+    if output.dim() == 3:
+        return output.shape[-1]
+    return output.shape[-1] // impl.num_heads
+
+
+def value_head_dim_differs(impl, output):
+    return value_head_dim(impl, output) != impl.head_size
+
+
+def why_not_served(impl):
+    """None if ``impl`` (an attention impl instance) serves a layer with V != K: it is vllm-ascend's
+    ``AscendAttentionBackendImpl`` (or a subclass that keeps its ``forward``, ``forward_impl`` and
+    ``forward_fused_infer_attention``) with this patch applied; else why not. The model side asks
+    before it builds such a layer on the platform's backend."""
+    import sys
+
+    module = sys.modules.get(TARGET)
+    base = getattr(module, IMPL, None)
+    if base is None or not isinstance(impl, base):
+        return "the impl is not %s.%s" % (TARGET, IMPL)
+    if any(getattr(getattr(base, name), "__npu_shim_patch__", None) != PATCH.name for name in (FIA, IMPL_FORWARD)):
+        return "%s is not patched in this process (see npu-shim status)" % PATCH.name
+    own = [name for name in ("forward", FIA, IMPL_FORWARD) if getattr(type(impl), name) is not getattr(base, name)]
+    if own:
+        return "%s overrides %s" % (type(impl).__qualname__, ", ".join(own))
+    return None
+
+
+class _ValueHeadDim:
+    def check(self, module, context):
+        impl = module_class(module, IMPL)
+        return self.edited(own_function(impl, FIA), own_function(impl, IMPL_FORWARD))
+
+    @staticmethod
+    def edited(fia, forward_impl):
+        """{method: edited}; TargetMismatch naming an anchor not found as often as declared."""
+        names = {"value_head_dim_differs": value_head_dim_differs}
+        return {IMPL + "." + FIA: edit_function(fia, FIA_EDITS, names=names),
+                IMPL + "." + IMPL_FORWARD: edit_function(forward_impl, IMPL_FORWARD_EDITS, names=names)}
+
+    def build(self, module, context):
+        impl = module_class(module, IMPL)
+        originals = {IMPL + "." + FIA: own_function(impl, FIA),
+                     IMPL + "." + IMPL_FORWARD: own_function(impl, IMPL_FORWARD)}
+        edited = context.found if isinstance(context.found, dict) else self.edited(*originals.values())
+        what = {IMPL + "." + FIA: "a layer whose V head dim differs from K's takes upstream's FIA v2 call "
+                                  "(as a layer with sinks does)",
+                IMPL + "." + IMPL_FORWARD: "a layer whose V head dim differs from K's never takes the "
+                                           "paged-attention decode"}
+        return {path: context.present(edited[path], originals[path], what[path]) for path in REPLACES}
+
+
+VALUE_HEAD_DIM = _ValueHeadDim()
+
+PATCH = Patch(
+    name="vllm.ascend_attention_v_head_dim",
+    target=TARGET,
+    replaces=REPLACES,
+    requires={"vllm-ascend": ">=0.20.0rc1,<0.31.0rc1"},
+    outside_window={"vllm-ascend": "below, vLLM's model pads V itself (no layer with V != K reaches the impl); "
+                                   "above, not read"},
+    needs_npu=True,
+    families=(
+        Family(__name__ + ":VALUE_HEAD_DIM", fence=">=0.20.0rc1,<0.31.0rc1",
+               keeps="vllm-ascend's own npu_fused_infer_attention_score_v2 call (TND, paged, learnable_sink "
+                     "as the layer has it) for a layer with V != K; every V == K layer's calls unchanged"),
+    ),
+    summary="vllm-ascend's attention serves a layer whose V head dim differs from K's (MiMo-V2-Flash: K 192, "
+            "V 128) through its own FIA v2 call, separate K and V caches, no paged-attention decode",
+)

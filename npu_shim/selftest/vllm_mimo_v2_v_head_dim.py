@@ -1,0 +1,109 @@
+"""Selftest of ``vllm.mimo_v2_v_head_dim`` / ``vllm.mimo_v2_flash_v_head_dim``: MiMo-V2-Flash's attention on vllm-ascend.
+
+Builds tiny ``MiMoV2Attention`` layers (:mod:`npu_shim.testing.mimo`: key head dim 192, value head
+dim 128, bfloat16) with the patched ``__init__`` on vllm-ascend's ``AscendAttentionBackend`` (the
+platform's answer; the selector stands in for it, see :mod:`npu_shim.testing.mimo`), and runs one
+sequence through vllm-ascend's own ``AscendAttentionBackendImpl.forward``: a prefill of 6 tokens and
+one decode step over the paged K/V caches (:func:`npu_shim.testing.mimo.ascend_prefill_decode`),
+compared with attention with V 128 from the definition in float64
+(:func:`npu_shim.testing.mimo.sink_attention_f64`), sinks included:
+
+* by default (native): the full layer and the sliding-window layer (learnable sinks, GQA, window
+  16, past the 7-token sequence), each with a 192-wide K cache and a 128-wide V cache, served by
+  vllm-ascend's FIA v2 call (``vllm.ascend_attention_v_head_dim`` must be applied);
+* ``NPU_SHIM_VLLM_MIMO_PAD_V=1``: V padded to 192 before the impl and the output cut back after it;
+  the sliding-window layer's build must then be refused (NotImplementedError naming the op page's
+  rules: V_D 192 not with GQA or page attention, ``learnable_sink`` only with V_D <= 128; error 0
+  for the check when the refusal names them), or, with ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1``, built
+  padded and run (the emulation, following the page, refuses that call: the selftest then fails,
+  naming the layer).
+
+Error: max |out - ref| over the layers run; the tolerance scales with max |ref|: the bfloat16
+rounding of the output, 2**-7 * max |ref|. Host syncs: counted over the decode step (pad, impl,
+cut), the metadata's and caches' tensors standing in for device tensors; none expected.
+"""
+import time
+
+from npu_shim import _config
+
+MODULES = {"vllm.mimo_v2_v_head_dim": "mimo_v2", "vllm.mimo_v2_flash_v_head_dim": "mimo_v2_flash"}
+TOKENS = 6
+WINDOW = 16
+KINDS = {"full": {}, "swa": {"sliding_window_size": WINDOW}}
+# what the refusal must name: the op and the rules of its page
+REFUSAL = ("npu_fused_infer_attention_score_v2", "5e735e5", "GQA和PA场景不支持V_D等于192",
+           "仅支持value的d小于等于128", "NPU_SHIM_VLLM_MIMO_PAD_SINKS=1")
+
+
+def run(device=None, patch=None, model=None):
+    import torch
+
+    from npu_shim import emulation
+    from npu_shim.selftest import applied_target
+    from npu_shim.testing import count_host_syncs, mimo
+
+    device = device or "cpu"
+    module = applied_target(patch)
+    if module.__name__.rpartition(".")[2] != model or MODULES.get(patch) != model:
+        raise ValueError("%s serves vLLM's %s model module, not %s" % (patch, MODULES.get(patch), model))
+    init = module.MiMoV2Attention.__init__
+    if not hasattr(init, "__wrapped_upstream__") or not hasattr(module.MiMoV2Attention.forward,
+                                                                "__wrapped_upstream__"):
+        raise RuntimeError("%s reports applied but MiMoV2Attention is not the shim's" % patch)
+    mimo.setup(emulate=emulation.is_emulated())
+    counters = []
+
+    class _Counted:
+        def __init__(self, device_tensors):
+            self.manager = count_host_syncs(device_tensors=device_tensors)
+
+        def __enter__(self):
+            counters.append(self.manager.__enter__())
+
+        def __exit__(self, *exc):
+            return self.manager.__exit__(*exc)
+
+    started = time.perf_counter()
+    errors, tolerances = [], []
+    settings = _config.settings()
+    pad_v, pad_sinks = settings.mimo_pad_v, settings.mimo_pad_v and settings.mimo_pad_sinks
+    for kind, overrides in KINDS.items():
+        with mimo.ascend_backend():
+            try:
+                layer = mimo.build_layer(kind, init=init, dtype=torch.bfloat16, **overrides)
+            except NotImplementedError as exc:
+                if kind == "swa" and pad_v and not pad_sinks and all(rule in str(exc) for rule in REFUSAL):
+                    errors.append(0.0)          # refused as it should be
+                    continue
+                raise
+        if kind == "swa" and pad_v and not pad_sinks:
+            raise RuntimeError("the sliding-window layer (learnable sinks) was built with V padded to %d: "
+                               "the patch should refuse it at build" % layer.head_dim)
+        if kind == "swa" and getattr(layer, "attention_sink_bias", None) is None:
+            raise RuntimeError("the sliding-window layer was built without its learnable sinks")
+        try:
+            got, expected = mimo.ascend_prefill_decode(layer, tokens=TOKENS, around_decode=_Counted, device=device)
+        except NotImplementedError as exc:      # an op refusing the padded call: say which layer
+            raise RuntimeError("the %s layer (%d heads, %d KV heads, V %d wide in the impl%s): %s"
+                               % (kind, layer.num_heads, layer.num_kv_heads, layer.attn.head_size_v,
+                                  ", learnable sinks" if kind == "swa" else "", exc)) from exc
+        if got.shape != expected.shape:
+            raise RuntimeError("%s layer: output %s, reference %s" % (kind, tuple(got.shape), tuple(expected.shape)))
+        errors.append((got - expected).abs().max().item())
+        tolerances.append(2 ** -7 * expected.abs().max().item())
+    if device != "cpu":
+        torch.npu.synchronize()
+    seconds = time.perf_counter() - started
+    return {
+        "max_abs_err": max(errors),
+        "tolerance": min(tolerances),
+        "host_syncs": sum(c.count for c in counters),
+        "seconds": seconds,
+        "detail": "MiMoV2Attention (%s) K 192 / V 128%s, %s through AscendAttentionBackendImpl.forward: "
+                  "prefill %d tokens + 1 decode step, bfloat16 on %s; tolerance 2**-7 * max|ref|%s"
+                  % (model, " padded to 192" if pad_v else " (separate 192 / 128 caches)",
+                     "the full layer" if pad_v and not pad_sinks else
+                     "a full layer and a sliding-window layer with sinks (window %d)" % WINDOW, TOKENS, device,
+                     "" if not pad_v else "; NPU_SHIM_VLLM_MIMO_PAD_SINKS=1" if pad_sinks else
+                     "; the sliding-window layer (sinks) refused at build as it should be"),
+    }
