@@ -1,5 +1,6 @@
-"""MiMo-V2-Flash's KV-cache bytes per token and host reads per decode step: native (K 192 + V 128)
-vs padded (K 192 + V 192, ``vllm.mimo_v2_pad_v``) vs upstream's vLLM 0.19 path, side by side.
+"""MiMo-V2-Flash's KV-cache bytes per token and host reads per decode step: native (K 192 + V 128,
+``vllm.mimo_v2_v_head_dim``'s default) vs padded (K 192 + V 192, ``NPU_SHIM_VLLM_MIMO_PAD_V=1``) vs
+upstream's vLLM 0.19 path, side by side.
 
     python benchmarks/bench_kv_bytes_mimo.py [--out FILE]
 
@@ -14,20 +15,21 @@ KV-cache spec vLLM builds (``Attention.get_kv_cache_spec``), bytes per token = t
 
 Rows, where the lane has the code:
 
-* ``native``: the spec upstream's model builds on 0.24+ (``head_size_v`` 128: what separate K 192 /
-  V 128 caches take; on Ascend that path fails at KV-cache initialisation without the shim);
-* ``padded``: the spec of the shim's patched layer (0.20+; vllm-ascend's backend). The sliding-window
-  layers (learnable sinks) are refused at build by default (the op's page does not take V_D 192 with
-  sinks, GQA or paging); their spec here is built with ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1``, what the
-  model would take where a CANN accepts that call;
+* ``native``: the spec of the shim's patched layer by default (0.20+; vllm-ascend's backend,
+  ``head_size_v`` 128: separate K 192 / V 128 caches);
+* ``padded``: the spec with ``NPU_SHIM_VLLM_MIMO_PAD_V=1``. The sliding-window layers (learnable
+  sinks) are then refused at build (the op's page does not take V_D 192 with sinks, GQA or
+  paging); their spec here is built with ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1`` as well;
 * ``upstream``: the spec upstream's model builds where it pads V itself (0.14 - 0.19).
 
 Host reads per decode step: the layer's forward for one decode token, counted with
 :func:`npu_shim.testing.syncs.count_host_syncs` (the layer's parameters and inputs stand for
 device tensors), the attention op standing in as a device-only computation over the tensors it is
-handed (vllm-ascend's own impl call is not run here: what the model side adds, pad and cut, is what
-differs between the rows). vllm-ascend's impl is run for the full layer only: the emulation, following
-the op's page, refuses the sliding-window layer's padded call.
+handed (what the model side adds, pad and cut, is what differs between the rows). Then vllm-ascend's
+own impl (``AscendAttentionBackendImpl.forward`` on the emulated ops, tiny sizes): one decode step's
+reads and the prefill + decode error against the float64 reference, for the native full and
+sliding-window layers (window 16, past the sequence) and the padded full layer (the emulation,
+following the op's page, refuses the padded sliding-window layer's call).
 """
 import argparse
 import importlib.metadata
@@ -75,9 +77,12 @@ def _decode_reads(mimo, layer, forward=None):
     return counter.count
 
 
-def _impl_decode_reads(mimo, kind):
+def _impl_decode_reads(mimo, kind, padded=False):
     """Reads over one decode step through vllm-ascend's impl forward (emulated ops), the patched
-    layer (tiny sizes), and the max error of prefill + decode against the float64 reference."""
+    layer (tiny sizes; native, or ``padded``), and the max error of prefill + decode against the
+    float64 reference, relative to max |ref|."""
+    import contextlib
+
     import torch
 
     from npu_shim.testing.syncs import count_host_syncs
@@ -94,8 +99,8 @@ def _impl_decode_reads(mimo, kind):
         def __exit__(self, *exc):
             return self.manager.__exit__(*exc)
 
-    with mimo.ascend_backend():
-        layer = mimo.build_layer(kind, dtype=torch.bfloat16)
+    with mimo.ascend_backend(), (mimo.padded() if padded else contextlib.nullcontext()):
+        layer = mimo.build_layer(kind, dtype=torch.bfloat16, **({"sliding_window_size": 16} if kind == "swa" else {}))
     got, expected = mimo.ascend_prefill_decode(layer, around_decode=_Keep)
     return counters[0].count, (got - expected).abs().max().item() / expected.abs().max().item()
 
@@ -120,31 +125,28 @@ def rows():
         total = FULL_LAYERS * per_kind["full"][1] + SWA_LAYERS * per_kind["swa"][1]
         found.append((name, per_kind, total))
 
-    def layer(kind, init=None):
-        with mimo.ascend_backend(), mimo.pad_sinks():
-            return mimo.build_layer(kind, init=init, dtype=torch.bfloat16, **SHAPES[kind])
+    def layer(kind):
+        with mimo.ascend_backend():
+            return mimo.build_layer(kind, dtype=torch.bfloat16, **SHAPES[kind])
 
-    def upstream_layer(kind):
-        return mimo.build_layer(kind, init=mimo.upstream_init(), dtype=torch.bfloat16, **SHAPES[kind])
+    def padded_layer(kind):
+        with mimo.padded(sinks=True):
+            return layer(kind)
 
     if padded_by_model:
         measure("upstream %s (V padded by the model)" % version, layer)
-    else:
-        measure("padded (vllm.mimo_v2_pad_v; swa: PAD_SINKS=1)", layer)
-        if version >= Version("0.24"):
-            forward = mimo.attention_class().forward
-            measure("native (upstream's DiffKV spec, K 192 + V 128)", upstream_layer,
-                    getattr(forward, "__wrapped_upstream__", forward))
-    impl = {}
-    if not padded_by_model:
-        impl = {"full": _impl_decode_reads(mimo, "full")}
+        return version, found, {}
+    measure("native (vllm.mimo_v2_v_head_dim, default)", layer)
+    measure("padded (NPU_SHIM_VLLM_MIMO_PAD_V=1; swa: PAD_SINKS=1)", padded_layer)
+    impl = {"native full": _impl_decode_reads(mimo, "full"), "native swa": _impl_decode_reads(mimo, "swa"),
+            "padded full": _impl_decode_reads(mimo, "full", padded=True)}
     return version, found, impl
 
 
 def report(version, found, impl):
     lines = ["MiMo-V2-Flash KV cache per token (bfloat16), vLLM %s: specs vLLM builds; "
              "model = %d full + %d sliding-window layers" % (version, FULL_LAYERS, SWA_LAYERS), ""]
-    lines.append("%-52s %-26s %-26s %12s %10s" % ("path", "full layer (spec)", "swa layer (spec)",
+    lines.append("%-54s %-26s %-26s %12s %10s" % ("path", "full layer (spec)", "swa layer (spec)",
                                                    "model B/tok", "reads/dec"))
     base = None
     for name, per_kind, total in found:
@@ -154,19 +156,19 @@ def report(version, found, impl):
             cells.append("%d B (K%d+V%d x%d)" % (per_token, spec.head_size, getattr(spec, "head_size_v", spec.head_size),
                                                  spec.num_kv_heads))
         reads = "%d/%d" % (per_kind["full"][2], per_kind["swa"][2])
-        lines.append("%-52s %-26s %-26s %12d %10s" % (name, cells[0], cells[1], total, reads))
+        lines.append("%-54s %-26s %-26s %12d %10s" % (name, cells[0], cells[1], total, reads))
         base = total if "native" in name else base
     if base:
         for name, _, total in found:
             lines.append("  %s: %.3fx native" % (name.split(" (")[0], total / base))
     for kind, (reads, error) in impl.items():
-        lines.append("vllm-ascend impl decode step, padded %s layer (tiny, emulated ops): %d device->host reads "
+        lines.append("vllm-ascend impl decode step, %s layer (tiny, emulated ops, bfloat16): %d device->host reads "
                      "(the patch's pad and cut included); prefill+decode max error %.4f of max |ref|"
                      % (kind, reads, error))
     if impl:
-        lines.append("sliding-window layers (sinks): refused at build by default; built with "
-                     "NPU_SHIM_VLLM_MIMO_PAD_SINKS=1, vllm-ascend's FIA v2 call with V_D 192 and learnable_sink "
-                     "is refused by the emulation (not on the op's page)")
+        lines.append("padded sliding-window layers (sinks): refused at build with NPU_SHIM_VLLM_MIMO_PAD_V=1; built "
+                     "with NPU_SHIM_VLLM_MIMO_PAD_SINKS=1 too, vllm-ascend's FIA v2 call with V_D 192 and "
+                     "learnable_sink is refused by the emulation (not on the op's page)")
     lines.append("")
     lines.append("reads/dec: device->host reads over one decode-step forward of the layer (full/swa), "
                  "the attention op a device-only stand-in")

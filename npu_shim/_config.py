@@ -20,8 +20,8 @@ MM_ENCODER_FUSION_SWITCH = "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION"
 PATCH_SWITCHES = {
     "sglang.small_page_fia": "NPU_SHIM_SGLANG_SMALL_PAGE_FIA",
     "sglang.vision_head_pad": "NPU_SHIM_SGLANG_VISION_HEAD_PAD",
-    "vllm.mimo_v2_pad_v": "NPU_SHIM_VLLM_MIMO_PAD_V",
-    "vllm.mimo_v2_flash_pad_v": "NPU_SHIM_VLLM_MIMO_PAD_V",
+    "vllm.mimo_v2_v_head_dim": "NPU_SHIM_VLLM_MIMO_V_HEAD_DIM",
+    "vllm.mimo_v2_flash_v_head_dim": "NPU_SHIM_VLLM_MIMO_V_HEAD_DIM",
 }
 
 
@@ -69,16 +69,20 @@ VARIABLES = (
     ("NPU_SHIM_SGLANG_VISION_HEAD_PAD", "boolean, default 1",
      "0 turns the patch off (it shows as disabled): VisionAscendAttention then hands FIA's TND call the "
      "model's head dim as upstream does", "sglang.vision_head_pad"),
-    ("NPU_SHIM_VLLM_MIMO_PAD_V", "boolean, default 1",
-     "0 turns off vllm.mimo_v2_pad_v and vllm.mimo_v2_flash_pad_v: MiMo-V2-Flash takes upstream's DiffKV "
-     "backend (which fails on Ascend at build or KV-cache initialisation); 1 pads V to the key head dim "
-     "(1.2x the KV bytes of K 192 + V 128)", "vllm.mimo_v2_pad_v"),
+    ("NPU_SHIM_VLLM_MIMO_V_HEAD_DIM", "boolean, default 1",
+     "0 turns off vllm.mimo_v2_v_head_dim and vllm.mimo_v2_flash_v_head_dim: MiMo-V2-Flash takes upstream's "
+     "DiffKV backend (which fails on Ascend at build or KV-cache initialisation)", "vllm.mimo_v2_v_head_dim"),
+    ("NPU_SHIM_VLLM_MIMO_PAD_V", "boolean, default 0",
+     "vllm.mimo_v2_v_head_dim and vllm.mimo_v2_flash_v_head_dim: 1 pads V to the key head dim (192) instead "
+     "of the default separate 128-wide V cache: 1.2x the KV bytes of K 192 + V 128, and an FIA call the "
+     "op's page does not document with GQA or paging (the default's call is documented)",
+     "vllm.mimo_v2_v_head_dim"),
     ("NPU_SHIM_VLLM_MIMO_PAD_SINKS", "boolean, default 0",
-     "vllm.mimo_v2_pad_v and vllm.mimo_v2_flash_pad_v: 1 builds a layer with learnable sinks (MiMo-V2-Flash's "
-     "sliding-window layers) with V padded to 192 anyway; by default such a layer is refused at build "
+     "with NPU_SHIM_VLLM_MIMO_PAD_V=1: 1 builds a layer with learnable sinks (MiMo-V2-Flash's "
+     "sliding-window layers) with V padded to 192 anyway; otherwise such a layer is refused at build "
      "(NotImplementedError), because torch_npu's npu_fused_infer_attention_score_v2 page (op-plugin "
      "5e735e5) takes V_D 192 neither with GQA nor page attention, and learnable_sink only with V_D <= 128 "
-     "(for a CANN that takes the call; unproven here)", "vllm.mimo_v2_pad_v"),
+     "(for a CANN that takes the call; unproven here)", "vllm.mimo_v2_v_head_dim"),
     ("NPU_SHIM_EMULATE_SOC", "an Ascend SoC name, e.g. Ascend910B1, Ascend310P3",
      "the SoC the emulation reports (default an A2 part); Ascend310P* exercises the 310P paths; "
      "checked only where NPU_SHIM_EMULATE=1", ""),
@@ -181,7 +185,7 @@ class Settings:
 
     __slots__ = ("enabled", "strict", "emulate", "enable", "disable", "log_level", "mm_encoder_tnd",
                  "mm_encoder_fusion_attention", "switched_off", "moonvit_attn", "exit_summary",
-                 "family_by_structure", "mimo_pad_sinks")
+                 "family_by_structure", "mimo_pad_v", "mimo_pad_sinks")
 
     def __init__(self, environ=None):
         environ = os.environ if environ is None else environ
@@ -199,8 +203,10 @@ class Settings:
         self.mm_encoder_fusion_attention = env_flag("NPU_SHIM_MM_ENCODER_FUSION_ATTENTION", False, environ)
         self.switched_off = frozenset(
             name for name, var in PATCH_SWITCHES.items() if not env_flag(var, True, environ))
-        # vllm.mimo_v2_pad_v: a layer with sinks built with V padded past 128 anyway (default off:
-        # the op's page does not take that call).
+        # vllm.mimo_v2_v_head_dim: V padded to the key head dim instead of a separate V cache (default
+        # off: the native call is the one the op's page documents), and, padded, a layer with sinks
+        # built anyway (default off: the op's page does not take that call).
+        self.mimo_pad_v = env_flag("NPU_SHIM_VLLM_MIMO_PAD_V", False, environ)
         self.mimo_pad_sinks = env_flag("NPU_SHIM_VLLM_MIMO_PAD_SINKS", False, environ)
         self.moonvit_attn = env_choice("NPU_SHIM_MOONVIT_ATTN", MOONVIT_ATTN_CHOICES, "auto", environ)
         self.exit_summary = env_flag("NPU_SHIM_EXIT_SUMMARY", False, environ)
@@ -228,6 +234,7 @@ class Settings:
         values = {"NPU_SHIM_MM_ENCODER_TND": self.mm_encoder_tnd,
                   "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION": self.mm_encoder_fusion_attention,
                   "NPU_SHIM_MOONVIT_ATTN": self.moonvit_attn,
+                  "NPU_SHIM_VLLM_MIMO_PAD_V": self.mimo_pad_v,
                   "NPU_SHIM_VLLM_MIMO_PAD_SINKS": self.mimo_pad_sinks}
         return {name: values[name] for name, _, _, owner in VARIABLES if owner == patch_name and name in values}
 

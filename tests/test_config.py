@@ -63,13 +63,16 @@ def test_mm_encoder_fusion_attention_switch_validated_and_shown():
     assert Settings({}).switches("vllm.glm_ocr_host_lengths") == {}
 
 
-def test_mimo_pad_sinks_switch_validated_and_shown():
+def test_mimo_switches_validated_and_shown():
+    assert Settings({}).mimo_pad_v is False
+    assert Settings({"NPU_SHIM_VLLM_MIMO_PAD_V": "1"}).mimo_pad_v is True
+    assert "vllm.mimo_v2_v_head_dim" in Settings({"NPU_SHIM_VLLM_MIMO_V_HEAD_DIM": "0"}).switched_off
     assert Settings({}).mimo_pad_sinks is False
     assert Settings({"NPU_SHIM_VLLM_MIMO_PAD_SINKS": "1"}).mimo_pad_sinks is True
     with pytest.raises(ConfigError, match="NPU_SHIM_VLLM_MIMO_PAD_SINKS='pad' is not a boolean"):
         Settings({"NPU_SHIM_VLLM_MIMO_PAD_SINKS": "pad"})
-    assert Settings({"NPU_SHIM_VLLM_MIMO_PAD_SINKS": "on"}).switches("vllm.mimo_v2_pad_v") == {
-        "NPU_SHIM_VLLM_MIMO_PAD_SINKS": True}
+    assert Settings({"NPU_SHIM_VLLM_MIMO_PAD_SINKS": "on"}).switches("vllm.mimo_v2_v_head_dim") == {
+        "NPU_SHIM_VLLM_MIMO_PAD_V": False, "NPU_SHIM_VLLM_MIMO_PAD_SINKS": True}
 
 
 def test_mm_encoder_tnd_switch_validated():

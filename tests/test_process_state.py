@@ -40,7 +40,7 @@ def test_settings_are_made_only_by_the_accessor():
         "_config.py",                       # settings() / read_settings(): the accessor
         "cli.py",                           # npu-shim run: validate the environment the child inherits
         os.path.join("testing", "moonvit.py"),   # env_choice: one choice validated
-        os.path.join("testing", "mimo.py"),      # pad_sinks(): one switch on for a block (use_settings)
+        os.path.join("testing", "mimo.py"),      # padded(): switches on for a block (use_settings)
     }
 
 

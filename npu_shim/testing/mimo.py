@@ -30,7 +30,7 @@ import os
 import types
 
 __all__ = ["ASCEND_BACKEND", "HEAD_DIM", "KINDS", "V_HEAD_DIM", "WINDOW", "ascend_backend", "attention_class",
-           "build_layer", "kv_cache_spec", "model_module", "pad_sinks", "reference_layer_attention", "setup",
+           "build_layer", "kv_cache_spec", "model_module", "padded", "reference_layer_attention", "setup",
            "sink_attention_f64"]
 
 HEAD_DIM, V_HEAD_DIM = 192, 128
@@ -133,12 +133,14 @@ def ascend_backend(asked=None):
 
 
 @contextlib.contextmanager
-def pad_sinks():
-    """Inside the block, ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1``: this process's settings (the environment's,
-    with that switch on) replaced, restored after; a layer with sinks is then built with V padded."""
+def padded(sinks=False):
+    """Inside the block, ``NPU_SHIM_VLLM_MIMO_PAD_V=1`` (and ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1`` with
+    ``sinks``): this process's settings (the environment's, with those switches on) replaced,
+    restored after; a layer with V != K is then built with V padded to the key head dim."""
     from npu_shim import _config
 
-    previous = _config.use_settings(_config.Settings(dict(os.environ, NPU_SHIM_VLLM_MIMO_PAD_SINKS="1")))
+    switches = dict(NPU_SHIM_VLLM_MIMO_PAD_V="1", **({"NPU_SHIM_VLLM_MIMO_PAD_SINKS": "1"} if sinks else {}))
+    previous = _config.use_settings(_config.Settings(dict(os.environ, **switches)))
     try:
         yield
     finally:
@@ -229,8 +231,10 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
     """One sequence through vllm-ascend's own ``AscendAttentionBackendImpl.forward`` (the emulated
     torch_npu ops underneath): a prefill of ``tokens`` tokens (``PrefillNoCache``), then one decode
     step (``DecodeOnly``) reading the paged K/V caches the prefill wrote, on the q/k/v the layer's
-    own projections and rotary give, V padded by the patch's :func:`pad_v` and the output cut by
-    its :func:`unpad_output` (what the patched ``forward`` does around ``self.attn``). The metadata
+    own projections and rotary give. A layer built padded (its ``Attention``'s ``head_size_v`` is
+    the key head dim) gets V padded by the patch's :func:`pad_v` and the output cut by its
+    :func:`unpad_output` (what the padded ``forward`` does around ``self.attn``); a native one
+    (``head_size_v`` 128) gets separate K (192) and V (128) caches and its own V. The metadata
     is what vllm-ascend's builder gives one sequence (fields named as in ``AscendMetadata``), under
     vLLM's ``set_forward_context``. Returns (output (tokens + 1, heads * v_head_dim) float64, the
     float64 reference of :func:`reference_layer_attention`). ``around_decode(device_tensors)``: a
@@ -245,7 +249,7 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
 
-    from npu_shim.patches.vllm.mimo_v2_pad_v.families import pad_v, unpad_output
+    from npu_shim.patches.vllm.mimo_v2_v_head_dim import families
 
     import_ascend_backend()
     ascend = sys.modules[ASCEND_BACKEND[0]]
@@ -253,9 +257,10 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
     dtype = next(layer.parameters()).dtype
     layer.to(device)
     attn, impl = layer.attn, layer.attn.impl
-    head = layer.head_dim
+    head, value_width = layer.head_dim, attn.head_size_v
+    pad_v, unpad_output = families.pad_v, families.unpad_output      # nothing done to a native layer
     key_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, head, dtype=dtype, device=device)
-    value_cache = torch.zeros_like(key_cache)
+    value_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, value_width, dtype=dtype, device=device)
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(tokens + 1, layer.qkv_proj.input_size, generator=generator).to(device, dtype)
     positions = torch.arange(tokens + 1, device=device)
@@ -263,7 +268,7 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
         qkv, _ = layer.qkv_proj(hidden)
         q, k, v = qkv.split([layer.q_size, layer.k_size, layer.v_size], dim=-1)
         q, k = layer.rotary_emb(positions, q, k)
-    padded = pad_v(layer, v)
+    values = pad_v(layer, v)
     mask = torch.triu(torch.ones(2048, 2048, dtype=torch.bool, device=device), diagonal=1)
     outputs = []
     config = setup()
@@ -279,13 +284,13 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
                 actual_seq_lengths_q=[n], query_start_loc=torch.tensor([0, n], device=device), max_query_len=n,
                 block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
                 slot_mapping=torch.arange(start, stop, dtype=torch.int32, device=device), causal=True)
-            output = torch.zeros(n, layer.num_heads, head, dtype=dtype, device=device)
+            output = torch.zeros(n, layer.num_heads, value_width, dtype=dtype, device=device)
             on_device = (q, k, v, key_cache, value_cache, output, metadata.block_tables, metadata.slot_mapping,
                          metadata.seq_lens, metadata.query_start_loc, mask)
             around = around_decode(on_device) if decode and around_decode else contextlib.nullcontext()
             with set_forward_context(None, config, num_tokens=n), around:
-                step_v = pad_v(layer, v[start:stop]) if decode else padded[start:stop]
+                step_v = pad_v(layer, v[start:stop]) if decode else values[start:stop]
                 result = impl.forward(attn, q[start:stop].view(n, -1, head), k[start:stop].view(n, -1, head),
-                                      step_v.view(n, -1, head), (key_cache, value_cache), metadata, output)
+                                      step_v.view(n, -1, value_width), (key_cache, value_cache), metadata, output)
                 outputs.append(unpad_output(layer, result.reshape(n, -1)))
     return torch.cat(outputs).double().cpu(), reference_layer_attention(layer, q.cpu(), k.cpu(), v.cpu())

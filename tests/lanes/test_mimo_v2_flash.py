@@ -1,10 +1,13 @@
 """MiMo-V2-Flash (K head dim 192, V 128, a sliding-window layer with learnable sinks) with vLLM's own
 ``MiMoV2Attention`` on CPU: what upstream does per release, and what the shim does.
 
-Patches: ``vllm.mimo_v2_pad_v`` / ``vllm.mimo_v2_flash_pad_v`` (vLLM 0.20 - 0.30: V padded to the
-key head dim, the platform's backend; a layer with sinks refused at build unless
-``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1``, since the FIA v2 call it would make is not on the op's page)
-and ``vllm.sinks_refuse`` (vllm-ascend 0.14.0rc1: a layer with sinks refused at build).
+Patches: ``vllm.mimo_v2_v_head_dim`` / ``vllm.mimo_v2_flash_v_head_dim`` (vLLM 0.20 - 0.30: no DiffKV
+backend, the platform's backend with the layer's own V head dim) with
+``vllm.ascend_attention_v_head_dim`` (vllm-ascend 0.20 - 0.30: such a layer served by vllm-ascend's own
+FIA v2 call over separate K and V caches); ``NPU_SHIM_VLLM_MIMO_PAD_V=1``: V padded to the key head
+dim instead, a layer with sinks then refused at build unless ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1``
+(the FIA v2 call it would make is not on the op's page); and ``vllm.sinks_refuse`` (vllm-ascend
+0.14.0rc1: a layer with sinks refused at build).
 Layers from :mod:`npu_shim.testing.mimo` (tiny sizes).
 
 What is exercised: the layer build (upstream's ``__init__`` and the patched one), the backend the
@@ -20,12 +23,15 @@ and cut around it (:func:`npu_shim.testing.mimo.ascend_prefill_decode`). Not exe
 model runner itself (its metadata builder, its cache allocation, ACL graphs): the metadata and
 caches are built here as the runner builds them for one sequence.
 """
+import contextlib
 import importlib.metadata
 
 import pytest
 from packaging.version import Version
 
-PAD = ("vllm.mimo_v2_pad_v", "vllm.mimo_v2_flash_pad_v")
+PAD = ("vllm.mimo_v2_v_head_dim", "vllm.mimo_v2_flash_v_head_dim")
+IMPL_PATCH = "vllm.ascend_attention_v_head_dim"
+NATIVE = PAD + (IMPL_PATCH,)
 REFUSED = (r"MiMoV2Attention layer 'model\.layers\.\d+\.self_attn\.attn' \(learnable sinks, K head dim 192, "
            r"V head dim 128\): not built with V padded to 192\..*npu_fused_infer_attention_score_v2.*"
            r"op-plugin revision 5e735e5.*GQA和PA场景不支持V_D等于192.*仅支持value的d小于等于128.*"
@@ -47,6 +53,17 @@ def _ascend_or_skip():
                     % (type(exc).__name__, exc))
 
 
+def _ascend_impl():
+    """vllm-ascend's ``AscendAttentionBackendImpl`` (its backend asked under the CPU config)."""
+    from vllm.config import set_current_vllm_config
+
+    from npu_shim.testing import mimo
+
+    backend = _ascend_or_skip()
+    with set_current_vllm_config(mimo.setup()):
+        return backend.get_impl_cls()
+
+
 @pytest.fixture(scope="module")
 def mimo():
     from npu_shim.testing import mimo
@@ -55,18 +72,22 @@ def mimo():
     return mimo
 
 
-@pytest.mark.claimed(*PAD)
-@pytest.mark.patch(*PAD)
-def test_pad_patch_applied(mimo):
+@pytest.mark.claimed(*NATIVE)
+@pytest.mark.patch(*NATIVE)
+def test_patches_applied(mimo):
     import npu_shim
     from npu_shim.testing.claims import claimed_family
 
+    impl = _ascend_impl()                  # imports vllm-ascend's attention module (the patch's target)
     module = mimo.model_module()
     name = PAD[0] if module.__name__.endswith(".mimo_v2") else PAD[1]
-    row = next(r for r in npu_shim.status() if r["name"] == name)
-    assert row["state"] == "applied" and row["family"] == claimed_family(name).name, row
+    for patch in (name, IMPL_PATCH):
+        row = next(r for r in npu_shim.status() if r["name"] == patch)
+        assert row["state"] == "applied" and row["family"] == claimed_family(patch).name, row
     cls = module.MiMoV2Attention
     assert cls.__init__.__npu_shim_patch__ == cls.forward.__npu_shim_patch__ == name
+    assert impl.forward_impl.__npu_shim_patch__ == impl.forward_fused_infer_attention.__npu_shim_patch__ \
+        == IMPL_PATCH
 
 
 # ---------------------------------------------------------------------------------------------
@@ -116,41 +137,119 @@ def _kv_cache(mimo, layer, backend, num_blocks=4):
     return spec, key, value
 
 
-@pytest.mark.claimed(*PAD)
-@pytest.mark.patch(*PAD)
-def test_sink_layer_refused_at_build_by_default(mimo):
-    """The sliding-window layer (learnable sinks) is refused at build, naming the layer and the
-    op page's rules; the full layer (no sinks) builds padded."""
-    import torch
-
-    _ascend_or_skip()
-    with mimo.ascend_backend():
-        full = mimo.build_layer("full")
-        with pytest.raises(NotImplementedError, match=REFUSED):
-            mimo.build_layer("swa")
-        with pytest.raises(NotImplementedError, match=REFUSED):
-            mimo.build_layer("swa", dtype=torch.bfloat16, sliding_window_size=16)
-    assert full.attn.head_size == getattr(full.attn, "head_size_v", mimo.HEAD_DIM) == mimo.HEAD_DIM
+@contextlib.contextmanager
+def _upstream_impl(mimo):
+    """Inside the block, vllm-ascend's impl runs upstream's forward_impl and
+    forward_fused_infer_attention (the patched ones restored after)."""
+    impl = _ascend_impl()
+    patched = {name: vars(impl)[name] for name in ("forward_impl", "forward_fused_infer_attention")}
+    for name, function in patched.items():
+        setattr(impl, name, function.__wrapped_upstream__)
+    try:
+        yield impl
+    finally:
+        for name, function in patched.items():
+            setattr(impl, name, function)
 
 
-@pytest.mark.claimed(*PAD)
-@pytest.mark.patch(*PAD)
-def test_patched_layers_build_on_the_ascend_backend(mimo):
-    """NPU_SHIM_VLLM_MIMO_PAD_SINKS=1: both layers built padded on vllm-ascend's backend."""
+@pytest.mark.claimed(*NATIVE)
+@pytest.mark.patch(*NATIVE)
+def test_native_layers_build_on_the_ascend_backend(mimo):
+    """Both layers (the sliding one with its sinks) built on vllm-ascend's backend with the model's
+    own V head dim 128; the KV-cache spec carries it, and the runner's K and V caches are 192 and
+    128 wide: (192 + 128) per token and KV head, not (192 + 192)."""
     backend = _ascend_or_skip()
     asked = []
-    with mimo.ascend_backend(asked), mimo.pad_sinks():
+    with mimo.ascend_backend(asked):
         layers = {kind: mimo.build_layer(kind) for kind in mimo.KINDS}
     assert [a["head_size"] for a in asked] == [mimo.HEAD_DIM, mimo.HEAD_DIM]
     for kind, layer in layers.items():
         assert layer.attn.attn_backend is backend
-        assert getattr(layer.attn, "head_size_v", mimo.HEAD_DIM) == mimo.HEAD_DIM
-        assert layer.v_head_dim == mimo.V_HEAD_DIM       # the model's projections keep V 128
+        assert layer.attn.head_size == mimo.HEAD_DIM and layer.attn.head_size_v == mimo.V_HEAD_DIM
         spec, key, value = _kv_cache(mimo, layer, backend)
-        assert spec.head_size == mimo.HEAD_DIM and getattr(spec, "head_size_v", mimo.HEAD_DIM) == mimo.HEAD_DIM
-        assert key.shape[-1] == value.shape[-1] == mimo.HEAD_DIM
+        assert (spec.head_size, spec.head_size_v) == (mimo.HEAD_DIM, mimo.V_HEAD_DIM)
+        assert (key.shape[-1], value.shape[-1]) == (mimo.HEAD_DIM, mimo.V_HEAD_DIM)
         assert (type(spec).__name__ == "SlidingWindowSpec") == (kind == "swa")
     assert layers["swa"].attn.impl.sinks is layers["swa"].attention_sink_bias
+    assert layers["full"].attn.impl.sinks is None
+
+
+@pytest.mark.claimed(*NATIVE)
+@pytest.mark.patch(*NATIVE)
+@pytest.mark.parametrize("kind", ["full", "swa"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_native_layer_matches_the_reference(mimo, kind, dtype):
+    """vllm-ascend's own impl forward on the emulated ops, in the dtypes the hardware takes: a
+    prefill of 6 tokens, then one decode step over the paged K (192) and V (128) caches, against
+    attention with V 128 from the definition in float64, sinks included; within the output
+    dtype's rounding (2**-7 of max |ref| for bfloat16, 2**-10 for float16). The sliding layer's
+    window (16) is past the sequence: see test_native_window_edge_is_upstreams for the edge."""
+    import torch
+
+    _ascend_or_skip()
+    dtype = getattr(torch, dtype)
+    with mimo.ascend_backend():
+        layer = mimo.build_layer(kind, dtype=dtype, **({"sliding_window_size": 16} if kind == "swa" else {}))
+    got, expected = mimo.ascend_prefill_decode(layer)
+    assert got.shape == expected.shape == (7, mimo.HEADS * mimo.V_HEAD_DIM)
+    err = (got - expected).abs().max().item()
+    assert err <= (2 ** -7 if dtype is torch.bfloat16 else 2 ** -10) * expected.abs().max().item(), err
+
+
+@pytest.mark.claimed(*NATIVE)
+@pytest.mark.patch(*NATIVE)
+def test_native_window_edge_is_upstreams(mimo):
+    """At the window's edge (window 4, 6 tokens) the sliding layer attends to window + 1 keys:
+    vllm-ascend passes pre_tokens=sliding_window to FIA v2 (sparse_mode 4), which the op's band
+    reading admits with the current token (every sliding-window model on vllm-ascend, upstream's
+    call, kept). Pinned here: the output equals the float64 reference with window 5."""
+    import torch
+
+    _ascend_or_skip()
+    with mimo.ascend_backend():
+        layer = mimo.build_layer("swa", dtype=torch.float16)
+    got, expected = mimo.ascend_prefill_decode(layer)
+    assert (got - expected).abs().max().item() > 0.1          # window 4: not what the model defines
+    layer.attn.sliding_window = mimo.WINDOW + 1               # read by the reference only
+    _, wider = mimo.ascend_prefill_decode(layer)
+    err = (got - wider).abs().max().item()
+    assert err <= 2 ** -10 * wider.abs().max().item(), err
+
+
+@pytest.mark.claimed(*NATIVE)
+@pytest.mark.patch(*NATIVE)
+def test_upstream_impl_fails_a_native_layer_and_the_model_refuses_it(mimo):
+    """Before (upstream's impl methods): a layer with V 128 fails at its first forward (the full
+    layer's FIA v1 output viewed with head_size 192, or the op refusing the call); after the
+    patch it serves (above). With the impl unpatched, the model side refuses the layer at build,
+    naming the way out, instead of failing mid-request."""
+    import torch
+
+    with mimo.ascend_backend():
+        layer = mimo.build_layer("full", dtype=torch.bfloat16)
+    with _upstream_impl(mimo):
+        with pytest.raises((RuntimeError, NotImplementedError, ValueError)):
+            mimo.ascend_prefill_decode(layer)
+        with mimo.ascend_backend(), pytest.raises(NotImplementedError, match=(
+                r"MiMoV2Attention layer '.*' \(K head dim 192, V head dim 128\): not built on "
+                r"vllm_ascend\.attention\.attention_v1\.AscendAttentionBackendImpl.*"
+                r"vllm\.ascend_attention_v_head_dim is not patched.*NPU_SHIM_VLLM_MIMO_PAD_V=1")):
+            mimo.build_layer("full")
+
+
+@pytest.mark.claimed(*NATIVE)
+@pytest.mark.patch(*NATIVE)
+def test_equal_head_dims_take_upstreams_impl_calls(mimo):
+    """A standard layer (K = V = 128) through vllm-ascend's impl: the patched methods give what
+    upstream's give, bit for bit (prefill and the paged-attention decode)."""
+    import torch
+
+    with mimo.ascend_backend():
+        layer = mimo.build_layer("full", dtype=torch.bfloat16, head_dim=128, v_head_dim=128)
+    patched, _ = mimo.ascend_prefill_decode(layer)
+    with _upstream_impl(mimo):
+        upstream, _ = mimo.ascend_prefill_decode(layer)
+    assert torch.equal(patched, upstream)
 
 
 @pytest.mark.claimed(*PAD)
@@ -169,7 +268,8 @@ def test_no_class_global_value_head_dim(mimo):
         mimo_layer = mimo.build_layer("full")
         standard = mimo.build_layer("full", head_dim=128, v_head_dim=128)
     assert [getattr(c, "head_size_v", None) for c in diffkv] == before
-    assert mimo.kv_cache_spec(mimo_layer).head_size == mimo.HEAD_DIM
+    spec = mimo.kv_cache_spec(mimo_layer)
+    assert (spec.head_size, spec.head_size_v) == (mimo.HEAD_DIM, mimo.V_HEAD_DIM)
     spec = mimo.kv_cache_spec(standard)
     assert spec.head_size == 128 and getattr(spec, "head_size_v", 128) == 128
     assert standard.attn.attn_backend is backend
@@ -192,6 +292,8 @@ def test_equal_head_dims_take_upstreams_path(mimo):
     assert type(patched.attn.attn_backend) is type(upstream.attn.attn_backend)
 
     class Attention(torch.nn.Module):            # the same deterministic stand-in on both sides
+        head_size_v = 128
+
         def forward(self, q, k, v):
             return v.repeat_interleave(2, dim=-1)[:, :q.shape[-1]] * q.sigmoid()
 
@@ -200,6 +302,44 @@ def test_equal_head_dims_take_upstreams_path(mimo):
     patched._modules["attn"] = Attention()
     with torch.no_grad():
         assert torch.equal(forward(patched, positions, hidden), forward.__wrapped_upstream__(patched, positions, hidden))
+
+
+# ---------------------------------------------------------------------------------------------
+# NPU_SHIM_VLLM_MIMO_PAD_V=1: V padded to the key head dim.
+
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
+def test_padded_sink_layer_refused_at_build(mimo):
+    """Padded, the sliding-window layer (learnable sinks) is refused at build, naming the layer
+    and the op page's rules; the full layer (no sinks) builds padded."""
+    import torch
+
+    _ascend_or_skip()
+    with mimo.ascend_backend(), mimo.padded():
+        full = mimo.build_layer("full")
+        with pytest.raises(NotImplementedError, match=REFUSED):
+            mimo.build_layer("swa")
+        with pytest.raises(NotImplementedError, match=REFUSED):
+            mimo.build_layer("swa", dtype=torch.bfloat16, sliding_window_size=16)
+    assert full.attn.head_size == full.attn.head_size_v == mimo.HEAD_DIM
+
+
+@pytest.mark.claimed(*PAD)
+@pytest.mark.patch(*PAD)
+def test_padded_layers_build_on_the_ascend_backend(mimo):
+    """NPU_SHIM_VLLM_MIMO_PAD_V=1 and NPU_SHIM_VLLM_MIMO_PAD_SINKS=1: both layers built padded on
+    vllm-ascend's backend, 192-wide V caches."""
+    backend = _ascend_or_skip()
+    with mimo.ascend_backend(), mimo.padded(sinks=True):
+        layers = {kind: mimo.build_layer(kind) for kind in mimo.KINDS}
+    for kind, layer in layers.items():
+        assert layer.attn.attn_backend is backend
+        assert layer.attn.head_size_v == mimo.HEAD_DIM
+        assert layer.v_head_dim == mimo.V_HEAD_DIM       # the model's projections keep V 128
+        spec, key, value = _kv_cache(mimo, layer, backend)
+        assert spec.head_size == spec.head_size_v == mimo.HEAD_DIM
+        assert key.shape[-1] == value.shape[-1] == mimo.HEAD_DIM
+    assert layers["swa"].attn.impl.sinks is layers["swa"].attention_sink_bias
 
 
 def _run_layer(mimo, layer, tokens, generator):
@@ -228,7 +368,7 @@ def _run_layer(mimo, layer, tokens, generator):
 
     real = layer.attn
     layer.__dict__["_modules"]["attn"] = CachedAttention()
-    layer.attn.sliding_window = real.sliding_window
+    layer.attn.sliding_window, layer.attn.head_size_v = real.sliding_window, real.head_size_v
     try:
         hidden = torch.randn(tokens + 1, mimo.HIDDEN, generator=generator)
         positions = torch.arange(tokens + 1)
@@ -257,15 +397,17 @@ def layer_like(layer, attn):
 @pytest.mark.claimed(*PAD)
 @pytest.mark.patch(*PAD)
 @pytest.mark.parametrize("kind", ["full", "swa"])
-def test_padded_layer_matches_the_reference(mimo, kind):
-    """Prefill (6 tokens, past the window of 4) and one decode step: the patched forward (V padded to
-    192, the output cut back to 128) equals attention with V 128 from the definition, sinks and
-    window included, within float32 rounding. The sliding layer is built with
-    NPU_SHIM_VLLM_MIMO_PAD_SINKS=1 (refused by default); no torch_npu op is called here."""
+@pytest.mark.parametrize("pad", [False, True], ids=["native", "padded"])
+def test_layer_forward_matches_the_reference(mimo, kind, pad):
+    """Prefill (6 tokens, past the window of 4) and one decode step: the patched forward (native:
+    V 128 handed to the attention as it is; padded: V padded to 192, the output cut back to 128)
+    equals attention with V 128 from the definition, sinks and window included, within float32
+    rounding. Padded, the sliding layer is built with NPU_SHIM_VLLM_MIMO_PAD_SINKS=1 (refused by
+    default); no torch_npu op is called here."""
     import torch
 
     _ascend_or_skip()
-    with mimo.ascend_backend(), mimo.pad_sinks():
+    with mimo.ascend_backend(), (mimo.padded(sinks=True) if pad else contextlib.nullcontext()):
         layer = mimo.build_layer(kind)
     got, expected = _run_layer(mimo, layer, 6, torch.Generator().manual_seed(3))
     assert got.shape == expected.shape == (7, mimo.HIDDEN)
@@ -275,15 +417,15 @@ def test_padded_layer_matches_the_reference(mimo, kind):
 
 @pytest.mark.claimed(*PAD)
 @pytest.mark.patch(*PAD)
-def test_ascend_impl_prefill_and_decode_match_the_reference(mimo):
-    """vllm-ascend's own impl forward on the emulated ops, bfloat16 (what the hardware takes): the
-    full layer, a prefill of 6 tokens then one decode step over the paged caches, V padded to 192
-    and the output cut to 128 as the patched forward does, against attention with V 128 from the
-    definition. Within bfloat16 rounding of the output."""
+def test_padded_impl_prefill_and_decode_match_the_reference(mimo):
+    """Padded: vllm-ascend's own impl forward on the emulated ops, bfloat16: the full layer, a
+    prefill of 6 tokens then one decode step over the paged caches, V padded to 192 and the output
+    cut to 128 as the patched forward does, against attention with V 128 from the definition.
+    Within bfloat16 rounding of the output."""
     import torch
 
     _ascend_or_skip()
-    with mimo.ascend_backend():
+    with mimo.ascend_backend(), mimo.padded():
         layer = mimo.build_layer("full", dtype=torch.bfloat16)
     got, expected = mimo.ascend_prefill_decode(layer)
     assert got.shape == expected.shape == (7, mimo.HEADS * mimo.V_HEAD_DIM)
@@ -294,14 +436,15 @@ def test_ascend_impl_prefill_and_decode_match_the_reference(mimo):
 @pytest.mark.claimed(*PAD)
 @pytest.mark.patch(*PAD)
 def test_sink_layer_built_by_the_switch_is_refused_by_the_op(mimo):
-    """NPU_SHIM_VLLM_MIMO_PAD_SINKS=1: the sliding layer (sinks, GQA, window 16) builds padded, and
+    """NPU_SHIM_VLLM_MIMO_PAD_V=1, NPU_SHIM_VLLM_MIMO_PAD_SINKS=1: the sliding layer (sinks, GQA,
+    window 16) builds padded, and
     vllm-ascend's impl hands npu_fused_infer_attention_score_v2 V_D 192 on a paged cache with
     learnable_sink, which the op's page does not take: the emulation refuses it, as documented
     (what a CANN following that page would do)."""
     import torch
 
     _ascend_or_skip()
-    with mimo.ascend_backend(), mimo.pad_sinks():
+    with mimo.ascend_backend(), mimo.padded(sinks=True):
         layer = mimo.build_layer("swa", dtype=torch.bfloat16, sliding_window_size=16)
     assert layer.attn.impl.sinks is layer.attention_sink_bias
     with pytest.raises(NotImplementedError, match="npu_fused_infer_attention_score_v2.*(GQA和PA场景不支持V_D等于192"

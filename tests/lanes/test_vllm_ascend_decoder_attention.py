@@ -15,9 +15,9 @@ from npu_shim.testing.errors import Tolerance
 
 # keeps_process_state: it registers torch.npu (the emulation's) and imports all of vllm_ascend.ops,
 # which the other tests of a lane must not find: it runs after them.
-# The lanes: the releases whose decoder path the MiMo-V2-Flash patches use (vllm.mimo_v2_pad_v's
+# The lanes: the releases whose decoder path the MiMo-V2-Flash patches use (vllm.mimo_v2_v_head_dim's
 # window, one lane per shape of attention_v1) and the one vllm.sinks_refuse guards.
-pytestmark = [pytest.mark.claimed("vllm.mimo_v2_pad_v",
+pytestmark = [pytest.mark.claimed("vllm.mimo_v2_v_head_dim",
                                   pinned={"vllm-ascend": ("0.21.0rc1", "0.24.0rc1", "0.27.1rc1", "0.30.0rc2")}),
               pytest.mark.claimed("vllm.sinks_refuse"),
               pytest.mark.keeps_process_state]
