@@ -74,8 +74,9 @@ VARIABLES = (
      "backend (which fails on Ascend at build or KV-cache initialisation); 1 pads V to the key head dim "
      "(1.2x the KV bytes of K 192 + V 128)", "vllm.mimo_v2_pad_v"),
     ("NPU_SHIM_VLLM_MIMO_PAD_SINKS", "boolean, default 0",
-     "vllm.mimo_v2_pad_v and vllm.mimo_v2_flash_pad_v: 1 builds a layer with learnable sinks (MiMo-V2-Flash's "
-     "sliding-window layers) with V padded to 192 anyway; by default such a layer is refused at build "
+     "vllm.mimo_v2_pad_v, vllm.mimo_v2_flash_pad_v and vllm.mimo_v2_flash_sinks_refuse: 1 builds a layer "
+     "with learnable sinks (MiMo-V2-Flash's sliding-window layers) with V padded to 192 anyway (vLLM 0.15 - "
+     "0.19: as upstream builds it); by default such a layer is refused at build "
      "(NotImplementedError), because torch_npu's npu_fused_infer_attention_score_v2 page (op-plugin "
      "5e735e5) takes V_D 192 neither with GQA nor page attention, and learnable_sink only with V_D <= 128 "
      "(for a CANN that takes the call; unproven here)", "vllm.mimo_v2_pad_v"),

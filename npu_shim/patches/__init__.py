@@ -30,6 +30,7 @@ BUILTIN_PATCHES = (
     ("vllm.mm_merge_310p", "npu_shim.patches.vllm.mm_merge_310p"),
     ("vllm.mimo_v2_pad_v", "npu_shim.patches.vllm.mimo_v2_pad_v"),
     ("vllm.mimo_v2_flash_pad_v", "npu_shim.patches.vllm.mimo_v2_flash_pad_v"),
+    ("vllm.mimo_v2_flash_sinks_refuse", "npu_shim.patches.vllm.mimo_v2_flash_sinks_refuse"),
     ("vllm.sinks_refuse", "npu_shim.patches.vllm_ascend.sinks_refuse"),
     ("sglang.cp_fia", "npu_shim.patches.sglang.cp_fia"),
     ("sglang.cp_pad_gather", "npu_shim.patches.sglang.cp_pad_gather"),

@@ -1,4 +1,5 @@
-"""Selftest of ``vllm.mimo_v2_pad_v`` / ``vllm.mimo_v2_flash_pad_v``: MiMo-V2-Flash's attention, V padded.
+"""Selftest of ``vllm.mimo_v2_pad_v`` / ``vllm.mimo_v2_flash_pad_v`` / ``vllm.mimo_v2_flash_sinks_refuse``:
+MiMo-V2-Flash's attention, V padded (by the patch, or by vLLM 0.15 - 0.19's model itself).
 
 Builds tiny ``MiMoV2Attention`` layers (:mod:`npu_shim.testing.mimo`: key head dim 192, value head
 dim 128, bfloat16) with the patched ``__init__`` on vllm-ascend's ``AscendAttentionBackend`` (the
@@ -26,7 +27,8 @@ import time
 
 from npu_shim import _config
 
-MODULES = {"vllm.mimo_v2_pad_v": "mimo_v2", "vllm.mimo_v2_flash_pad_v": "mimo_v2_flash"}
+MODULES = {"vllm.mimo_v2_pad_v": "mimo_v2", "vllm.mimo_v2_flash_pad_v": "mimo_v2_flash",
+           "vllm.mimo_v2_flash_sinks_refuse": "mimo_v2_flash"}
 TOKENS = 6
 WINDOW = 16
 KINDS = {"full": {}, "swa": {"sliding_window_size": WINDOW}}
@@ -38,6 +40,7 @@ REFUSAL = ("npu_fused_infer_attention_score_v2", "5e735e5", "GQA和PA场景不�
 def run(device=None, patch=None, model=None):
     import torch
 
+    import npu_shim
     from npu_shim import emulation
     from npu_shim.selftest import applied_target
     from npu_shim.testing import count_host_syncs, mimo
@@ -47,8 +50,9 @@ def run(device=None, patch=None, model=None):
     if module.__name__.rpartition(".")[2] != model or MODULES.get(patch) != model:
         raise ValueError("%s serves vLLM's %s model module, not %s" % (patch, MODULES.get(patch), model))
     init = module.MiMoV2Attention.__init__
-    if not hasattr(init, "__wrapped_upstream__") or not hasattr(module.MiMoV2Attention.forward,
-                                                                "__wrapped_upstream__"):
+    replaces = next(r["replaces"] for r in npu_shim.status() if r["name"] == patch)
+    if not all(hasattr(getattr(module.MiMoV2Attention, path.rpartition(".")[2]), "__wrapped_upstream__")
+               for path in replaces):
         raise RuntimeError("%s reports applied but MiMoV2Attention is not the shim's" % patch)
     mimo.setup(emulate=emulation.is_emulated())
     counters = []
