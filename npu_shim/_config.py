@@ -78,8 +78,10 @@ VARIABLES = (
      "op's page does not document with GQA or paging (the default's call is documented)",
      "vllm.mimo_v2_v_head_dim"),
     ("NPU_SHIM_VLLM_MIMO_PAD_SINKS", "boolean, default 0",
-     "with NPU_SHIM_VLLM_MIMO_PAD_V=1: 1 builds a layer with learnable sinks (MiMo-V2-Flash's "
-     "sliding-window layers) with V padded to 192 anyway; otherwise such a layer is refused at build "
+     "with NPU_SHIM_VLLM_MIMO_PAD_V=1 (vllm.mimo_v2_v_head_dim, vllm.mimo_v2_flash_v_head_dim), and on vLLM "
+     "0.15 - 0.19 (vllm.mimo_v2_flash_sinks_refuse, where the model pads V itself): 1 builds a layer with "
+     "learnable sinks (MiMo-V2-Flash's sliding-window layers) with V padded to 192 anyway; otherwise such a "
+     "layer is refused at build "
      "(NotImplementedError), because torch_npu's npu_fused_infer_attention_score_v2 page (op-plugin "
      "5e735e5) takes V_D 192 neither with GQA nor page attention, and learnable_sink only with V_D <= 128 "
      "(for a CANN that takes the call; unproven here)", "vllm.mimo_v2_v_head_dim"),

@@ -30,6 +30,7 @@ BUILTIN_PATCHES = (
     ("vllm.mm_merge_310p", "npu_shim.patches.vllm.mm_merge_310p"),
     ("vllm.mimo_v2_v_head_dim", "npu_shim.patches.vllm.mimo_v2_v_head_dim"),
     ("vllm.mimo_v2_flash_v_head_dim", "npu_shim.patches.vllm.mimo_v2_flash_v_head_dim"),
+    ("vllm.mimo_v2_flash_sinks_refuse", "npu_shim.patches.vllm.mimo_v2_flash_sinks_refuse"),
     ("vllm.sinks_refuse", "npu_shim.patches.vllm_ascend.sinks_refuse"),
     ("vllm.ascend_attention_v_head_dim", "npu_shim.patches.vllm_ascend.attention_v_head_dim"),
     ("sglang.cp_fia", "npu_shim.patches.sglang.cp_fia"),

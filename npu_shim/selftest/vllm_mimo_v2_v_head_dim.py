@@ -1,4 +1,5 @@
-"""Selftest of ``vllm.mimo_v2_v_head_dim`` / ``vllm.mimo_v2_flash_v_head_dim``: MiMo-V2-Flash's attention on vllm-ascend.
+"""Selftest of ``vllm.mimo_v2_v_head_dim`` / ``vllm.mimo_v2_flash_v_head_dim`` / ``vllm.ascend_attention_v_head_dim``
+/ ``vllm.mimo_v2_flash_sinks_refuse``: MiMo-V2-Flash's attention on vllm-ascend.
 
 Builds tiny ``MiMoV2Attention`` layers (:mod:`npu_shim.testing.mimo`: key head dim 192, value head
 dim 128, bfloat16) with the patched ``__init__`` on vllm-ascend's ``AscendAttentionBackend`` (the
@@ -26,7 +27,11 @@ import time
 
 from npu_shim import _config
 
-MODULES = {"vllm.mimo_v2_v_head_dim": "mimo_v2", "vllm.mimo_v2_flash_v_head_dim": "mimo_v2_flash"}
+MODULES = {"vllm.mimo_v2_v_head_dim": "mimo_v2", "vllm.mimo_v2_flash_v_head_dim": "mimo_v2_flash",
+           "vllm.mimo_v2_flash_sinks_refuse": "mimo_v2_flash"}
+# the vllm-ascend patch serving the native layers: its selftest is the model patch's, on the model
+# module the installed vLLM has
+IMPL_PATCH = "vllm.ascend_attention_v_head_dim"
 TOKENS = 6
 WINDOW = 16
 KINDS = {"full": {}, "swa": {"sliding_window_size": WINDOW}}
@@ -38,17 +43,32 @@ REFUSAL = ("npu_fused_infer_attention_score_v2", "5e735e5", "GQA和PA场景不�
 def run(device=None, patch=None, model=None):
     import torch
 
+    import npu_shim
     from npu_shim import emulation
     from npu_shim.selftest import applied_target
     from npu_shim.testing import count_host_syncs, mimo
 
     device = device or "cpu"
+    settings = _config.settings()
+    if patch == IMPL_PATCH:                 # the layers of the installed vLLM's model, served natively
+        applied_target(patch)
+        if settings.mimo_pad_v:
+            raise RuntimeError("%s serves layers with V != K; NPU_SHIM_VLLM_MIMO_PAD_V=1 pads them, so none "
+                               "reaches it: run this selftest without it" % patch)
+        patch = next((name for name, module_name in MODULES.items()
+                      if module_name == mimo.model_module().__name__.rpartition(".")[2]
+                      and next(r for r in npu_shim.status() if r["name"] == name)["state"] == "applied"), None)
+        if patch is None:
+            raise RuntimeError("no MiMo model patch is applied here: nothing builds a layer with V != K for %s"
+                               % IMPL_PATCH)
+        model = MODULES[patch]
     module = applied_target(patch)
     if module.__name__.rpartition(".")[2] != model or MODULES.get(patch) != model:
         raise ValueError("%s serves vLLM's %s model module, not %s" % (patch, MODULES.get(patch), model))
     init = module.MiMoV2Attention.__init__
-    if not hasattr(init, "__wrapped_upstream__") or not hasattr(module.MiMoV2Attention.forward,
-                                                                "__wrapped_upstream__"):
+    replaces = next(r["replaces"] for r in npu_shim.status() if r["name"] == patch)
+    if not all(hasattr(getattr(module.MiMoV2Attention, path.rpartition(".")[2]), "__wrapped_upstream__")
+               for path in replaces):
         raise RuntimeError("%s reports applied but MiMoV2Attention is not the shim's" % patch)
     mimo.setup(emulate=emulation.is_emulated())
     counters = []
@@ -65,8 +85,9 @@ def run(device=None, patch=None, model=None):
 
     started = time.perf_counter()
     errors, tolerances = [], []
-    settings = _config.settings()
-    pad_v, pad_sinks = settings.mimo_pad_v, settings.mimo_pad_v and settings.mimo_pad_sinks
+    # padded: by the switch, or by vLLM 0.15 - 0.19's model itself (vllm.mimo_v2_flash_sinks_refuse)
+    pad_v = settings.mimo_pad_v or patch == "vllm.mimo_v2_flash_sinks_refuse"
+    pad_sinks = pad_v and settings.mimo_pad_sinks
     for kind, overrides in KINDS.items():
         with mimo.ascend_backend():
             try:

@@ -243,11 +243,12 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
     caches and the metadata's device tensors live (``"npu"`` for the real kernels; the layer is
     moved there)."""
     import contextlib
+    import dataclasses
     import sys
 
     import torch
     from vllm.config import set_current_vllm_config
-    from vllm.forward_context import set_forward_context
+    from vllm.forward_context import get_forward_context, set_forward_context
 
     from npu_shim.patches.vllm.mimo_v2_v_head_dim import families
 
@@ -257,7 +258,7 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
     dtype = next(layer.parameters()).dtype
     layer.to(device)
     attn, impl = layer.attn, layer.attn.impl
-    head, value_width = layer.head_dim, attn.head_size_v
+    head, value_width = layer.head_dim, getattr(attn, "head_size_v", layer.head_dim)
     pad_v, unpad_output = families.pad_v, families.unpad_output      # nothing done to a native layer
     key_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, head, dtype=dtype, device=device)
     value_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, value_width, dtype=dtype, device=device)
@@ -273,22 +274,35 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
     outputs = []
     config = setup()
     steps = ((state.PrefillNoCache, 0, tokens), (state.DecodeOnly, tokens, tokens + 1))
+    fields = {f.name for f in dataclasses.fields(metadata_class)}
+    window = getattr(attn, "sliding_window", None)
+    # up to vllm-ascend 0.18 the builder also hands a sliding layer's band mask (swa_mask: 2048 x 2048
+    # bool, True = masked, above the diagonal and `window` or more below it)
+    swa_mask = None
+    if "swa_mask" in fields and window:
+        full = torch.ones(2048, 2048, dtype=torch.bool, device=device)
+        swa_mask = torch.triu(full, diagonal=1) | torch.tril(full, diagonal=-window)
     with set_current_vllm_config(config):
         for step, start, stop in steps:
             n = stop - start
             decode = step == state.DecodeOnly
-            metadata = metadata_class(
+            given = dict(
                 attn_mask=mask, attn_state=step, num_actual_tokens=n, num_decode_tokens=n if decode else 0,
                 num_prefills=0 if decode else 1, num_decodes=1 if decode else 0,
                 seq_lens=torch.tensor([stop], device=device), seq_lens_cpu=torch.tensor([stop]), seq_lens_list=[stop],
                 actual_seq_lengths_q=[n], query_start_loc=torch.tensor([0, n], device=device), max_query_len=n,
                 block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
-                slot_mapping=torch.arange(start, stop, dtype=torch.int32, device=device), causal=True)
+                slot_mapping=torch.arange(start, stop, dtype=torch.int32, device=device), causal=True,
+                swa_mask=swa_mask)
+            metadata = metadata_class(**{k: v for k, v in given.items() if k in fields})
             output = torch.zeros(n, layer.num_heads, value_width, dtype=dtype, device=device)
             on_device = (q, k, v, key_cache, value_cache, output, metadata.block_tables, metadata.slot_mapping,
                          metadata.seq_lens, metadata.query_start_loc, mask)
             around = around_decode(on_device) if decode and around_decode else contextlib.nullcontext()
             with set_forward_context(None, config, num_tokens=n), around:
+                context = get_forward_context()
+                if not hasattr(context, "capturing"):
+                    context.capturing = False     # what vllm-ascend's own forward context sets outside capture
                 step_v = pad_v(layer, v[start:stop]) if decode else values[start:stop]
                 result = impl.forward(attn, q[start:stop].view(n, -1, head), k[start:stop].view(n, -1, head),
                                       step_v.view(n, -1, value_width), (key_cache, value_cache), metadata, output)

@@ -6,8 +6,10 @@ backend, the platform's backend with the layer's own V head dim) with
 ``vllm.ascend_attention_v_head_dim`` (vllm-ascend 0.20 - 0.30: such a layer served by vllm-ascend's own
 FIA v2 call over separate K and V caches); ``NPU_SHIM_VLLM_MIMO_PAD_V=1``: V padded to the key head
 dim instead, a layer with sinks then refused at build unless ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1``
-(the FIA v2 call it would make is not on the op's page); and ``vllm.sinks_refuse`` (vllm-ascend
-0.14.0rc1: a layer with sinks refused at build).
+(the FIA v2 call it would make is not on the op's page); ``vllm.mimo_v2_flash_sinks_refuse`` (vLLM
+0.15 - 0.19, whose model pads V itself: a layer with sinks refused at build with the same message,
+instead of the first forward's refused op call) and ``vllm.sinks_refuse`` (vllm-ascend 0.14.0rc1: a
+layer with sinks refused at build).
 Layers from :mod:`npu_shim.testing.mimo` (tiny sizes).
 
 What is exercised: the layer build (upstream's ``__init__`` and the patched one), the backend the
@@ -478,3 +480,101 @@ def test_ascend_014_refuses_a_layer_with_sinks(mimo):
         impl.__init__ = patched
     assert swa.attention_sink_bias is not None
     assert not any(value is swa.attention_sink_bias for value in vars(swa.attn.impl).values())
+
+
+# ---------------------------------------------------------------------------------------------
+# vLLM 0.15 - 0.19 / vllm-ascend 0.15.0rc1 - 0.19.1rc1: the model pads V itself and passes the
+# sinks; vllm-ascend serves a layer with sinks with FIA v2 (V_D 192, GQA, paged, learnable_sink).
+
+SINKS = "vllm.mimo_v2_flash_sinks_refuse"
+# what the emulated FIA v2 says of the padded sink layer's first call: vllm-ascend 0.15.0rc1 - 0.18.0
+# pass their band mask (swa_mask) with sparse_mode 4, refused first; 0.19.1rc1 the compressed mask,
+# then the page's V_D rule
+FIRST_FORWARD = {True: r"npu_fused_infer_attention_score_v2: sparse_mode=4: atten_mask must be the compressed",
+                 False: r"npu_fused_infer_attention_score_v2.*GQA和PA场景不支持V_D等于192"}
+
+
+def _passes_band_mask():
+    """Whether this vllm-ascend's metadata carries the sliding layers' band mask (``swa_mask``)."""
+    import dataclasses
+    import sys
+
+    from npu_shim.testing import mimo
+
+    _ascend_or_skip()
+    metadata = sys.modules[mimo.ASCEND_BACKEND[0]].AscendMetadata
+    return "swa_mask" in {f.name for f in dataclasses.fields(metadata)}
+
+
+@pytest.mark.claimed(SINKS)
+@pytest.mark.patch(SINKS)
+def test_sinks_refuse_patch_applied(mimo):
+    import npu_shim
+    from npu_shim.testing.claims import claimed_family
+
+    cls = mimo.attention_class()                                # imports the model module
+    row = next(r for r in npu_shim.status() if r["name"] == SINKS)
+    assert row["state"] == "applied" and row["family"] == claimed_family(SINKS).name, row
+    assert cls.__init__.__npu_shim_patch__ == SINKS
+    assert not hasattr(cls.forward, "__npu_shim_patch__")       # upstream's forward pads V itself
+
+
+@pytest.mark.claimed(SINKS)
+@pytest.mark.patch(SINKS)
+@pytest.mark.parametrize("how", ["upstream", "switch"])
+def test_padded_sink_layer_builds_then_its_first_forward_raises(mimo, how):
+    """Before (upstream's ``__init__``), and after with NPU_SHIM_VLLM_MIMO_PAD_SINKS=1: the sliding
+    layer (sinks, GQA, window 16) builds with V padded to 192 on vllm-ascend's backend, and the first
+    forward, mid-request, hands npu_fused_infer_attention_score_v2 a call its page does not take."""
+    import contextlib
+
+    import torch
+
+    band_mask = _passes_band_mask()
+    init = mimo.upstream_init() if how == "upstream" else None
+    with mimo.ascend_backend(), (mimo.padded(sinks=True) if how == "switch" else contextlib.nullcontext()):
+        layer = mimo.build_layer("swa", init=init, dtype=torch.bfloat16, sliding_window_size=16)
+    assert layer.attn.head_size == mimo.HEAD_DIM and layer.v_head_dim == mimo.V_HEAD_DIM
+    assert layer.attn.impl.sinks is layer.attention_sink_bias is not None
+    with pytest.raises((NotImplementedError, ValueError), match=FIRST_FORWARD[band_mask]):
+        mimo.ascend_prefill_decode(layer)
+
+
+@pytest.mark.claimed(SINKS)
+@pytest.mark.patch(SINKS)
+def test_pre_020_sink_layer_refused_at_build(mimo):
+    """After: the sliding layer is refused while it is built, before vLLM registers its attention
+    layer, naming the layer and the op page's rules; a layer with sinks whose V is not padded
+    (V = K = 128) and the full layer (no sinks) build as upstream builds them."""
+    import torch
+
+    _ascend_or_skip()
+    registered = mimo.setup().compilation_config.static_forward_context
+    with mimo.ascend_backend():
+        for overrides in ({}, dict(dtype=torch.bfloat16, sliding_window_size=16)):
+            before = set(registered)
+            with pytest.raises(NotImplementedError, match=REFUSED):
+                mimo.build_layer("swa", **overrides)
+            assert set(registered) == before
+        full = mimo.build_layer("full")
+        unpadded = mimo.build_layer("swa", head_dim=128, v_head_dim=128)
+    assert full.attn.impl.sinks is None and full.attn.head_size == mimo.HEAD_DIM
+    assert unpadded.attn.impl.sinks is unpadded.attention_sink_bias is not None
+
+
+@pytest.mark.claimed(SINKS)
+@pytest.mark.patch(SINKS)
+def test_full_layer_serves_on_the_ascend_impl(mimo):
+    """The full layer (no sinks), built by the patched ``__init__``, through vllm-ascend's own impl on
+    the emulated ops (FIA v1 TND, K = V = 192, GQA, paged decode), bfloat16: a prefill of 6 tokens
+    and one decode step, V padded and the output cut as upstream's forward does, against attention
+    with V 128 from the definition. Within bfloat16 rounding of the output."""
+    import torch
+
+    _ascend_or_skip()
+    with mimo.ascend_backend():
+        layer = mimo.build_layer("full", dtype=torch.bfloat16)
+    got, expected = mimo.ascend_prefill_decode(layer)
+    assert got.shape == expected.shape == (7, mimo.HEADS * mimo.V_HEAD_DIM)
+    err = (got - expected).abs().max().item()
+    assert err <= 2 ** -7 * expected.abs().max().item(), err

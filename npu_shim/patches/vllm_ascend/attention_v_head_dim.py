@@ -28,7 +28,7 @@ Window: read in the builds of 0.20.2rc1, 0.21.0rc1, 0.22.1rc1, 0.23.0, 0.24.0rc1
 Upstream fix: none (no vllm-ascend release reads ``head_size_v`` in its attention impl).
 Remove when: vllm-ascend's attention impl serves ``head_size_v != head_size``.
 """
-from npu_shim.patch import Family, Patch
+from npu_shim.patch import Family, Patch, Selftest
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import module_class, own_function
 
@@ -118,6 +118,7 @@ PATCH = Patch(
                keeps="vllm-ascend's own npu_fused_infer_attention_score_v2 call (TND, paged, learnable_sink "
                      "as the layer has it) for a layer with V != K; every V == K layer's calls unchanged"),
     ),
+    selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": None}),
     summary="vllm-ascend's attention serves a layer whose V head dim differs from K's (MiMo-V2-Flash: K 192, "
             "V 128) through its own FIA v2 call, separate K and V caches, no paged-attention decode",
 )

@@ -85,7 +85,17 @@ NOT_SERVED = (
     "NPU_SHIM_VLLM_MIMO_PAD_V=1 (V padded to the key head dim).")
 
 
-def _sinks(bound, extra):
+def refuse_padded_sinks(prefix, head_size, head_size_v, sinks):
+    """Raise NotImplementedError (:data:`SINKS_REFUSED`, naming the attention layer ``prefix``) for a
+    layer with learnable ``sinks`` whose V of ``head_size_v`` is padded to a ``head_size`` past
+    :data:`SINK_MAX_V_DIM`, unless ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1``; return otherwise. Shared with
+    ``vllm.mimo_v2_flash_sinks_refuse`` (the releases where the model pads V itself)."""
+    padded = head_size_v is not None and head_size_v != head_size
+    if padded and head_size > SINK_MAX_V_DIM and sinks is not None and not _config.settings().mimo_pad_sinks:
+        raise NotImplementedError(SINKS_REFUSED % (prefix, head_size, head_size_v, head_size, head_size))
+
+
+def passed_sinks(bound, extra):
     """The ``sinks`` the call passes: a parameter of its own, or in ``**extra`` (vLLM's
     ``**extra_impl_args``)."""
     if "sinks" in bound.arguments:
@@ -119,8 +129,7 @@ def platform_attention_factory(attention_class):
             return attention_class(*args, **kwargs)
         settings = _config.settings()
         if settings.mimo_pad_v:
-            if head_size > SINK_MAX_V_DIM and _sinks(bound, extra) is not None and not settings.mimo_pad_sinks:
-                raise NotImplementedError(SINKS_REFUSED % (prefix, head_size, head_size_v, head_size, head_size))
+            refuse_padded_sinks(prefix, head_size, head_size_v, passed_sinks(bound, extra))
             bound.arguments["head_size_v"] = head_size
             return attention_class(*bound.args, **bound.kwargs)
         attention = attention_class(*args, **kwargs)
