@@ -81,6 +81,11 @@ MUTANTS = (
            "vllm-0.23", "507011",
            ("npu_shim/patches/vllm_ascend/encoder_acl_graph_refs.py",
             'return edit_function(capture, (Replace("%s()" % self.helper, ""),))', "return edit_function(capture, ())")),
+    mutant("m", "vllm-ascend's impl serves a MiMo layer (K 192, V 128) on upstream's FIA v1 call and paged-attention "
+                "decode (the V head dim never read), the patch applied", "vllm-0.30",
+           "FAILED tests/lanes/test_mimo_v2_flash.py",
+           ("npu_shim/patches/vllm_ascend/attention_v_head_dim.py",
+            "    return value_head_dim(impl, output) != impl.head_size", "    return False")),
 )
 
 
