@@ -81,6 +81,11 @@ MUTANTS = (
            "vllm-0.23", "507011",
            ("npu_shim/patches/vllm_ascend/encoder_acl_graph_refs.py",
             'return edit_function(capture, (Replace("%s()" % self.helper, ""),))', "return edit_function(capture, ())")),
+    mutant("m", "a K 192 / V 128 layer's decode without ASCEND_USE_FIA stays on upstream's ATB paged attention / "
+                "triton sink kernel (the TND branch still gated by use_fia)",
+           "latest-sglang", "FAILED tests/lanes/test_sglang_npu_decode_v_head_dim.py",
+           ("npu_shim/patches/sglang/npu_decode_v_head_dim.py",
+            'ReplaceExpression("self.use_fia", "True")),', "),")),
 )
 
 
