@@ -86,6 +86,11 @@ MUTANTS = (
            "FAILED tests/lanes/test_mimo_v2_flash.py",
            ("npu_shim/patches/vllm_ascend/attention_v_head_dim.py",
             "    return value_head_dim(impl, output) != impl.head_size", "    return False")),
+    mutant("n", "a K 192 / V 128 layer's decode without ASCEND_USE_FIA stays on upstream's ATB paged attention / "
+                "triton sink kernel (the TND branch still gated by use_fia)",
+           "latest-sglang", "FAILED tests/lanes/test_sglang_npu_decode_v_head_dim.py",
+           ("npu_shim/patches/sglang/npu_decode_v_head_dim.py",
+            'ReplaceExpression("self.use_fia", "True")),', "),")),
 )
 
 

@@ -49,6 +49,7 @@ BUILTIN_PATCHES = (
     ("sglang.npu_mha_v_head_dim", "npu_shim.patches.sglang.npu_mha_v_head_dim"),
     ("sglang.npu_mha_v_head_dim_inline", "npu_shim.patches.sglang.npu_mha_v_head_dim_inline"),
     ("sglang.npu_kv_cpu_copy_v_head_dim", "npu_shim.patches.sglang.npu_kv_cpu_copy_v_head_dim"),
+    ("sglang.npu_decode_v_head_dim", "npu_shim.patches.sglang.npu_decode_v_head_dim"),
 )
 
 # Top-level packages whose import loads the patch machinery.

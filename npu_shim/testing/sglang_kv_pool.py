@@ -1,8 +1,9 @@
 """sglang's NPU MHA KV pool built by the release's own builder, for models whose V head dim differs.
 
 Shared by the selftests of ``sglang.npu_mha_v_head_dim`` / ``_inline`` /
-``sglang.npu_kv_cpu_copy_v_head_dim`` (npu_shim/selftest/sglang_v_head_dim.py), their lane test
-and the KV-bytes benchmark. What is real (the installed sglang):
+``sglang.npu_kv_cpu_copy_v_head_dim`` / ``sglang.npu_decode_v_head_dim``
+(npu_shim/selftest/sglang_v_head_dim.py), their lane tests and the KV-bytes benchmark. What is
+real (the installed sglang):
 
 * the builder: ``KVCacheConfigurator._build_ascend_mha_kv_pool`` where the release has it, else
   the inline call in ``ModelRunnerKVCacheMixin._init_pools`` (run on a stand-in runner whose
@@ -12,7 +13,12 @@ and the KV-bytes benchmark. What is real (the installed sglang):
   ``set_kv_buffer``, ``get_cpu_copy`` / ``load_cpu_copy``;
 * the model config's KV-head arithmetic: ``ModelConfig.get_num_kv_heads``,
   ``get_total_num_kv_heads`` and ``get_swa_num_kv_heads`` of the release, run on a stand-in
-  config holding a Hugging Face-style text config (:func:`model_config`).
+  config holding a Hugging Face-style text config (:func:`model_config`);
+* for a decode step on the pool (:func:`decode_inputs`, :func:`append_token`):
+  ``AscendAttnBackend.forward_decode`` / ``forward_decode_graph`` and its
+  ``init_forward_metadata``, a real ``ForwardBatch`` and ``ReqToTokenPool``
+  (:mod:`npu_shim.testing.cp_case` makes the batch; the backend is made without its
+  ``__init__``, which needs a whole ``ModelRunner``, and given what the decode reads).
 
 Not real: the configurator / runner object (a namespace with the attributes the builder reads),
 the TP width (stated with ``get_parallel().override`` from 0.5.16, the mixin's
@@ -27,6 +33,7 @@ import torch
 CONFIGURATOR = "sglang.srt.mem_cache.kv_cache_configurator"
 MIXIN = "sglang.srt.model_executor.model_runner_kv_cache_mixin"
 POOL = "sglang.srt.hardware_backend.npu.memory_pool_npu"
+BACKEND = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 
 # MiMo-V2-Flash's attention shapes (its config.json): full layers 4 KV heads, SWA layers 8, both
 # K 192 / V 128; 64 query heads each.
@@ -179,3 +186,76 @@ def _from_init_pools(config, tokens, page_size, layers, dtype, device):
     except PoolBuilt:
         return runner.token_to_kv_pool
     raise AssertionError("_init_pools returned without building token_to_kv_pool")
+
+
+# -- one decode step through AscendAttnBackend.forward_decode on a built pool ---------------------
+
+def fill_prefixes(pool, batch):
+    """The batch's cached prefixes (and garbage in the slots nobody owns, and in the new tokens'
+    slots, which ``set_kv_buffer`` must overwrite) in layer 0 of ``pool``."""
+    spec = batch.spec
+    slots = batch.k_cache.shape[0]
+    pool.get_key_buffer(0).view(slots, spec.num_kv_heads, spec.qk_head_dim).copy_(batch.k_cache)
+    pool.get_value_buffer(0).view(slots, spec.num_kv_heads, spec.v_head_dim).copy_(batch.v_cache)
+
+
+def decode_inputs(batch, pool, *, use_fia=True, graph_mode=False, layer=None):
+    """(backend, layer, forward_batch, q, k, v) for one decode step after ``batch`` (every
+    sequence's last token is the one decoded: its K/V go through ``set_kv_buffer``). The sequence
+    lengths are the batch's (``batch.slots``: :func:`append_token` grows them); ``graph_mode``
+    states the backend's (``forward_decode`` then calls ``forward_decode_graph``); ``layer`` by
+    default the batch's plain one."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    from npu_shim.testing import cp_case
+
+    module = importlib.import_module(BACKEND)
+    spec = batch.spec
+    seq_lens = [len(slots) for slots in batch.slots]
+    last = torch.stack([slots[-1] for slots in batch.slots])
+    extra = {}
+    import dataclasses
+
+    if "req_to_token_pool" in {f.name for f in dataclasses.fields(ForwardBatch)}:
+        extra["req_to_token_pool"] = batch.req_to_token_pool
+    forward_batch = ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=spec.bs,
+        input_ids=torch.zeros(spec.bs, dtype=torch.int64), req_pool_indices=batch.req_pool_indices,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64), out_cache_loc=last,
+        seq_lens_sum=sum(seq_lens), seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
+        **extra)
+    forward_batch.token_to_kv_pool = pool
+    backend = cp_case.make_backend(module, batch, forward_batch)
+    backend.use_fia = use_fia
+    backend.use_mla = backend.use_alibi = backend.use_fa = backend.is_dllm_model = False
+    backend.graph_mode, backend.enable_torch_compile = graph_mode, False
+    backend.attn_cp_size = 1
+    backend.token_to_kv_pool = pool
+    backend.native_attn = module.AscendTorchNativeAttnBackend()
+    q = torch.stack([q[-1] for q in batch.q]).reshape(spec.bs, -1)
+    k = torch.stack([k[-1] for k in batch.k])
+    v = torch.stack([v[-1] for v in batch.v])
+    return backend, layer or cp_case.make_layer(spec), forward_batch, q, k, v
+
+
+def append_token(batch, seed):
+    """One more token per sequence (the next decode step's): random q / k / v of the batch's
+    shapes, its slot the next one in the sequence's last page (the page must have room), entered
+    in ``req_to_token`` as sglang's allocator would. Nothing is written to a pool."""
+    spec = batch.spec
+    gen = torch.Generator().manual_seed(seed)
+    ps = spec.page_size
+    for s, slots in enumerate(batch.slots):
+        pos = len(slots)
+        if pos % ps == 0:
+            raise ValueError("sequence %d fills its last page: no slot for one more token here" % s)
+        slot = (slots[-1] // ps) * ps + pos % ps
+        batch.req_to_token_pool.req_to_token[batch.req_pool_indices[s], pos] = int(slot)
+        batch.slots[s] = torch.cat([slots, slot.reshape(1)])
+
+        def randn(*shape):
+            return torch.randn(*shape, generator=gen).to(spec.dtype)
+
+        batch.q[s] = torch.cat([batch.q[s], randn(1, spec.num_heads, spec.qk_head_dim)])
+        batch.k[s] = torch.cat([batch.k[s], randn(1, spec.num_kv_heads, spec.qk_head_dim)])
+        batch.v[s] = torch.cat([batch.v[s], randn(1, spec.num_kv_heads, spec.v_head_dim)])

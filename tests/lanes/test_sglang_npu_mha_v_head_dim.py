@@ -12,9 +12,7 @@ layers 8) and for a standard model (K = V = 128):
   ``set_kv_buffer``) matches the float64 causal reference over cached prefixes, in bfloat16 and
   float16, on sglang's FIA TND path (``ASCEND_USE_FIA=1``: CANN takes q/k 192 with v 128 in TND)
   and on its native-attention path (head dim > 128 without FIA);
-* decode: sglang's FIA decode call (BSND, paged) with V narrower than K is refused by the
-  emulation, as the FIA documentation requires key and value shapes to match outside TND: not
-  claimed here;
+* decode on that pool: test_sglang_npu_decode_v_head_dim.py (``sglang.npu_decode_v_head_dim``);
 * ``get_cpu_copy`` / ``load_cpu_copy`` round-trip V (upstream's K-wide view takes wrong rows);
 * a standard model takes upstream's builder and cpu copies, unedited (counted);
 * two pools in one process (192/128 and 128/128) keep their own V width;
@@ -249,25 +247,3 @@ def test_extend_writes_the_pool_and_matches_the_float64_reference(shim, ascend_u
     stored = pool.get_value_buffer(0).reshape(-1, 1, 128)[new_slots]
     assert torch.equal(stored, v)
 
-
-def test_fia_decode_with_v_narrower_than_k_is_not_claimed(shim, monkeypatch):
-    """sglang's FIA decode (``forward_decode``, ``ASCEND_USE_FIA=1``) reads the pool as paged BSND
-    caches ``(blocks, page, heads * 192)`` / ``(blocks, page, heads * 128)``. The FIA operator
-    documentation requires key and value of the same shape; CANN's own tiling check names
-    q/k 192 with v 128 as allowed for TND only (quoted in vllm-ascend PR #9632). The emulation
-    refuses it: the patched pool makes the call, whose support on the hardware is not shown."""
-    import torch
-
-    monkeypatch.setenv("ASCEND_USE_FIA", "1")
-    spec = cp_case.Spec(extend_lens=(1, 1), prefix_lens=(20, 7), page_size=16, num_heads=4, num_kv_heads=1,
-                        qk_head_dim=192, v_head_dim=128, dtype=torch.bfloat16, seed=5)
-    batch = cp_case.make_batch(spec, write_new_tokens=False)
-    config = case.model_config(num_attention_heads=4, num_key_value_heads=1, head_dim=192, v_head_dim=128)
-    pool = case.build_pool(config, tokens=batch.k_cache.shape[0] - spec.page_size, page_size=spec.page_size,
-                           layers=1, dtype=spec.dtype)
-    case.fill_prefixes(pool, batch)
-    backend, layer, forward_batch, q, k, v = case.decode_inputs(batch, pool)
-    with pytest.raises(NotImplementedError, match="value head dim must equal key head dim"):
-        backend.forward_decode(q, k, v, layer, forward_batch, save_kv_cache=True)
-    stored = pool.get_value_buffer(0).reshape(-1, 1, 128)[forward_batch.out_cache_loc]
-    assert torch.equal(stored, v)      # the step's V went into the pool before the refused call
