@@ -37,16 +37,7 @@ MODE_IDS = ["eager", "eager-fia", "graph", "graph-fia"]
 
 @pytest.fixture(scope="module")
 def shim():
-    import npu_shim
-    from npu_shim import emulation
-
-    emulation.install()
-    npu_shim.install()
-    importlib.import_module(case.POOL)
-    importlib.import_module(case.BACKEND)
-    importlib.import_module(case.CONFIGURATOR if case.builder_kind() == "builder" else case.MIXIN)
-    cp_case.set_cpu_server_args()
-    return npu_shim
+    return case.install_shim()
 
 
 def _spec(dtype, v_head_dim=128, qk_head_dim=192, seed=3):
