@@ -227,7 +227,7 @@ def kv_bytes_per_token(spec):
 
 
 def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128, around_decode=None,
-                          device="cpu"):
+                          device="cpu", value_cache_width=None):
     """One sequence through vllm-ascend's own ``AscendAttentionBackendImpl.forward`` (the emulated
     torch_npu ops underneath): a prefill of ``tokens`` tokens (``PrefillNoCache``), then one decode
     step (``DecodeOnly``) reading the paged K/V caches the prefill wrote, on the q/k/v the layer's
@@ -241,7 +241,8 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
     context manager entered around the decode step's pad, impl call and cut (e.g. a host-sync
     counter, handed the tensors that live on the device there). ``device``: where the layer, the
     caches and the metadata's device tensors live (``"npu"`` for the real kernels; the layer is
-    moved there)."""
+    moved there). ``value_cache_width``: the V cache's last dim where it is not the layer's V head
+    dim (what a runner allocates from a spec that carries no ``head_size_v``)."""
     import contextlib
     import dataclasses
     import sys
@@ -261,7 +262,8 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
     head, value_width = layer.head_dim, getattr(attn, "head_size_v", layer.head_dim)
     pad_v, unpad_output = families.pad_v, families.unpad_output      # nothing done to a native layer
     key_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, head, dtype=dtype, device=device)
-    value_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, value_width, dtype=dtype, device=device)
+    value_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, value_cache_width or value_width,
+                              dtype=dtype, device=device)
     generator = torch.Generator().manual_seed(seed)
     hidden = torch.randn(tokens + 1, layer.qkv_proj.input_size, generator=generator).to(device, dtype)
     positions = torch.arange(tokens + 1, device=device)

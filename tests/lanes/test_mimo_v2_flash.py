@@ -578,3 +578,42 @@ def test_full_layer_serves_on_the_ascend_impl(mimo):
     assert got.shape == expected.shape == (7, mimo.HEADS * mimo.V_HEAD_DIM)
     err = (got - expected).abs().max().item()
     assert err <= 2 ** -7 * expected.abs().max().item(), err
+
+
+@pytest.mark.claimed(SINKS, pinned={"vllm": ">=0.18"})
+@pytest.mark.patch(SINKS)
+def test_pre_020_value_head_dim_has_no_sliding_cache(mimo):
+    """Why vLLM 0.18 / 0.19 with vllm-ascend 0.18.0 / 0.19.1rc1 (the releases whose runner reads
+    ``head_size_v``; 0.15 - 0.17's does not) are not served natively (K 192 / V 128), shown with
+    their own classes:
+    vLLM's ``Attention`` built as a native build would build the two layers (``head_size_v`` 128;
+    the sliding one with a window and sinks) gives the full layer a spec with ``head_size_v`` 128
+    but the sliding layer a ``SlidingWindowSpec`` without one (vLLM adds it in 0.20), so
+    vllm-ascend's runner allocates that layer's V cache 192 wide (it reads ``head_size_v`` only
+    where the spec has it), and the two page sizes do not divide (vLLM's
+    ``unify_kv_cache_spec_page_size`` raises NotImplementedError for such a hybrid model). Handed
+    that 192-wide V cache, vllm-ascend's impl fails the sliding layer's first cache write,
+    mid-request."""
+    import torch
+    from vllm.config import set_current_vllm_config
+
+    _ascend_or_skip()
+    attention = mimo.model_module().Attention
+    with mimo.ascend_backend():
+        layers = {kind: mimo.build_layer("full", dtype=torch.bfloat16, sliding_window_size=window)
+                  for kind, window in (("full", -1), ("swa", 16))}
+        with set_current_vllm_config(mimo.setup()):
+            for kind, layer in layers.items():
+                sinks = layer.attention_sink_bias = torch.nn.Parameter(
+                    torch.randn(mimo.HEADS, dtype=torch.bfloat16) * 0.3, requires_grad=False) if kind == "swa" \
+                    else None
+                layer.attn = attention(mimo.HEADS, mimo.HEAD_DIM, layer.scaling, num_kv_heads=mimo.KV_HEADS,
+                                       head_size_v=mimo.V_HEAD_DIM, per_layer_sliding_window=layer.attn.sliding_window,
+                                       prefix=layer.attn.layer_name + ".native", sinks=sinks).to(torch.bfloat16)
+    specs = {kind: mimo.kv_cache_spec(layer) for kind, layer in layers.items()}
+    assert type(specs["swa"]).__name__ == "SlidingWindowSpec" and not hasattr(specs["swa"], "head_size_v")
+    assert specs["full"].head_size_v == mimo.V_HEAD_DIM
+    sizes = sorted(spec.page_size_bytes for spec in specs.values())
+    assert sizes[1] % sizes[0] != 0, sizes
+    with pytest.raises(ValueError, match=r"_npu_reshape_and_cache: cache heads/dims .* do not match key/value"):
+        mimo.ascend_prefill_decode(layers["swa"], value_cache_width=specs["swa"].head_size)
