@@ -310,9 +310,10 @@ def make_forward_batch(batch: Batch, metadata):
     )
 
 
-def make_backend(module, batch: Batch, forward_batch):
+def make_backend(module, batch: Batch, forward_batch, **attrs):
     """An AscendAttnBackend without __init__ (see the module docstring), with its
-    forward metadata computed by the real ``init_forward_metadata``."""
+    forward metadata computed by the real ``init_forward_metadata``; ``attrs`` are set
+    before that (e.g. the hybrid SWA pool's ``is_hybrid_swa`` and index mapping)."""
     backend = object.__new__(module.AscendAttnBackend)
     backend.page_size = batch.spec.page_size
     backend.device = "cpu"
@@ -323,6 +324,8 @@ def make_backend(module, batch: Batch, forward_batch):
     backend.use_mla = False
     backend.use_sliding_window_kv_pool = False
     backend.fia_mask = module.AscendAttnMaskBuilder.generate_mask_flag(2048)
+    for name, value in attrs.items():
+        setattr(backend, name, value)
     module.AscendAttnBackend.init_forward_metadata(backend, forward_batch)
     return backend
 

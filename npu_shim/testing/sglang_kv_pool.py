@@ -2,7 +2,8 @@
 
 Shared by the selftests of ``sglang.npu_mha_v_head_dim`` / ``_inline`` /
 ``sglang.npu_kv_cpu_copy_v_head_dim`` / ``sglang.npu_decode_v_head_dim``
-(npu_shim/selftest/sglang_v_head_dim.py), their lane tests and the KV-bytes benchmark. What is
+(npu_shim/selftest/sglang_v_head_dim.py), their lane tests (the hybrid SWA pool's:
+tests/lanes/test_sglang_npu_hybrid_swa_v_head_dim.py) and the KV-bytes benchmark. What is
 real (the installed sglang):
 
 * the builder: ``KVCacheConfigurator._build_ascend_mha_kv_pool`` where the release has it, else
@@ -11,6 +12,11 @@ real (the installed sglang):
   allocator that follows is not under test, and :class:`PoolBuilt` stops the run there);
 * ``NPUMHATokenToKVPool`` (made on the device asked for: ``"cpu"`` on the emulation) and its
   ``set_kv_buffer``, ``get_cpu_copy`` / ``load_cpu_copy``;
+* the hybrid SWA pool (:func:`build_swa_pool`): ``KVCacheConfigurator._build_ascend_swa_kv_pool``
+  where the release has it, else the hybrid branch of ``_init_pools``, its ``SWAKVPool`` of two NPU
+  MHA pools, ``is_hybrid_swa_compress`` decided by the release's ``MIMO_V2_MODEL_ARCHS``; the
+  full-to-SWA index mapping is the caller's (sglang's SWA allocator makes it), and
+  :func:`hybrid_swa_attrs` gives the backend what its ``__init__`` reads off a hybrid runner;
 * the model config's KV-head arithmetic: ``ModelConfig.get_num_kv_heads``,
   ``get_total_num_kv_heads`` and ``get_swa_num_kv_heads`` of the release, run on a stand-in
   config holding a Hugging Face-style text config (:func:`model_config`);
@@ -199,12 +205,13 @@ def fill_prefixes(pool, batch):
     pool.get_value_buffer(0).view(slots, spec.num_kv_heads, spec.v_head_dim).copy_(batch.v_cache)
 
 
-def decode_inputs(batch, pool, *, use_fia=True, graph_mode=False, layer=None):
+def decode_inputs(batch, pool, *, use_fia=True, graph_mode=False, layer=None, backend_attrs=None):
     """(backend, layer, forward_batch, q, k, v) for one decode step after ``batch`` (every
     sequence's last token is the one decoded: its K/V go through ``set_kv_buffer``). The sequence
     lengths are the batch's (``batch.slots``: :func:`append_token` grows them); ``graph_mode``
     states the backend's (``forward_decode`` then calls ``forward_decode_graph``); ``layer`` by
-    default the batch's plain one."""
+    default the batch's plain one; ``backend_attrs`` go to :func:`~npu_shim.testing.cp_case.make_backend`
+    (:func:`hybrid_swa_attrs`)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
     from npu_shim.testing import cp_case
@@ -225,7 +232,7 @@ def decode_inputs(batch, pool, *, use_fia=True, graph_mode=False, layer=None):
         seq_lens_sum=sum(seq_lens), seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
         **extra)
     forward_batch.token_to_kv_pool = pool
-    backend = cp_case.make_backend(module, batch, forward_batch)
+    backend = cp_case.make_backend(module, batch, forward_batch, **(backend_attrs or {}))
     backend.use_fia = use_fia
     backend.use_mla = backend.use_alibi = backend.use_fa = backend.is_dllm_model = False
     backend.graph_mode, backend.enable_torch_compile = graph_mode, False
@@ -259,3 +266,69 @@ def append_token(batch, seed):
         batch.q[s] = torch.cat([batch.q[s], randn(1, spec.num_heads, spec.qk_head_dim)])
         batch.k[s] = torch.cat([batch.k[s], randn(1, spec.num_kv_heads, spec.qk_head_dim)])
         batch.v[s] = torch.cat([batch.v[s], randn(1, spec.num_kv_heads, spec.v_head_dim)])
+
+
+# -- the hybrid SWA pool (full and sliding-window layers in two sub-pools) ------------------------
+
+MIMO_ARCH = "MiMoV2FlashForCausalLM"
+
+
+def mimo_is_hybrid_swa_compress():
+    """The runner's ``is_hybrid_swa_compress`` for MiMo-V2-Flash, as the release's ModelConfig
+    decides it (its architecture in ``MIMO_V2_MODEL_ARCHS``): True gives the SWA sub-pool its own
+    head count and both sub-pools the V head dim."""
+    from sglang.srt.configs import model_config
+
+    return MIMO_ARCH in getattr(model_config, "MIMO_V2_MODEL_ARCHS", ())
+
+
+def build_swa_pool(config, *, full_layer_ids, swa_layer_ids, tp=1, tokens=64, swa_tokens=48, page_size=16,
+                   dtype=torch.bfloat16, device="cpu"):
+    """The hybrid SWA pool (``SWAKVPool`` of two ``NPUMHATokenToKVPool``) the release's own code makes
+    for ``config`` at attention TP ``tp`` on the Ascend backend: ``_build_ascend_swa_kv_pool`` where
+    the configurator has it, else the inline branch of ``_init_pools``. ``config`` is a
+    :func:`model_config` whose text config names ``swa_num_key_value_heads``."""
+    bind_torch_npu()
+    config.full_attention_layer_ids = list(full_layer_ids)      # where the builder reads them
+    config.swa_attention_layer_ids = list(swa_layer_ids)        # (from 0.5.22: layer_info)
+    config.hf_config.architectures = [MIMO_ARCH]
+    layers = len(full_layer_ids) + len(swa_layer_ids)
+    compress = mimo_is_hybrid_swa_compress()
+    with attention_tp(tp):
+        configurator = _module(CONFIGURATOR)
+        if configurator is not None and hasattr(configurator.KVCacheConfigurator, "_build_ascend_swa_kv_pool"):
+            from npu_shim.testing import cp_case
+
+            cp_case.set_cpu_server_args()
+            runner = SimpleNamespace(
+                model_config=config, pool_page_size=page_size, is_hybrid_swa_compress=compress,
+                server_args=SimpleNamespace(page_size=page_size, enable_memory_saver=False),
+                kv_cache_dtype=dtype, device=device, post_capture_kv_active=False, draft_swa_full_capacity=False,
+                layer_info=SimpleNamespace(num_effective_layers=layers, start_layer=0, end_layer=layers,
+                                           full_attention_layer_ids=list(full_layer_ids),
+                                           swa_attention_layer_ids=list(swa_layer_ids)))
+            return configurator.KVCacheConfigurator._build_ascend_swa_kv_pool(
+                runner, full_max_total_num_tokens=tokens, swa_max_total_num_tokens=swa_tokens)
+        mixin = importlib.import_module(MIXIN)
+        runner = _Runner(
+            model_config=config, server_args=_server_args(page_size, device), page_size=page_size,
+            kv_cache_dtype=dtype, device=device, max_total_num_tokens=tokens, full_max_total_num_tokens=tokens,
+            swa_max_total_num_tokens=swa_tokens, max_running_requests=4, req_to_token_pool=object(),
+            is_draft_worker=True, mambaish_config=None, is_hybrid_swa=True, is_hybrid_swa_compress=compress,
+            use_mla_backend=False, num_effective_layers=layers, start_layer=0, end_layer=layers,
+            enable_hisparse=False)
+        runner._validate_prefill_only_disable_kv_cache_pool_family = lambda *a, **k: None
+        try:
+            mixin.ModelRunnerKVCacheMixin._init_pools(runner)
+        except PoolBuilt:
+            return runner.token_to_kv_pool
+        raise AssertionError("_init_pools returned without building token_to_kv_pool")
+
+
+def hybrid_swa_attrs(pool, window):
+    """What ``AscendAttnBackend.__init__`` sets for a hybrid SWA pool (``model_runner.is_hybrid_swa``):
+    the pool's registered full-to-SWA index mapping, the model's window, and
+    ``use_sliding_window_kv_pool`` (an ``SWAKVPool`` with SWA layers)."""
+    return dict(is_hybrid_swa=True, full_to_swa_index_mapping=pool.full_to_swa_index_mapping,
+                sliding_window_size=window, use_sliding_window_kv_pool=pool.swa_layer_nums > 0,
+                token_to_kv_pool=pool)

@@ -11,8 +11,8 @@ import importlib
 import torch
 
 from npu_shim.testing.sglang_kv_pool import (  # noqa: F401  (re-exported for the test and the benchmark)
-    BACKEND, CONFIGURATOR, MIMO, MIXIN, POOL, STANDARD, append_token, build_pool, builder_kind, decode_inputs,
-    fill_prefixes, model_config)
+    BACKEND, CONFIGURATOR, MIMO, MIXIN, POOL, STANDARD, append_token, build_pool, build_swa_pool, builder_kind,
+    decode_inputs, fill_prefixes, hybrid_swa_attrs, model_config)
 
 
 def install_shim():
@@ -33,9 +33,10 @@ def install_shim():
 
 # -- one prefill through AscendAttnBackend.forward_extend on the built pool ----------------------
 
-def extend_inputs(batch, pool, use_fia):
+def extend_inputs(batch, pool, use_fia, backend_attrs=None):
     """(backend, layer, forward_batch, q, k, v) for one plain prefill of ``batch`` whose new tokens'
-    K/V the call writes into ``pool`` (``save_kv_cache=True``)."""
+    K/V the call writes into ``pool`` (``save_kv_cache=True``); ``backend_attrs``: as
+    :func:`~npu_shim.testing.sglang_kv_pool.decode_inputs`."""
     from npu_shim.testing import cp_case
 
     module = importlib.import_module(BACKEND)
@@ -45,7 +46,7 @@ def extend_inputs(batch, pool, use_fia):
     forward_batch.num_token_non_padded_cpu = total
     forward_batch.global_num_token_non_padded_cpu = total
     forward_batch.token_to_kv_pool = pool
-    backend = cp_case.make_backend(module, batch, forward_batch)
+    backend = cp_case.make_backend(module, batch, forward_batch, **(backend_attrs or {}))
     backend.use_fia = use_fia
     backend.use_mla = backend.use_alibi = backend.use_fa = backend.is_dllm_model = False
     backend.attn_cp_size = 1
