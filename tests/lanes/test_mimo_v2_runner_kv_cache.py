@@ -140,10 +140,12 @@ def _hybrid_manager(config, hybrid):
         scheduler.disable_hybrid_kv_cache_manager = previous
 
 
-def allocate(mimo, layers, hybrid=False, mutate_spec=None, reshape=True):
+def allocate(mimo, layers, hybrid=False, mutate_spec=None, reshape=True, bind=False):
     """The runner's K/V caches for ``layers``: ({layer name: (K, V)}, kv_cache_config, {name: spec});
     with ``reshape=False`` the raw allocation (``_allocate_kv_cache_tensors``' answer) instead of
-    the caches."""
+    the caches; with ``bind=True`` through ``initialize_kv_cache_tensors`` (allocation, reshape and
+    vLLM's ``bind_kv_cache`` onto the layers), the stand-in then also carrying the runner's empty
+    ``shared_kv_cache_layers`` and ``kv_caches``."""
     import torch
     from vllm.config import set_current_vllm_config
     from vllm.v1.core import kv_cache_utils
@@ -164,6 +166,9 @@ def allocate(mimo, layers, hybrid=False, mutate_spec=None, reshape=True):
         me = RunnerStandIn(runner, vllm_config=config, compilation_config=config.compilation_config,
                            kv_cache_config=kv_cache_config, attn_groups=attn_groups, device=torch.device("cpu"),
                            **STAND_IN)
+        if bind:
+            me.shared_kv_cache_layers, me.kv_caches = {}, []
+            return runner.initialize_kv_cache_tensors(me, kv_cache_config, None), kv_cache_config, specs
         raw = runner._allocate_kv_cache_tensors(me, kv_cache_config)
         if not reshape:
             return raw, kv_cache_config, specs
@@ -227,6 +232,17 @@ def test_runner_gives_each_layer_k_192_and_v_128(mimo, layers):
     for key, _ in caches.values():
         key.fill_(1)
     assert all(bool((value == 2).all()) for _, value in caches.values())
+
+
+def test_runner_binds_each_layer_its_own_caches(mimo, layers):
+    """Through ``initialize_kv_cache_tensors``: each layer's ``kv_cache`` is the (K 192, V 128)
+    pair the runner made for it."""
+    caches, _, _ = allocate(mimo, layers, bind=True)
+    for layer in layers:
+        bound = layer.attn.kv_cache
+        pair = bound[0] if isinstance(bound, list) else bound
+        assert pair is caches[layer.attn.layer_name]
+        assert (pair[0].shape[-1], pair[1].shape[-1]) == (mimo.HEAD_DIM, mimo.V_HEAD_DIM)
 
 
 @pytest.mark.parametrize("hybrid", [False, True], ids=["one-group", "hybrid-groups"])
