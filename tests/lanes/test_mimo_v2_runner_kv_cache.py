@@ -33,6 +33,7 @@ apache-tvm-ffi >= 0.1.11 (its own requirement; lanes pinning 0.1.9 / 0.1.10 fail
 import contextlib
 import dataclasses
 import importlib.util
+import inspect
 import sys
 import types
 
@@ -115,9 +116,15 @@ class RunnerStandIn:
 
 @contextlib.contextmanager
 def _resolved_layout(config, backend, specs):
-    """vLLM's KV-cache layout resolved as the engine core resolves it (restored after)."""
-    from vllm.v1.attention.backends.utils import get_supported_kv_cache_layouts, resolve_kv_cache_layout
+    """vLLM's KV-cache layout resolved as the engine core resolves it (restored after); nothing
+    to do on a vLLM whose planner takes no layout (no ``resolve_kv_cache_layout``)."""
+    from vllm.v1.attention.backends import utils
 
+    if not hasattr(utils, "resolve_kv_cache_layout"):
+        yield
+        return
+    get_supported_kv_cache_layouts, resolve_kv_cache_layout = (utils.get_supported_kv_cache_layouts,
+                                                               utils.resolve_kv_cache_layout)
     previous = config.cache_config.kv_cache_layout
     try:
         resolve_kv_cache_layout(config, [[layout.name for layout in get_supported_kv_cache_layouts([backend])]],
@@ -165,14 +172,20 @@ def allocate(mimo, layers, hybrid=False, mutate_spec=None, reshape=True, bind=Fa
                        for index, group in enumerate(kv_cache_config.kv_cache_groups)]
         me = RunnerStandIn(runner, vllm_config=config, compilation_config=config.compilation_config,
                            kv_cache_config=kv_cache_config, attn_groups=attn_groups, device=torch.device("cpu"),
+                           use_hybrid_blocks=len(attn_groups) > 1,      # as initialize_kv_cache sets it
                            **STAND_IN)
         if bind:
             me.shared_kv_cache_layers, me.kv_caches = {}, []
-            return runner.initialize_kv_cache_tensors(me, kv_cache_config, None), kv_cache_config, specs
+            return runner.initialize_kv_cache_tensors(me, kv_cache_config, **({"kernel_block_sizes": None} if (
+                "kernel_block_sizes" in inspect.signature(runner.initialize_kv_cache_tensors).parameters) else {})), \
+                kv_cache_config, specs
         raw = runner._allocate_kv_cache_tensors(me, kv_cache_config)
         if not reshape:
             return raw, kv_cache_config, specs
-        caches = runner._reshape_kv_cache_tensors(me, kv_cache_config, raw, None)
+        # kernel_block_sizes (a later release's argument): None, the spec's own block size
+        extra = {"kernel_block_sizes": None} if "kernel_block_sizes" in inspect.signature(
+            runner._reshape_kv_cache_tensors).parameters else {}
+        caches = runner._reshape_kv_cache_tensors(me, kv_cache_config, raw, **extra)
     return caches, kv_cache_config, specs
 
 
