@@ -10,6 +10,11 @@ path by device capability; ``utils.get_cann_version()`` the emulated CANN releas
 Import placeholders (npu_shim.emulation.placeholders) for graph capture, which
 vllm-ascend's ``compilation.acl_graph`` names in class annotations: ``NPUGraph``,
 ``ExternalEvent``. Instantiating one raises.
+
+``config``: the ``torch.npu.config`` flags vllm-ascend's model runner module sets at import
+(``allow_internal_format``: whether ops may keep tensors in Ascend's private formats, e.g. NZ).
+The emulation keeps every tensor in the plain ND format whatever the flag says; the flag is
+kept as set, nothing reads it.
 """
 import contextlib
 
@@ -19,10 +24,19 @@ from torch_npu.npu import streams, utils
 from torch_npu.npu.streams import Event, Stream
 
 __all__ = ["Event", "ExternalEvent", "NPUGraph", "Stream", "streams", "utils", "is_available", "device_count", "get_soc_version",
-           "get_device_name", "current_stream", "default_stream", "synchronize", "stream"]
+           "get_device_name", "current_stream", "default_stream", "synchronize", "stream", "config"]
 
 NPUGraph = _placeholder_class("torch.npu.NPUGraph")
 ExternalEvent = _placeholder_class("torch.npu.ExternalEvent")
+
+
+class _Config:
+    """``torch.npu.config`` (see the module docstring)."""
+
+    allow_internal_format = False
+
+
+config = _Config()
 
 
 def is_available():
