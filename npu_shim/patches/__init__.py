@@ -33,6 +33,7 @@ BUILTIN_PATCHES = (
     ("vllm.mimo_v2_flash_sinks_refuse", "npu_shim.patches.vllm.mimo_v2_flash_sinks_refuse"),
     ("vllm.sinks_refuse", "npu_shim.patches.vllm_ascend.sinks_refuse"),
     ("vllm.ascend_attention_v_head_dim", "npu_shim.patches.vllm_ascend.attention_v_head_dim"),
+    ("vllm.ascend_kv_split_exact", "npu_shim.patches.vllm_ascend.kv_split_exact"),
     ("sglang.cp_fia", "npu_shim.patches.sglang.cp_fia"),
     ("sglang.cp_pad_gather", "npu_shim.patches.sglang.cp_pad_gather"),
     ("sglang.cp_npu_refuse", "npu_shim.patches.sglang.cp_npu_refuse"),

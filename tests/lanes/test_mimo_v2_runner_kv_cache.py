@@ -282,21 +282,41 @@ def test_spec_without_the_v_head_dim_gives_a_192_wide_v(mimo, layers):
         assert value.shape[-1] == key.shape[-1] == mimo.HEAD_DIM
 
 
-def test_hybrid_groups_sliding_layer_split_one_byte_short(mimo, layers):
-    """Upstream defect, pinned (vllm-ascend 0.30.0rc2): with vLLM's hybrid KV-cache manager on (a
-    group per layer kind), the sliding layer keeps its ``SlidingWindowSpec`` and the runner splits
-    its bytes into K and V by float factors (``calc_split_factor([192, 128])``: 320 / 192 rounds up
-    in binary), so K comes out one byte short of blocks * page * 192 / 320, and
-    ``_reshape_kv_cache_tensors`` fails its own page assertion: KV-cache initialisation raises.
-    K = V (factor 2.0, exact) never hits it: see test_runner_with_equal_head_dims_gives_equal_caches."""
-    raw, kv_cache_config, specs = allocate(mimo, layers, hybrid=True, reshape=False)
-    groups = kv_cache_config.kv_cache_groups
-    assert len(groups) == 2, groups
-    (sliding,) = [name for name, spec in specs.items() if type(spec).__name__ == "SlidingWindowSpec"]
-    key, value = raw[sliding]
-    page = specs[sliding].page_size_bytes
-    layer_bytes = kv_cache_config.num_blocks * page
-    assert value.numel() == layer_bytes * mimo.V_HEAD_DIM // (mimo.HEAD_DIM + mimo.V_HEAD_DIM)
-    assert key.numel() == layer_bytes * mimo.HEAD_DIM // (mimo.HEAD_DIM + mimo.V_HEAD_DIM) - 1
-    with pytest.raises(AssertionError):
-        allocate(mimo, layers, hybrid=True)
+@contextlib.contextmanager
+def _upstream_split():
+    """Inside the block, the runner's module calls upstream's ``calc_split_factor`` (float ratios)."""
+    runner = sys.modules["vllm_ascend.worker.model_runner_v1"]
+    patched = runner.calc_split_factor
+    runner.calc_split_factor = patched.__wrapped_upstream__
+    try:
+        yield
+    finally:
+        runner.calc_split_factor = patched
+
+
+@pytest.mark.patch(PAD[0], "vllm.ascend_kv_split_exact")
+def test_hybrid_groups_sliding_layer_split_exact(mimo, layers):
+    """vLLM's hybrid KV-cache manager on (a group per layer kind): the sliding layer keeps its
+    ``SlidingWindowSpec`` and the runner splits its bytes into K and V by ``calc_split_factor([192,
+    128])``. Before (upstream's float ratios: 320 / 192 rounds up in binary) K comes out one byte
+    short of blocks * page * 192 / 320 and ``_reshape_kv_cache_tensors`` fails its own page
+    assertion: KV-cache initialisation raises. After (``vllm.ascend_kv_split_exact``) the split is
+    exact and each layer gets K 192 / V 128. K = V (factor 2.0, exact) never hits it: see
+    test_runner_with_equal_head_dims_gives_equal_caches."""
+    runner = sys.modules["vllm_ascend.worker.model_runner_v1"]
+    assert runner.calc_split_factor.__npu_shim_patch__ == "vllm.ascend_kv_split_exact"
+    with _upstream_split():
+        raw, kv_cache_config, specs = allocate(mimo, layers, hybrid=True, reshape=False)
+        (sliding,) = [name for name, spec in specs.items() if type(spec).__name__ == "SlidingWindowSpec"]
+        key, value = raw[sliding]
+        layer_bytes = kv_cache_config.num_blocks * specs[sliding].page_size_bytes
+        assert value.numel() == layer_bytes * mimo.V_HEAD_DIM // (mimo.HEAD_DIM + mimo.V_HEAD_DIM)
+        assert key.numel() == layer_bytes * mimo.HEAD_DIM // (mimo.HEAD_DIM + mimo.V_HEAD_DIM) - 1
+        with pytest.raises(AssertionError):
+            allocate(mimo, layers, hybrid=True)
+    caches, kv_cache_config, specs = allocate(mimo, layers, hybrid=True)
+    assert len(kv_cache_config.kv_cache_groups) == 2
+    for name in specs:
+        key, value = caches[name]
+        assert (key.shape[-1], value.shape[-1]) == (mimo.HEAD_DIM, mimo.V_HEAD_DIM)
+        assert key.shape[0] == value.shape[0] and key.is_contiguous() and value.is_contiguous()

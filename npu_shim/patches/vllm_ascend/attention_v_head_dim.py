@@ -109,9 +109,12 @@ PATCH = Patch(
     name="vllm.ascend_attention_v_head_dim",
     target=TARGET,
     replaces=REPLACES,
-    requires={"vllm-ascend": ">=0.20.0rc1,<0.31.0rc1"},
+    requires={"vllm-ascend": ">=0.20.0rc1,<0.31.0rc1", "vllm": ">=0.20.0,<0.31.0"},
     outside_window={"vllm-ascend": "below, vLLM's model pads V itself (no layer with V != K reaches the impl); "
-                                   "above, not read"},
+                                   "above, not read",
+                    "vllm": "the releases of the MiMo patches (vllm.mimo_v2_v_head_dim): below, the model pads V "
+                            "itself; above, vLLM's KV-cache spec calls vllm-ascend 0.30.0rc2's backend with "
+                            "arguments it does not take, for every model"},
     needs_npu=True,
     families=(
         Family(__name__ + ":VALUE_HEAD_DIM", fence=">=0.20.0rc1,<0.31.0rc1",
