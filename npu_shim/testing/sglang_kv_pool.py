@@ -178,14 +178,18 @@ class _Runner(SimpleNamespace):
             raise PoolBuilt()
 
 
-def _from_init_pools(config, tokens, page_size, layers, dtype, device):
+def _from_init_pools(config, tokens, page_size, layers, dtype, device, **runner_fields):
+    """The pool the release's inline ``_init_pools`` builds on a stand-in runner; ``runner_fields``
+    add to or override its fields (the hybrid SWA branch's)."""
     mixin = importlib.import_module(MIXIN)
-    runner = _Runner(
+    fields = dict(
         model_config=config, server_args=_server_args(page_size, device), page_size=page_size,
         kv_cache_dtype=dtype, device=device, max_total_num_tokens=tokens, max_running_requests=4,
         req_to_token_pool=object(), is_draft_worker=True, mambaish_config=None, is_hybrid_swa=False,
         use_mla_backend=False, num_effective_layers=layers, start_layer=0, end_layer=layers,
         enable_hisparse=False)
+    fields.update(runner_fields)
+    runner = _Runner(**fields)
     runner._validate_prefill_only_disable_kv_cache_pool_family = lambda *a, **k: None
     try:
         mixin.ModelRunnerKVCacheMixin._init_pools(runner)
@@ -309,20 +313,9 @@ def build_swa_pool(config, *, full_layer_ids, swa_layer_ids, tp=1, tokens=64, sw
                                            swa_attention_layer_ids=list(swa_layer_ids)))
             return configurator.KVCacheConfigurator._build_ascend_swa_kv_pool(
                 runner, full_max_total_num_tokens=tokens, swa_max_total_num_tokens=swa_tokens)
-        mixin = importlib.import_module(MIXIN)
-        runner = _Runner(
-            model_config=config, server_args=_server_args(page_size, device), page_size=page_size,
-            kv_cache_dtype=dtype, device=device, max_total_num_tokens=tokens, full_max_total_num_tokens=tokens,
-            swa_max_total_num_tokens=swa_tokens, max_running_requests=4, req_to_token_pool=object(),
-            is_draft_worker=True, mambaish_config=None, is_hybrid_swa=True, is_hybrid_swa_compress=compress,
-            use_mla_backend=False, num_effective_layers=layers, start_layer=0, end_layer=layers,
-            enable_hisparse=False)
-        runner._validate_prefill_only_disable_kv_cache_pool_family = lambda *a, **k: None
-        try:
-            mixin.ModelRunnerKVCacheMixin._init_pools(runner)
-        except PoolBuilt:
-            return runner.token_to_kv_pool
-        raise AssertionError("_init_pools returned without building token_to_kv_pool")
+        return _from_init_pools(config, tokens, page_size, layers, dtype, device, full_max_total_num_tokens=tokens,
+                                swa_max_total_num_tokens=swa_tokens, is_hybrid_swa=True,
+                                is_hybrid_swa_compress=compress)
 
 
 def hybrid_swa_attrs(pool, window):
