@@ -113,7 +113,7 @@ PATCH = Patch(
     outside_window={"vllm-ascend": "below, vLLM's model pads V itself (no layer with V != K reaches the impl); "
                                    "above, not read",
                     "vllm": "the releases of the MiMo patches (vllm.mimo_v2_v_head_dim): below, the model pads V "
-                            "itself; above, vLLM's KV-cache spec calls vllm-ascend 0.30.0rc2's backend with "
+                            "itself; above, vLLM's KV-cache spec calls the newest vllm-ascend's backend with "
                             "arguments it does not take, for every model"},
     needs_npu=True,
     families=(
