@@ -85,23 +85,13 @@ def _impl_decode_reads(mimo, kind, padded=False):
 
     import torch
 
-    from npu_shim.testing.syncs import count_host_syncs
+    from npu_shim.testing.syncs import collect_host_syncs
 
     counters = []
 
-    class _Keep:
-        def __init__(self, device):
-            self.manager = count_host_syncs(device_tensors=device)
-
-        def __enter__(self):
-            counters.append(self.manager.__enter__())
-
-        def __exit__(self, *exc):
-            return self.manager.__exit__(*exc)
-
     with mimo.ascend_backend(), (mimo.padded() if padded else contextlib.nullcontext()):
         layer = mimo.build_layer(kind, dtype=torch.bfloat16, **({"sliding_window_size": 16} if kind == "swa" else {}))
-    got, expected = mimo.ascend_prefill_decode(layer, around_decode=_Keep)
+    got, expected = mimo.ascend_prefill_decode(layer, around_decode=collect_host_syncs(counters))
     return counters[0].count, (got - expected).abs().max().item() / expected.abs().max().item()
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from npu_shim import emulation
-from npu_shim.testing import count_host_syncs
+from npu_shim.testing import collect_host_syncs, count_host_syncs
 
 emulation.install()
 import torch_npu  # noqa: E402
@@ -364,3 +364,15 @@ def test_a_host_tensor_shaped_by_device_scalars_stays_on_the_host():
         positions.to(DEVICE)
     assert syncs.h2d_count == 1, syncs.h2d_events
     assert syncs.count == 4, syncs.events      # h (arange), w (expand), h // 2 and w // 2 (reshape)
+
+
+def test_collected_counts_keep_one_counter_per_block():
+    """collect_host_syncs: each block counts reads of the tensors it is handed, and its counter is kept."""
+    counters = []
+    around = collect_host_syncs(counters)
+    device = torch.ones(3)
+    with around((device,)):
+        device.sum().item()
+    with around(()):
+        device.sum().item()                     # not a device stand-in in this block
+    assert [c.count for c in counters] == [1, 0]

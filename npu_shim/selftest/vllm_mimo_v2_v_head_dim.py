@@ -46,7 +46,7 @@ def run(device=None, patch=None, model=None):
     import npu_shim
     from npu_shim import emulation
     from npu_shim.selftest import applied_target
-    from npu_shim.testing import count_host_syncs, mimo
+    from npu_shim.testing import collect_host_syncs, mimo
 
     device = device or "cpu"
     settings = _config.settings()
@@ -72,16 +72,7 @@ def run(device=None, patch=None, model=None):
         raise RuntimeError("%s reports applied but MiMoV2Attention is not the shim's" % patch)
     mimo.setup(emulate=emulation.is_emulated())
     counters = []
-
-    class _Counted:
-        def __init__(self, device_tensors):
-            self.manager = count_host_syncs(device_tensors=device_tensors)
-
-        def __enter__(self):
-            counters.append(self.manager.__enter__())
-
-        def __exit__(self, *exc):
-            return self.manager.__exit__(*exc)
+    counted = collect_host_syncs(counters)
 
     started = time.perf_counter()
     errors, tolerances = [], []
@@ -103,7 +94,7 @@ def run(device=None, patch=None, model=None):
         if kind == "swa" and getattr(layer, "attention_sink_bias", None) is None:
             raise RuntimeError("the sliding-window layer was built without its learnable sinks")
         try:
-            got, expected = mimo.ascend_prefill_decode(layer, tokens=TOKENS, around_decode=_Counted, device=device)
+            got, expected = mimo.ascend_prefill_decode(layer, tokens=TOKENS, around_decode=counted, device=device)
         except NotImplementedError as exc:      # an op refusing the padded call: say which layer
             raise RuntimeError("the %s layer (%d heads, %d KV heads, V %d wide in the impl%s): %s"
                                % (kind, layer.num_heads, layer.num_kv_heads, layer.attn.head_size_v,

@@ -3,7 +3,8 @@ the torch_npu call recorder.
 
 * :func:`attention_f64` -- reference attention from the definition (reference.py).
 * :func:`count_host_syncs` -- counts device->host syncs of the code under test
-  (syncs.py); CPU tensors can stand in for device tensors.
+  (syncs.py); CPU tensors can stand in for device tensors; :func:`collect_host_syncs`
+  opens one such count per block a helper runs (``around_decode``) and keeps each.
 * :func:`record_npu_calls` -- records ``torch_npu.X`` / ``torch.ops.npu.X`` calls
   (calls.py); :func:`unemulated_op` lets a call to an op the emulation lacks be
   recorded (dispatch only, it computes nothing).
@@ -13,8 +14,9 @@ the torch_npu call recorder.
 from npu_shim.emulation.dtypes import float32_not_on_hardware
 from npu_shim.testing.calls import NpuCall, record_npu_calls, unemulated_op
 from npu_shim.testing.reference import attention_f64, dense_segments
-from npu_shim.testing.syncs import HostArgumentError, HostSyncCounter, SyncEvent, count_host_syncs
+from npu_shim.testing.syncs import (HostArgumentError, HostSyncCounter, SyncEvent, collect_host_syncs,
+                                    count_host_syncs)
 
 __all__ = ["HostArgumentError", "HostSyncCounter", "NpuCall", "SyncEvent", "attention_f64",
-           "count_host_syncs", "dense_segments", "float32_not_on_hardware", "record_npu_calls",
-           "unemulated_op"]
+           "collect_host_syncs", "count_host_syncs", "dense_segments", "float32_not_on_hardware",
+           "record_npu_calls", "unemulated_op"]

@@ -538,3 +538,18 @@ def count_host_syncs(device_tensors=(), *, cpu_is_device=False, device_modules=(
                               strict)
     with _ScalarReadMode(counter), _SyncMode(counter):
         yield counter
+
+
+def collect_host_syncs(counters):
+    """``around(device_tensors)``: a context manager that counts host syncs over its block
+    (:func:`count_host_syncs`, those tensors standing in for device tensors) and appends its
+    :class:`HostSyncCounter` to ``counters`` -- for helpers that open the block themselves
+    around the step they are handed the tensors of (``npu_shim.testing.mimo.ascend_prefill_decode``'s
+    ``around_decode``)."""
+    @contextlib.contextmanager
+    def around(device_tensors):
+        with count_host_syncs(device_tensors=device_tensors) as counter:
+            counters.append(counter)
+            yield counter
+
+    return around
