@@ -19,7 +19,6 @@ layers 8) and for a standard model (K = V = 128):
 * below attention TP 8, the plain pool cannot hold MiMo's layer kinds: refused at construction,
   naming the way out; at TP 8 it builds.
 """
-import importlib
 import os
 
 import pytest
