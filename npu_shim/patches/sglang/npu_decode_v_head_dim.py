@@ -43,7 +43,7 @@ FIA v1 branch trims) does not fit the TND lengths; the op then refuses it.
 """
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
-from npu_shim.patches._shared.structure import module_class, own_function, replace_own
+from npu_shim.patches._shared.structure import module_class, own_function
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 BACKEND = "AscendAttnBackend"
@@ -69,24 +69,27 @@ class DecodeTnd:
     is not None or self.is_hybrid_swa`` and then ``self.use_fia`` (read once there)."""
 
     def check(self, module, context):
+        """{path: upstream's function edited}; TargetMismatch names a missing anchor."""
         cls = module_class(module, BACKEND)
-        found = {}
-        for name, edits in EDITS.items():
-            function = own_function(cls, name)
-            edit_function(function, edits)          # TargetMismatch names a missing anchor
-            found["%s.%s" % (BACKEND, name)] = function
         if "topk_indices" not in own_function(cls, DECODE).__code__.co_varnames:
             raise TargetMismatch("%s.%s takes no topk_indices" % (BACKEND, DECODE))
-        return found
+        return {"%s.%s" % (BACKEND, name): edit_function(own_function(cls, name), edits)
+                for name, edits in EDITS.items()}
 
     def build(self, module, context):
-        return {"%s.%s" % (BACKEND, name): replace_own(
-            module, BACKEND, name, self.make, context,
-            "a layer whose V head dim differs from K's decodes through upstream's FIA v2 TND call")
-            for name in EDITS}
+        cls = module_class(module, BACKEND)
+        edited = context.found if isinstance(context.found, dict) else self.check(module, context)
+        replacements = {}
+        for name in EDITS:
+            path, original = "%s.%s" % (BACKEND, name), own_function(cls, name)
+            replacements[path] = context.present(
+                self.make(original, edited[path], context), original,
+                "a layer whose V head dim differs from K's decodes through upstream's FIA v2 TND call")
+        return replacements
 
-    def make(self, module, original, context):
-        edited = edit_function(original, EDITS[original.__name__])
+    @staticmethod
+    def make(original, edited, context):
+        """Per call: upstream's ``original`` for a layer that stays upstream's, else ``edited``."""
         if original.__name__ == DECODE:
             def method(self, q, k, v, layer, forward_batch, *args, **kwargs):
                 if upstream_layer(self, layer, kwargs.get("topk_indices")):
