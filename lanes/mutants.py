@@ -91,6 +91,12 @@ MUTANTS = (
            "latest-sglang", "FAILED tests/lanes/test_sglang_npu_decode_v_head_dim.py",
            ("npu_shim/patches/sglang/npu_decode_v_head_dim.py",
             'ReplaceExpression("self.use_fia", "True")),', "),")),
+    mutant("o", "the source check compares bytecode and names only: a stale source differing from the running code "
+                "in a constant (x + 2 for x + 1, \"TND\" for \"BSND\") is edited as if it were that code",
+           "base", "FAILED tests/test_source_edit.py",
+           ("npu_shim/patches/_shared/source_edit.py",
+            "and len(a.co_consts) == len(b.co_consts) and all(map(_same_constant, a.co_consts, b.co_consts)))",
+            ")")),
 )
 
 

@@ -159,7 +159,7 @@ def test_anchors_compare_as_syntax_not_text(upstream):
 def test_an_expression_is_replaced_where_it_is_read(upstream):
     forward = edit_function(upstream.Tower.forward, [ReplaceExpression("sum(lengths)", "math.fsum(lengths) * 2")])
     assert forward(upstream.Tower(), [1, 2]) == 12
-    with pytest.raises(ValueError, match="assigned to"):
+    with pytest.raises(TargetMismatch, match="assigned to"):
         edit_function(upstream.Tower.forward, [ReplaceExpression("total", "other")])
 
 
@@ -208,13 +208,13 @@ def test_the_shims_values_come_as_cells_never_through_upstreams_globals(upstream
                             names={"note": calls.append})
     forward(upstream.Tower(), [7])
     assert calls == [[7]] and not hasattr(upstream, "note")
-    with pytest.raises(ValueError, match="names sum are used by upstream's code"):
+    with pytest.raises(TargetMismatch, match="names sum are used by upstream's code"):
         edit_function(upstream.Tower.forward, [], names={"sum": max})
 
 
 def test_an_edit_that_does_not_compile_is_refused_naming_why(upstream):
     bump, peek = upstream.counter()
-    with pytest.raises(ValueError, match="does not compile: no binding for nonlocal 'absent'"):
+    with pytest.raises(TargetMismatch, match="does not compile: no binding for nonlocal 'absent'"):
         # `seen` is a cell of counter(); peek closes over it, but a nonlocal of a new name is not there
         edit_function(peek, [InsertBefore("return seen", "nonlocal absent")])
 
@@ -237,6 +237,29 @@ def test_source_that_is_not_the_running_code_is_refused(upstream, tmp_path):
     linecache.checkcache(str(path))
     with pytest.raises(TargetMismatch, match="does not compile to the code in use"):
         edit_function(upstream.Tower.forward, [])
+
+
+@pytest.mark.parametrize("function, running, stale", [
+    ("Tower.forward", "doubled = total * scale", "doubled = total * scale * 1"),       # a constant added
+    ("Tower.twice", "x = x + 1\n        x = x + 1", "x = x + 2\n        x = x + 2"),    # x + 1 vs x + 2
+    ("Tower.describe", 'return "tower " + super()', 'return "TND " + super()'),        # one string for another
+    ("Tower.fails", "y = x * 2", "y = x * 2.0"),                                      # equal, not the same
+    ("make_closures", "late, own = [], []", "late, own = [], []\n    f = lambda: 1"),  # nested code added
+    ("make_closures", "return k * 10\n        late", "return k * 11\n        late"),   # nested code's constant
+])
+def test_a_source_differing_only_in_a_constant_is_not_the_running_code(upstream, tmp_path, function, running, stale):
+    """Bytecode names a constant by its index: a stale file with ``x + 2`` where the running code
+    has ``x + 1`` compiles to the same instructions; the constants (nested code objects compared
+    the same way) tell them apart."""
+    assert UPSTREAM.count(running) == 1
+    path = tmp_path / "fake_upstream.py"
+    path.write_text(UPSTREAM.replace(running, stale))
+    linecache.checkcache(str(path))
+    target = upstream
+    for part in function.split("."):
+        target = getattr(target, part)
+    with pytest.raises(TargetMismatch, match="does not compile to the code in use"):
+        edit_function(target, [])
 
 
 def test_upstreams_function_is_left_alone_and_the_edit_is_readable(upstream):

@@ -15,8 +15,8 @@ upstream line (an inserted statement takes its anchor's line), so a traceback po
 file. Each anchor must be found exactly ``count`` times: missing, or found more often,
 :class:`~npu_shim.patch.TargetMismatch` names the function and the anchor. Before editing, the
 unedited source is compiled the same way and must give the very code object the interpreter runs
-(bytecode and names), so an edit never applies to source that is not the code in use (a file
-changed after import, a wrapper's source). :class:`AddKeyword` names a
+(bytecode, names and constants, nested code objects compared the same way), so an edit never applies
+to source that is not the code in use (a file changed after import, a wrapper's source). :class:`AddKeyword` names a
 callee instead (``"Pool"``) and adds one keyword argument to each call of it, where upstream's call
 leaves an argument out.
 
@@ -24,11 +24,14 @@ The edited function runs in upstream's module globals (the live dict, not a copy
 original's closure cells, ``__class__`` included (zero-argument ``super()`` works); its defaults,
 keyword defaults, annotations and attributes are the original's objects (never re-evaluated).
 ``names`` hands the inserted code values of the shim's own (a counter, a helper) as closure cells,
-never through upstream's globals. Refused with the reason: a lambda, a function whose source does
+never through upstream's globals. Refused with the reason, as :class:`~npu_shim.patch.TargetMismatch`
+(this is not the code the edit was written for; an edit text that does not parse is the patch's own
+error, ValueError, raised where the edit is declared): a lambda, a function whose source does
 not compile to its code (a method using a private ``__name``, which the class body mangles), a
 ``functools.wraps`` wrapper (edit the function it wraps), a ``names``
 entry the original code already uses, an edit whose result does not compile (a ``nonlocal`` of a
-name upstream's function does not close over, say).
+name upstream's function does not close over, say), a :class:`ReplaceExpression` anchor that upstream's
+function assigns to.
 
 Why the standard library's :mod:`ast` (not libcst, patchy or a diff): the anchors are statements and
 expressions, which ``ast`` compares structurally with no dependency; libcst keeps comments and layout
@@ -234,8 +237,8 @@ class _Expressions(ast.NodeTransformer):
     def visit(self, node):
         if isinstance(node, ast.expr) and _key(node) == self.key:
             if not isinstance(getattr(node, "ctx", ast.Load()), ast.Load):
-                raise ValueError("ReplaceExpression anchor %r is assigned to in the function; "
-                                 "use Replace on the statement" % self.edit.anchor)
+                raise TargetMismatch("ReplaceExpression anchor %r is assigned to in the function (the edit "
+                                     "was written for code that reads it)" % self.edit.anchor)
             self.found += 1
             return self.edit.expression(node)
         return super().visit(node)
@@ -328,9 +331,30 @@ def _imports_in(filename: str) -> list:
             if not (isinstance(statement, ast.ImportFrom) and statement.module == "__future__")]
 
 
+_CODE_FIELDS = ("co_code", "co_names", "co_varnames", "co_freevars", "co_argcount", "co_posonlyargcount",
+                "co_kwonlyargcount")
+
+
 def _same_code(a, b) -> bool:
-    return (a.co_code, a.co_names, a.co_varnames, a.co_freevars, a.co_argcount, a.co_kwonlyargcount) == \
-           (b.co_code, b.co_names, b.co_varnames, b.co_freevars, b.co_argcount, b.co_kwonlyargcount)
+    """The same code: bytecode, names and argument counts, and the constants, nested code objects
+    (an inner function, a lambda, a comprehension) compared the same way. Bytecode alone names a
+    constant by its index: ``x + 1`` and ``x + 2``, ``layout="TND"`` and ``"BSND"``, compile alike."""
+    return (all(getattr(a, field) == getattr(b, field) for field in _CODE_FIELDS)
+            and len(a.co_consts) == len(b.co_consts) and all(map(_same_constant, a.co_consts, b.co_consts)))
+
+
+def _same_constant(a, b) -> bool:
+    if type(a) is not type(b):                  # 1, 1.0 and True are equal values, not the same constant
+        return False
+    if isinstance(a, types.CodeType):
+        return _same_code(a, b)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(map(_same_constant, a, b))
+    if isinstance(a, (float, complex)):         # -0.0 == 0.0, and a NaN equals nothing
+        return repr(a) == repr(b)
+    if isinstance(a, frozenset):                # a constant set of `in {...}`: its members, typed
+        return {(type(m), repr(m)) for m in a} == {(type(m), repr(m)) for m in b}
+    return a == b
 
 
 def _apply(node, edits, what):
@@ -356,8 +380,8 @@ def edit_function(function, edits, names: Optional[Mapping[str, object]] = None)
     used = set(code.co_names) | set(code.co_varnames) | set(code.co_freevars) | set(code.co_cellvars)
     clashing = sorted(set(names) & used)
     if clashing:
-        raise ValueError("%s: names %s are used by upstream's code; give the shim's values other names"
-                         % (what, ", ".join(clashing)))
+        raise TargetMismatch("%s: names %s are used by upstream's code (the edit was written for code "
+                             "that does not use them)" % (what, ", ".join(clashing)))
     freevars = list(code.co_freevars)
     if not _same_code(_compile(function, node, freevars), code):
         raise TargetMismatch("%s: its source (%s:%d) does not compile to the code in use; the file "
@@ -367,7 +391,8 @@ def edit_function(function, edits, names: Optional[Mapping[str, object]] = None)
     try:
         edited = _compile(function, node, freevars + sorted(names))
     except SyntaxError as exc:
-        raise ValueError("%s: the edited function does not compile: %s (line %s)" % (what, exc.msg, exc.lineno)) from None
+        raise TargetMismatch("%s: the edited function does not compile: %s (line %s)"
+                             % (what, exc.msg, exc.lineno)) from None
     cells = dict(zip(code.co_freevars, function.__closure__ or ()))
     closure = tuple(cells[name] if name in cells else types.CellType(names[name]) for name in edited.co_freevars)
     result = types.FunctionType(edited, function.__globals__, code.co_name, function.__defaults__, closure)
