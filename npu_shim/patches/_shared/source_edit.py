@@ -344,13 +344,14 @@ def _same_code(a, b) -> bool:
 
 
 def _same_constant(a, b) -> bool:
-    if type(a) is not type(b):                  # 1, 1.0 and True are equal values, not the same constant
+    # an int, the float of it and a bool are equal values, not one constant
+    if type(a) is not type(b):
         return False
     if isinstance(a, types.CodeType):
         return _same_code(a, b)
     if isinstance(a, tuple):
         return len(a) == len(b) and all(map(_same_constant, a, b))
-    if isinstance(a, (float, complex)):         # -0.0 == 0.0, and a NaN equals nothing
+    if isinstance(a, (float, complex)):         # a signed zero equals the unsigned one, and a NaN equals nothing
         return repr(a) == repr(b)
     if isinstance(a, frozenset):                # a constant set of `in {...}`: its members, typed
         return {(type(m), repr(m)) for m in a} == {(type(m), repr(m)) for m in b}
