@@ -46,6 +46,7 @@ import __future__ as _future
 import ast
 import functools
 import inspect
+import os
 import re
 import textwrap
 import types
@@ -53,6 +54,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
 from npu_shim.patch import TargetMismatch
+from npu_shim.patches._shared.structure import foreign
 
 __all__ = ["Edit", "Replace", "InsertBefore", "InsertAfter", "ReplaceExpression", "AddKeyword",
            "edit_function", "edited_source"]
@@ -250,8 +252,13 @@ def _function_node(function):
     if not isinstance(function, types.FunctionType):
         raise TargetMismatch("%s is not a Python function (%s): nothing to edit" % (what, type(function).__name__))
     if hasattr(function, "__wrapped__"):
-        raise TargetMismatch("%s wraps another function (__wrapped__): edit the function it wraps" % what)
+        raise TargetMismatch("%s is %s (__wrapped__): edit the function it wraps" % (what, foreign(function)))
     code = function.__code__
+    home = function.__globals__.get("__file__")
+    if home and not _same_file(code.co_filename, home):
+        # another tool swapped the function's __code__ for code of its own: the edit was written for upstream's
+        raise TargetMismatch("%s runs code compiled from %s, not from its module %s (%s): its __code__ was "
+                             "replaced by another tool" % (what, code.co_filename, function.__module__, home))
     if code.co_name == "<lambda>":
         raise TargetMismatch("%s is a lambda: nothing to anchor an edit to" % what)
     try:
@@ -282,6 +289,15 @@ def _function_node(function):
             [a for a in (arguments.vararg, arguments.kwarg) if a is not None]:
         argument.annotation = None
     return node, code
+
+
+def _same_file(a: str, b: str) -> bool:
+    """``a`` and ``b`` name one source file (a module's ``__file__`` may be its ``.pyc``)."""
+    return _source_path(a) == _source_path(b)
+
+
+def _source_path(path: str) -> str:
+    return os.path.realpath(path[:-1] if path.endswith(".pyc") else path)
 
 
 def _compile(function, node, cell_names: Iterable[str]):

@@ -1,5 +1,6 @@
 """What the families' checks read of a target's structure, and a class's own function replaced."""
 import inspect
+import types
 
 from npu_shim.patch import TargetMismatch
 
@@ -14,11 +15,29 @@ def module_class(module, name):
 
 def own_function(cls, name):
     """``cls.name`` as a plain function the class itself defines (not inherited, not a wrapper
-    object); TargetMismatch naming it otherwise."""
+    object); TargetMismatch naming it, or what stands there instead, otherwise."""
     function = vars(cls).get(name)
-    if not inspect.isfunction(function):
-        raise TargetMismatch("%s.%s is not a function defined by the class" % (cls.__name__, name))
+    if not inspect.isfunction(function) or type(function) is not types.FunctionType:
+        if function is None:
+            raise TargetMismatch("%s.%s is not a function defined by the class" % (cls.__name__, name))
+        raise TargetMismatch("%s.%s is %s, not upstream's function: another tool's wrapper stands there; the "
+                             "patch was written for upstream's code, not for it" % (cls.__name__, name,
+                                                                                    foreign(function)))
     return function
+
+
+def foreign(thing) -> str:
+    """What stands where upstream's function was expected, for a refusal's reason: its type, the
+    file its code was compiled from (``functools.wraps`` copies the wrapped function's
+    ``__module__``, not its file), and what it wraps (``__wrapped__``: functools.wraps, wrapt)."""
+    kind = type(thing)
+    text = "a %s.%s" % (kind.__module__, kind.__qualname__)
+    if kind is types.FunctionType:
+        text += " compiled from %s" % thing.__code__.co_filename
+    inner = getattr(thing, "__wrapped__", None)
+    if inner is not None:
+        text += " wrapping %s.%s" % (getattr(inner, "__module__", "?"), getattr(inner, "__qualname__", repr(inner)))
+    return text
 
 
 def found(context, path, look_up):
