@@ -97,6 +97,10 @@ MUTANTS = (
            ("npu_shim/patches/_shared/source_edit.py",
             "and len(a.co_consts) == len(b.co_consts) and all(map(_same_constant, a.co_consts, b.co_consts)))",
             ")")),
+    mutant("p", "a family's build edits upstream's function again instead of installing the edit its check made "
+                "(dots.ocr's tower forward edited twice)", "vllm-0.30", "edited more than once at install",
+           ("npu_shim/patches/vllm/dots_ocr_host_lengths.py", "        edited = edit_of(context, FORWARD)\n",
+            "        edited = self.edited(module_class(module, TOWER), original)\n")),
 )
 
 

@@ -1,6 +1,7 @@
 """What the families' checks read of a target's structure, and a class's own function replaced."""
 import inspect
 import types
+import typing
 
 from npu_shim.patch import TargetMismatch
 
@@ -40,6 +41,25 @@ def foreign(thing) -> str:
     return text
 
 
+class Edited(typing.NamedTuple):
+    """What a family's check found at one path, upstream's ``original``, and the ``edited`` function
+    it made of it. The check returns ``{path: Edited(...)}``; build installs that very edit
+    (:func:`edit_of`), so each function is edited once, and build cannot install an edit other than
+    the one the check accepted."""
+
+    original: types.FunctionType
+    edited: types.FunctionType
+
+
+def edit_of(context, path):
+    """The edited function the family's check made at ``path`` (an :class:`Edited` it returned)."""
+    held = context.found.get(path) if isinstance(context.found, dict) else None
+    if not isinstance(held, Edited):
+        raise TypeError("the check of %s returned no Edited for %s (build installs the check's edit)"
+                        % (context.patch, path))
+    return held.edited
+
+
 def found(context, path, look_up):
     """What the family's check found at ``path`` (its ``context.found``, when the check returned
     ``{path: object}``), else ``look_up()``: build replaces the very object the check read."""
@@ -54,6 +74,8 @@ def replace_own(module, class_name, name, make, context, what):
     :func:`expect_own_body`), else looked up."""
     original = found(context, "%s.%s" % (class_name, name),
                      lambda: own_function(module_class(module, class_name), name))
+    if isinstance(original, Edited):
+        original = original.original
     return context.present(make(module, original, context), original, what)
 
 
