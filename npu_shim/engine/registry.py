@@ -244,6 +244,11 @@ def _decide_and_apply(record: Record, module) -> None:
         try:
             values = guards.build_values(patch, family, implementation, subject, chosen.context)
             record.undo = apply_atomically(module, patch, values)
+        except TargetMismatch as exc:
+            # what build found is not the shape (a replacement that cannot take upstream's calls)
+            record.set(SKIPPED, "structural check: %s" % exc)
+            _complain(settings, patch, "target does not match: %s" % exc)
+            return
         except Exception as exc:
             record.set(FAILED, "%s: %s" % (type(exc).__name__, exc))
             _complain(settings, patch, record.reason, exc)
