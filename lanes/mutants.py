@@ -101,6 +101,11 @@ MUTANTS = (
                 "(dots.ocr's tower forward edited twice)", "vllm-0.30", "edited more than once at install",
            ("npu_shim/patches/vllm/dots_ocr_host_lengths.py", "        edited = edit_of(context, FORWARD)\n",
             "        edited = self.edited(module_class(module, TOWER), original)\n")),
+    mutant("q", "a replacement that cannot take a parameter upstream added (hand-typed parameters) is presented "
+                "as upstream's: the structural check passes and the first call raises TypeError",
+           "base", "FAILED tests/test_family_context.py",
+           ("npu_shim/patch.py", "        refused = signature_refusal(replacement, original)\n",
+            "        refused = \"\"\n")),
 )
 
 
