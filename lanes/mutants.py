@@ -106,6 +106,15 @@ MUTANTS = (
            "base", "FAILED tests/test_family_context.py",
            ("npu_shim/patch.py", "        refused = signature_refusal(replacement, original)\n",
             "        refused = \"\"\n")),
+    mutant("counters-record", "the per-process record is written only when a patch applies and at exit: a process "
+                              "killed at shutdown (vLLM's EngineCore) leaves its counters at 0",
+           "base", "FAILED tests/test_stats.py",
+           ("npu_shim/engine/counters.py", "        _Record.dirty = True\n        due = first or",
+            "        _Record.dirty = True\n        return\n        due = first or")),
+    mutant("counters-calls", "vllm.mm_encoder_host_lengths' wrapper counts nothing (calls=0 in every process)",
+           "vllm-0.30", "FAILED tests/lanes/test_mm_encoder_host_lengths.py",
+           ("npu_shim/patches/vllm/mm_encoder_host_lengths/families.py",
+            "            if outer:\n                context.count(\"calls\")", "            if False:\n                pass")),
 )
 
 
