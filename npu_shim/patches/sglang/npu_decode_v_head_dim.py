@@ -22,13 +22,14 @@ Why: ``AscendAttnBackend``'s decode of an MHA layer (not MLA) makes, by mode and
   hybrid-SWA pool with ``ASCEND_USE_FIA=1``.
   Prefill of a layer with attention sinks (MiMo-V2-Flash's sliding-window layers) without
   ``ASCEND_USE_FIA`` (sglang's default) goes to sgl_kernel_npu's ``attention_sinks_prefill_triton``
-  (``forward_extend``, 0.5.14 - 0.5.23). Its source (sgl-project/sgl-kernel-npu,
-  ``sgl_kernel_npu/attention/sinks_attention.py``) takes the head dim from q (``D = query.shape[-1]
-  // q_head_num``: 192), loads V at K's offsets (one ``offset_k`` for both caches) and stores rows
-  ``D * q_head_num`` apart into an output ``v_cache.shape[-1]`` (128) wide: V is read at the wrong
-  places and the output is written past its rows, with no error. With ``ASCEND_USE_FIA=1`` the same
-  branch makes upstream's FIA v2 TND call (``_can_use_tnd``: K 192 / V 128), which the documentation
-  above takes.
+  (``forward_extend``; read in 0.5.14 and 0.5.23, the check tests the branch in each release). Its
+  source (sgl-project/sgl-kernel-npu, ``sgl_kernel_npu/attention/sinks_attention.py``) takes the
+  head dim from q (``D = query.shape[-1] // q_head_num``: 192), loads V at K's offsets (one
+  ``offset_k`` for both caches) and stores rows ``D * q_head_num`` apart into an output
+  ``v_cache.shape[-1]`` (128) wide: V is read at the wrong places and the output is written past
+  its rows, with no error (by reading; the kernel cannot run here). With ``ASCEND_USE_FIA=1`` the
+  same branch makes upstream's FIA v2 TND call (``_can_use_tnd``: K 192 / V 128), which the
+  documentation above takes.
 How: the layer's V head dim is read per call (``layer.v_head_dim`` against ``layer.qk_head_dim``).
   A layer with V == K, an MLA backend, a cross-attention layer or a sparse (``topk_indices``)
   call runs upstream's ``forward_decode`` / ``forward_decode_graph``, unedited. A layer with

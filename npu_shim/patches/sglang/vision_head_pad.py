@@ -32,7 +32,7 @@ How: the forward is wrapped. A call that reaches the FIA call (not upstream's SD
   call (D = 64 or 128 included) goes to it untouched.
   NPU-graph mode is decided as upstream's graph runner decides it: an ``output_ws`` buffer
   passed (not None). sglang's ``VisionAttention.forward`` hands ``output_ws=`` to every
-  backend call, None outside graph mode (0.5.14 - 0.5.23): the key's presence says nothing,
+  backend call, None outside graph mode (read in 0.5.14 and 0.5.23): the key's presence says nothing,
   and eager serving (the towers' own forward) is padded.
   The CANN release is read once, at the first call that would be padded, never at
   start-up: ``torch_npu.npu.utils.get_cann_version("CANN")`` (``torch_npu.utils`` in
