@@ -115,6 +115,16 @@ MUTANTS = (
            "vllm-0.30", "FAILED tests/lanes/test_mm_encoder_host_lengths.py",
            ("npu_shim/patches/vllm/mm_encoder_host_lengths/families.py",
             "            if outer:\n                context.count(\"calls\")", "            if False:\n                pass")),
+    mutant("r", "a K 192 / V 128 sliding-window layer's prefill with sinks without ASCEND_USE_FIA stays on upstream's "
+                "triton sink kernel (which takes K's head dim for V: silently wrong)",
+           "latest-sglang", "FAILED tests/lanes/test_sglang_npu_hybrid_swa_v_head_dim.py",
+           ("npu_shim/patches/sglang/npu_decode_v_head_dim.py",
+            "            if not sink_prefill_route(", "            if True or not sink_prefill_route(")),
+    mutant("s", "sglang's vision head pad reads the output_ws key's presence as NPU-graph mode (VisionAttention "
+                "passes output_ws=None on every eager call: nothing padded in serving)",
+           "latest-sglang", "FAILED tests/lanes/test_sglang_vision_head_pad.py",
+           ("npu_shim/patches/sglang/vision_head_pad.py",
+            'if kwargs.get("output_ws") is not None:', 'if "output_ws" in kwargs:')),
 )
 
 

@@ -31,7 +31,7 @@ import os
 import tempfile
 import types
 
-__all__ = ["TOWERS", "GRIDS", "setup", "build", "pixel_values", "forward", "reference_forward",
+__all__ = ["TOWERS", "GRIDS", "setup", "config", "build", "pixel_values", "forward", "reference_forward",
            "relative_error"]
 
 # Two forwards: three images (one of them two frames), then two. h, w multiples of 2 (the 2x2
@@ -154,8 +154,18 @@ def _init_weights(model, seed):
                 param.copy_(0.02 * noise)
 
 
-def build(name, dtype, *, seed=0):
-    """sglang's tower ``name`` from its tiny config, random weights of ``seed``, in ``dtype``."""
+def config(name, head_dim=None):
+    """Tower ``name``'s tiny config; ``head_dim``: its attention head dim instead of 64 (the hidden
+    size made ``num_heads * head_dim``, as the real towers' is: Qwen2.5-VL 16 x 80)."""
+    made = TOWERS[name].config()
+    if head_dim is not None:
+        made.hidden_size = made.num_heads * int(head_dim)
+    return made
+
+
+def build(name, dtype, *, seed=0, head_dim=None):
+    """sglang's tower ``name`` from its tiny config (:func:`config`), random weights of ``seed``,
+    in ``dtype``."""
     import torch
 
     spec = TOWERS[name]
@@ -168,8 +178,8 @@ def build(name, dtype, *, seed=0):
             # use_data_parallel: the tower whole on this rank (sglang's --mm-enable-dp-encoder), so the
             # one-rank groups are enough on every release (0.5.23 reads its TP rank from a runtime
             # context that only a scheduler process writes)
-            tower = getattr(setup()[name], spec.cls)(spec.config(), prefix="visual", use_data_parallel=True,
-                                                     **spec.kwargs)
+            tower = getattr(setup()[name], spec.cls)(config(name, head_dim), prefix="visual",
+                                                     use_data_parallel=True, **spec.kwargs)
     finally:
         torch.set_default_dtype(previous)
     _init_weights(tower, seed)
@@ -227,12 +237,12 @@ def _attention_f64(layer, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=None,
     return attention_f64(q, k, v, cu_seqlens.tolist(), scale=softmax_scale).to(q.dtype)
 
 
-def reference_forward(name, x, grid, *, seed=0):
+def reference_forward(name, x, grid, *, seed=0, head_dim=None):
     """The tower with the weights of ``seed`` rounded to ``x.dtype``, in float64, every vision
     attention :func:`attention_f64` (no emulated op: those take no float64)."""
     import torch
 
-    ref = build(name, x.dtype, seed=seed).double()
+    ref = build(name, x.dtype, seed=seed, head_dim=head_dim).double()
     with npu(name) as vision:
         for layer in ref.modules():
             if isinstance(layer, vision.VisionAscendAttention):

@@ -22,9 +22,15 @@ layer (4 KV heads) and a sliding-window layer (8 KV heads, learnable sinks), 8 q
   allocator frees them (mapping to the SWA pool's page 0, which holds garbage): the window keeps
   the result exact.
 
-The sliding layer's prefill takes upstream's FIA branch (``ASCEND_USE_FIA=1``): without it, a layer
-with sinks goes to sgl_kernel_npu's ``attention_sinks_prefill_triton`` (not emulated; the import
-placeholder refuses it), so that case is not run here.
+The sliding layer's prefill (sinks) takes upstream's FIA v2 TND call in both modes: with
+``ASCEND_USE_FIA=1`` as upstream makes it, and without it (sglang's default) through
+``sglang.npu_decode_v_head_dim``'s edit of ``forward_extend``. Upstream without FIA hands the layer
+to sgl_kernel_npu's ``attention_sinks_prefill_triton``, which takes K's head dim (192) for V and the
+output (its source; see the patch's docstring): silently wrong. The kernel cannot run here; the
+import placeholder (tests/placeholders) raises when called, so a prefill that reached it fails the
+test: shown by upstream's own ``forward_extend`` reaching it. A V == K layer's prefill is left to
+upstream's code (reaching the kernel without FIA, torch.equal with FIA), and the routed prefill makes
+the device->host reads upstream's FIA call makes (none), no more.
 """
 import importlib
 
@@ -171,20 +177,22 @@ def test_full_and_sliding_layers_on_the_hybrid_swa_pool_match_float64(shim, dtyp
     layers = {FULL: (full, _layer(FULL_KV, FULL, -1), -1, None, FULL_KV),
               SWA: (swa, _layer(SWA_KV, SWA, WINDOW), WINDOW, sinks, SWA_KV)}
     errors = {FULL: [], SWA: []}
+    routed = shim.stats()[PATCH].get("sink_prefill_tnd_calls", 0)
     for layer_id, (batch, layer, window, layer_sinks, kv) in layers.items():
-        if layer_sinks is not None and not use_fia:
-            continue        # upstream's sink prefill without FIA is a triton kernel (see the docstring)
         backend, _, forward_batch, q, k, v = case.extend_inputs(
             batch, pool, use_fia, backend_attrs=case.hybrid_swa_attrs(pool, WINDOW))
-        out = backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=True, sinks=layer_sinks)
+        with record_npu_calls() as calls:
+            out = backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=True, sinks=layer_sinks)
+        if layer_sinks is not None:       # the sink branch: FIA v2 TND, with or without ASCEND_USE_FIA
+            (call,) = [c for c in calls if "attention" in c.name]
+            assert (call.name, call.kwargs["input_layout"], call.kwargs["sparse_mode"]) == \
+                ("npu_fused_infer_attention_score_v2", "TND", 4)
+            assert call.kwargs["learnable_sink"] is layer_sinks
+            assert torch.equal(call.kwargs["block_table"], backend.forward_metadata.block_tables_swa)
         _stored(pool, layer_id, kv, forward_batch.out_cache_loc, k, v)
         errors[layer_id].append(cp_case.max_abs_err(out, _expected(batch, batch.spec.extend_lens, window,
                                                                    layer_sinks)))
-    if not use_fia:         # the sliding layer's prefill not run: its new tokens written as sglang would
-        mapping = pool.full_to_swa_index_mapping
-        k_new, v_new = swa.packed_new_kv()
-        pool.get_key_buffer(SWA).view(-1, SWA_KV, 192)[mapping[swa.new_token_slots()]] = k_new
-        pool.get_value_buffer(SWA).view(-1, SWA_KV, 128)[mapping[swa.new_token_slots()]] = v_new
+    assert shim.stats()[PATCH].get("sink_prefill_tnd_calls", 0) - routed == (0 if use_fia else 1)
     for step in (1, 2):
         for layer_id, (batch, layer, window, layer_sinks, kv) in layers.items():
             case.append_token(batch, seed=20 + step)
@@ -204,7 +212,7 @@ def test_full_and_sliding_layers_on_the_hybrid_swa_pool_match_float64(shim, dtyp
             errors[layer_id].append(cp_case.max_abs_err(out, _expected(batch, [1] * batch.spec.bs, window,
                                                                        layer_sinks)))
     assert torch.equal(full.slots[0], swa.slots[0])
-    assert len(errors[FULL]) == 3 and len(errors[SWA]) == (3 if use_fia else 2)
+    assert len(errors[FULL]) == 3 and len(errors[SWA]) == 3
     print("hybrid SWA pool %s graph=%s fia=%s: full layer (extend, decode, decode) %s; sliding layer (W %d, "
           "sinks) %s" % (dtype, graph_mode, use_fia, ["%.2e" % e for e in errors[FULL]], WINDOW,
                          ["%.2e" % e for e in errors[SWA]]))
@@ -250,3 +258,96 @@ def test_upstream_eager_decode_fails_on_the_hybrid_pool(shim, layer_id):
     with pytest.raises(NotImplementedError) as raised:
         upstream(backend, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=sinks)
     print("upstream eager decode, %s layer: %s" % ("full" if layer_id == FULL else "sliding", raised.value))
+
+
+def _upstream_extend():
+    from npu_shim.patches._shared.structure import upstream_of
+
+    return upstream_of(vars(importlib.import_module(case.BACKEND).AscendAttnBackend)["forward_extend"])
+
+
+def _sliding_prefill(dtype="bfloat16", use_fia=False):
+    full, swa = _batches(dtype, seed=7)
+    pool = _pool(full, swa)
+    backend, _, forward_batch, q, k, v = case.extend_inputs(
+        swa, pool, use_fia, backend_attrs=case.hybrid_swa_attrs(pool, WINDOW))
+    return swa, pool, backend, forward_batch, q, k, v
+
+
+def test_upstream_sink_prefill_without_fia_reaches_the_triton_kernel(shim):
+    """Upstream's own forward_extend, ASCEND_USE_FIA off (the default), K 192 / V 128 sliding layer
+    with sinks: sgl_kernel_npu's attention_sinks_prefill_triton (the placeholder raises where the real
+    kernel would return a wrong result)."""
+    from sgl_kernel_npu import PlaceholderKernelError
+
+    _, _, backend, forward_batch, q, k, v = _sliding_prefill()
+    with pytest.raises(PlaceholderKernelError, match="attention_sinks_prefill_triton"):
+        _upstream_extend()(backend, q, k, v, _layer(SWA_KV, SWA, WINDOW), forward_batch, save_kv_cache=True,
+                           sinks=_sinks("bfloat16"))
+
+
+def test_routed_sink_prefill_reads_no_more_than_upstreams_fia_call(shim):
+    """The routed prefill (FIA off) and upstream's with ASCEND_USE_FIA=1: the same op call and
+    arguments, the same output, the same device->host reads (q, k, v, the pool's buffers, the block
+    tables, the sinks and the device lengths standing in for device tensors)."""
+    import torch
+
+    from npu_shim.testing import count_host_syncs, record_npu_calls
+
+    outs, reads, ops = [], [], []
+    for use_fia, forward in ((False, None), (True, _upstream_extend())):
+        _, pool, backend, forward_batch, q, k, v = _sliding_prefill(use_fia=use_fia)
+        sinks = _sinks("bfloat16")
+        metadata = backend.forward_metadata
+        device = [q, k, v, sinks, metadata.block_tables, metadata.block_tables_swa, metadata.seq_lens,
+                  metadata.extend_seq_lens, forward_batch.out_cache_loc, forward_batch.seq_lens,
+                  backend.fia_mask, pool.full_to_swa_index_mapping]
+        device += [pool.get_key_buffer(i) for i in (FULL, SWA)] + [pool.get_value_buffer(i) for i in (FULL, SWA)]
+        layer = _layer(SWA_KV, SWA, WINDOW)
+        with count_host_syncs(device_tensors=device) as syncs, record_npu_calls() as calls:
+            if forward is None:
+                out = backend.forward_extend(q, k, v, layer, forward_batch, save_kv_cache=True, sinks=sinks)
+            else:
+                out = forward(backend, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=sinks)
+        outs.append(out)
+        reads.append(sorted(e.location for e in syncs.events))
+        ops.append([(c.name, c.kwargs.get("input_layout"), c.kwargs.get("sparse_mode")) for c in calls])
+    assert torch.equal(outs[0], outs[1])
+    assert reads[0] == reads[1], reads
+    assert ops[0] == ops[1] and ("npu_fused_infer_attention_score_v2", "TND", 4) in ops[0], ops
+
+
+def test_v_equal_k_sink_prefill_stays_upstreams(shim):
+    """A layer with V == K (128) and sinks: without FIA the patched forward_extend hands it to the triton
+    kernel as upstream does (the placeholder raises); with FIA its output is torch.equal to upstream's."""
+    import torch
+
+    from sgl_kernel_npu import PlaceholderKernelError
+
+    from npu_shim.testing import cp_case
+
+    spec = cp_case.Spec(extend_lens=(6, 9), prefix_lens=(34, 12), page_size=16, num_heads=HEADS,
+                        num_kv_heads=SWA_KV, qk_head_dim=128, v_head_dim=128, dtype=torch.bfloat16, seed=3)
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    layer = RadixAttention(num_heads=HEADS, head_dim=128, scaling=128 ** -0.5, num_kv_heads=SWA_KV,
+                           layer_id=0, sliding_window_size=WINDOW)
+    sinks = _sinks("bfloat16")
+    before = shim.stats()[PATCH].get("sink_prefill_tnd_calls", 0)
+    outs = []
+    for use_fia in (False, True):
+        for forward in (None, _upstream_extend()):
+            batch = cp_case.make_batch(spec, write_new_tokens=False)
+            config = case.model_config(num_attention_heads=HEADS, num_key_value_heads=SWA_KV, head_dim=128)
+            pool = case.build_pool(config, tp=1, tokens=batch.k_cache.shape[0] - 16, page_size=16, layers=1,
+                                   dtype=spec.dtype)
+            case.fill_prefixes(pool, batch)
+            backend, _, forward_batch, q, k, v = case.extend_inputs(batch, pool, use_fia)
+            call = forward or type(backend).forward_extend
+            if not use_fia:
+                with pytest.raises(PlaceholderKernelError, match="attention_sinks_prefill_triton"):
+                    call(backend, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=sinks)
+            else:
+                outs.append(call(backend, q, k, v, layer, forward_batch, save_kv_cache=True, sinks=sinks))
+    assert torch.equal(outs[0], outs[1])
+    assert shim.stats()[PATCH].get("sink_prefill_tnd_calls", 0) == before

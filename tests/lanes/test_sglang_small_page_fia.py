@@ -62,13 +62,16 @@ def methods(modules):
     """(upstream's forward_extend, the shim's), upstream's read back through uninstall."""
     import npu_shim
 
+    from npu_shim.patches._shared.structure import replacement_of
+
     slot = modules[0].AscendAttnBackend.__dict__
     patched = slot["forward_extend"]
-    assert getattr(patched, "__npu_shim_patch__", None) == NAME
+    # sglang.npu_decode_v_head_dim wraps this patch's forward_extend (its sink prefill of V != K layers)
+    assert replacement_of(patched, NAME) is not None
     npu_shim.uninstall()
     upstream = slot["forward_extend"]
     npu_shim.install()
-    assert slot["forward_extend"] is not upstream and slot["forward_extend"].__npu_shim_patch__ == NAME
+    assert slot["forward_extend"] is not upstream and replacement_of(slot["forward_extend"], NAME) is not None
     return upstream, slot["forward_extend"]
 
 
@@ -270,8 +273,9 @@ def test_switched_off_is_upstream_and_strict_raises_when_unreadable(modules, run
         "f = m.AscendAttnBackend.__dict__['forward_extend']\n"
         "rows = {r['name']: [r['state'], r['reason']] for r in npu_shim.status()}\n"
         "cp = m.AscendAttnBackend.__dict__['do_cp_attn_fia']\n"
-        "print(json.dumps([rows[%r], rows['sglang.cp_fia_host_lengths'], hasattr(f, '__npu_shim_patch__'), "
-        "f.__module__, hasattr(cp, '__npu_shim_patch__')]))" % (TARGET, NAME),
+        "from npu_shim.patches._shared.structure import replacement_of, upstream_of\n"
+        "print(json.dumps([rows[%r], rows['sglang.cp_fia_host_lengths'], replacement_of(f, %r) is not None, "
+        "upstream_of(f).__module__, hasattr(cp, '__npu_shim_patch__')]))" % (TARGET, NAME, NAME),
         env=make_env(NPU_SHIM_EMULATE="1", NPU_SHIM_SGLANG_SMALL_PAGE_FIA="0",
                      NPU_SHIM_DISABLE="sglang.cp_fia_host_lengths", PYTHONPATH=placeholders), timeout=600)
     row, host_lengths_row, patched, where, cp_patched = json.loads(off.stdout.strip().splitlines()[-1])

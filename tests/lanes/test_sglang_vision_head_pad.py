@@ -13,6 +13,13 @@ sglang-plugin-FL for CANN 8.5). Checked:
 * head dims 64 and 128: upstream's call and output, untouched (counted as upstream calls);
 * the CANN decision: what status notes for 8.5.0 / 9.0.0 / unreadable (pad) and 8.2.RC1 (TND 192
   only: no pad, upstream's call); NPU_SHIM_SGLANG_VISION_HEAD_PAD=0 turns the patch off.
+
+And as serving runs it: sglang's own Qwen2.5-VL tower (:mod:`npu_shim.testing.sglang_towers`) at
+its real head dim, 80 (16 heads of 80 in the model; 2 of 80 here), through the tower's own forward.
+Its ``VisionAttention.forward`` hands ``output_ws=None`` to every backend call outside NPU-graph
+mode: each of its 4 layers' FIA call gets head dim 128, the tower's output matches the float64
+tower, with the same device->host reads, where they were, as the head-64 tower's; upstream's tower
+is refused by the op. An ``output_ws`` buffer passed (graph mode) is not padded, and status says so.
 """
 import importlib
 import json
@@ -187,3 +194,85 @@ def test_switched_off_is_upstream(vision, run_python, make_env):
         timeout=600)
     row, absent = json.loads(off.stdout.strip().splitlines()[-1])
     assert row == ["disabled", "NPU_SHIM_SGLANG_VISION_HEAD_PAD=0"] and absent is True
+
+
+TOWER = "Qwen2.5-VL"
+TOWER_HEAD_DIM = 80      # Qwen2.5-VL's vision tower: hidden size 1280 over 16 heads
+TOWER_DEPTH = 4          # npu_shim.testing.sglang_towers: the tiny tower's layers
+
+
+@pytest.fixture(scope="module")
+def tower80():
+    import torch
+
+    from npu_shim.testing import sglang_towers
+
+    return sglang_towers.build(TOWER, torch.bfloat16, head_dim=TOWER_HEAD_DIM)
+
+
+def test_qwen2_5_vl_tower_at_head_dim_80_is_padded_through_its_own_forward(tower80):
+    """The tower's own forward (VisionAttention.forward passes ``output_ws=None``): padded, exact
+    against the float64 tower, no read the head-64 tower does not make; not noted as graph mode."""
+    import torch
+
+    from npu_shim.testing import sglang_towers
+
+    grid = sglang_towers.GRIDS[0]
+    x = sglang_towers.pixel_values(tower80, grid)
+    before = npu_shim.stats()[NAME]
+    out, syncs, calls = sglang_towers.forward(TOWER, tower80, x, grid)
+    after = npu_shim.stats()[NAME]
+    assert after["calls"] - before["calls"] == TOWER_DEPTH
+    assert after["upstream_calls"] == before["upstream_calls"]
+    fia = [c for c in calls if c.name == declaration.FIA]
+    assert len(fia) == TOWER_DEPTH
+    for call in fia:
+        assert _query(call).shape[-1] == 128 and call.kwargs["input_layout"] == "TND"
+        assert call.kwargs["scale"] == pytest.approx(TOWER_HEAD_DIM ** -0.5)
+    notes = claims.status_row(NAME)["notes"]
+    assert not any("NPU-graph" in n for n in notes), notes
+    ref = sglang_towers.reference_forward(TOWER, x, grid, head_dim=TOWER_HEAD_DIM)
+    err = sglang_towers.relative_error(out, ref)
+    assert err <= sglang_towers.TOLERANCES["bfloat16"], err
+    tower64 = sglang_towers.build(TOWER, torch.bfloat16)
+    _, syncs64, _ = sglang_towers.forward(TOWER, tower64, sglang_towers.pixel_values(tower64, grid), grid)
+    sites = sorted(e.location for e in syncs.events)
+    assert sites == sorted(e.location for e in syncs64.events), (syncs.summary(), syncs64.summary())
+    assert syncs.h2d_count == syncs64.h2d_count
+    print("Qwen2.5-VL tower, head dim %d, bfloat16: %d FIA calls at head dim 128, relative error %.2e vs "
+          "float64, %d device->host reads (head 64: %d)" % (TOWER_HEAD_DIM, len(fia), err, syncs.count,
+                                                            syncs64.count))
+
+
+def test_qwen2_5_vl_tower_at_head_dim_80_upstream_is_refused(tower80):
+    """The same tower's forward with the shim uninstalled: FIA's TND head-dim refusal (CANN 8.5)."""
+    from npu_shim.testing import sglang_towers
+
+    grid = sglang_towers.GRIDS[0]
+    x = sglang_towers.pixel_values(tower80, grid)
+    with pytest.raises(ValueError, match=r"When layout is TND, queryD\(80\), keyD\(80\) and valueD\(80\) "
+                                         r"must be same equal 192/128/64"):
+        sglang_towers.forward(TOWER, tower80, x, grid, upstream=True)
+
+
+def test_an_output_buffer_is_graph_mode_and_not_padded(vision):
+    """``output_ws`` a buffer (NPU-graph mode's runner): upstream's call as is, noted; ``output_ws=None``
+    (what every eager call passes): padded."""
+    import torch
+
+    from npu_shim.testing import sglang_vision
+
+    case = sglang_vision.make_case((24,), head_dim=72, dtype=torch.bfloat16)
+    attention = sglang_vision.make_attention(vision, case)
+    forward = vision.VisionAscendAttention.forward
+    args = dict(q=case.q, k=case.k, v=case.v, cu_seqlens=case.cu_seqlens, bsz=1, seq_len=case.q.shape[0])
+    before = npu_shim.stats()[NAME]
+    out = forward(attention, output_ws=None, **args)
+    assert out.shape == case.q.shape
+    assert sglang_vision.error(case, out) <= sglang_vision.TOLERANCES[torch.bfloat16]
+    assert npu_shim.stats()[NAME]["upstream_calls"] == before["upstream_calls"]
+    with pytest.raises(ValueError, match=r"queryD\(72\)"):
+        forward(attention, output_ws=torch.empty_like(case.q), **args)
+    assert npu_shim.stats()[NAME]["upstream_calls"] == before["upstream_calls"] + 1
+    assert any(n.startswith("NPU-graph mode (an output_ws buffer): the captured call keeps head dim 72")
+               for n in claims.status_row(NAME)["notes"])

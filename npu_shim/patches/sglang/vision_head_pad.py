@@ -30,6 +30,10 @@ How: the forward is wrapped. A call that reaches the FIA call (not upstream's SD
   ``sglang.vision_device_lengths`` (0.5.14 - 0.5.15) or ``sglang.vision_host_lengths``
   (0.5.16+), which keep upstream's FIA call: the pad stands outside both. Every other
   call (D = 64 or 128 included) goes to it untouched.
+  NPU-graph mode is decided as upstream's graph runner decides it: an ``output_ws`` buffer
+  passed (not None). sglang's ``VisionAttention.forward`` hands ``output_ws=`` to every
+  backend call, None outside graph mode (read in 0.5.14 and 0.5.23): the key's presence says nothing,
+  and eager serving (the towers' own forward) is padded.
   The CANN release is read once, at the first call that would be padded, never at
   start-up: ``torch_npu.npu.utils.get_cann_version("CANN")`` (``torch_npu.utils`` in
   newer releases; "" below CANN 8.1.RC1), else the ``version=`` line of
@@ -41,8 +45,9 @@ Upstream fix: none up to 0.5.23.
 Remove when: sglang pads the head dim for FIA itself, or the CANN in use takes these
   head dims in TND.
 
-Not covered: NPU-graph mode (``SGLANG_VIT_ENABLE_CUDA_GRAPH``, an ``output_ws`` passed):
-the captured call keeps upstream's head dim, and status says so once it is seen.
+Not covered: NPU-graph mode (``SGLANG_VIT_ENABLE_CUDA_GRAPH``, whose runner passes an
+``output_ws`` buffer of the model's head dim): the captured call keeps upstream's head dim
+(FIA refuses it where it refuses the eager call), and status says so once it is seen.
 """
 import inspect
 import os
@@ -182,9 +187,9 @@ def make_forward(inner, fallback, context):
         d = q.shape[-1]
         if (SMALLEST < d < PADDED and k.shape[-1] == d and v.shape[-1] == d
                 and not (fallback and kwargs.get("attention_mask") is not None)):
-            if "output_ws" in kwargs:
-                context.note("graph", "NPU-graph mode (output_ws): the captured call keeps head dim %d, "
-                                      "not padded" % d)
+            if kwargs.get("output_ws") is not None:
+                context.note("graph", "NPU-graph mode (an output_ws buffer): the captured call keeps head "
+                                      "dim %d, not padded" % d)
             elif cann.decide(context):
                 import torch.nn.functional as F
 
