@@ -181,13 +181,27 @@ class _FiaTnd:
 
 def make_forward(inner, fallback, context):
     cann = _Cann()
+    signature = inspect.signature(inner)      # upstream's (a replacement below presents it)
 
-    def forward(self, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=None, **kwargs):
+    def passed(name, args, kwargs):
+        """What the caller passed as upstream's ``name``: a parameter (by position or keyword), or a key of
+        its ``**kwargs``; None where it was not passed."""
+        bound = signature.bind_partial(*args, **kwargs).arguments
+        if name in bound:
+            return bound[name]
+        extra = [value for key, value in bound.items()
+                 if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD]
+        return extra[0].get(name) if extra else None
+
+    # upstream's parameters after softmax_scale (0.5.23: forward_metadata, attention_mask) pass through
+    # *args / **kwargs as they came
+    def forward(self, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=None, *args, **kwargs):
         context.count("calls")
         d = q.shape[-1]
+        everything = (self, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale) + args
         if (SMALLEST < d < PADDED and k.shape[-1] == d and v.shape[-1] == d
-                and not (fallback and kwargs.get("attention_mask") is not None)):
-            if kwargs.get("output_ws") is not None:
+                and not (fallback and passed("attention_mask", everything, kwargs) is not None)):
+            if passed("output_ws", everything, kwargs) is not None:
                 context.note("graph", "NPU-graph mode (an output_ws buffer): the captured call keeps head "
                                       "dim %d, not padded" % d)
             elif cann.decide(context):
@@ -195,10 +209,10 @@ def make_forward(inner, fallback, context):
 
                 scale = softmax_scale if softmax_scale is not None else d ** -0.5
                 q, k, v = (F.pad(t, (0, PADDED - d)) for t in (q, k, v))
-                out = inner(self, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=scale, **kwargs)
+                out = inner(self, q, k, v, cu_seqlens, bsz, seq_len, scale, *args, **kwargs)
                 return out[..., :d].contiguous()
         context.count("upstream_calls")
-        return inner(self, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=softmax_scale, **kwargs)
+        return inner(self, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale, *args, **kwargs)
 
     return forward
 
