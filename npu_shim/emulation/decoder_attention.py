@@ -29,6 +29,13 @@ Value head dim != key head dim (what each document says; encoded below):
 * ``learnable_sink`` (same revision, "learnable_sink的参数约束"): "仅支持TND、NTD_TND;
   仅支持value的d小于等于128": refused with V_D > 128; and its parameter entry, "数据类型支持
   `bfloat16`": any other dtype (float16, float32) is refused (ValueError quoting it).
+* ATB PagedAttention: the documented inputs take one head size for the caches (the separate
+  V head size exists only as ``mlaVHeadSize`` in the MLA-merged cache mode, not emulated):
+  V != K is refused.
+
+For K == V the same list allows only D 128 (or 192) in TND; vllm-ascend's releases call TND
+for every head size of the models they serve, and the emulation does not refuse other
+equal head sizes (the tests use D 128).
 
 The window edge (sparse_mode 4, what vllm-ascend passes a sliding-window layer:
 ``pre_tokens=sliding_window``, ``next_tokens=0``). The page (same revision) defines the two
@@ -41,31 +48,25 @@ nextTokens之间的部分，参数起点为右下角") fixes the arithmetic in i
 exactly keys ``diag - pre .. diag + next`` with ``diag = Skv - Sq + i``, both ends included (row 2
 sees keys 0-2 = diag 1 + 1); mode 7's card 1 (Sq 2, Skv 6, rows 0-1 of a rightDownCausal 4 x 6)
 is "nextTokens=-2" the same way. The examples fix the upper end; the lower end is read the same
-way (symmetric, and "前几个Token" counts tokens *before* the current one). So the emulation admits, for query row i of a segment,
+way (symmetric, and "前几个Token" counts tokens *before* the current one). So the emulation
+admits, for query row i of a segment,
 ``kv_len - q_len + i - pre_tokens <= j <= kv_len - q_len + i + next_tokens``: pre_tokens=W,
 next_tokens=0 is the current key and the W before it, **W + 1 keys**. vLLM's FlashAttention
 (``window_size=(W - 1, 0)``), its KV-cache manager and HF (a query at i sees i - W < j <= i) use
 W: under this reading the op needs ``pre_tokens=W - 1`` (what ``vllm.ascend_attention_v_head_dim``
 passes for the layers it serves; ``NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1`` for every layer).
 Which reading an installed CANN has is probed on the box by the MiMo selftest
-(:func:`npu_shim.testing.mimo.probe_window_edge`).
+(:func:`npu_shim.testing.window_edge.probe_window_edge`).
 
 Q_S = 1: the page says of pre_tokens and next_tokens "Q_S为1时该参数无效" and of sparse_mode
 "Q_S为1且不带rope输入时该参数无效", Q_S being "query shape中的S". A TND query (T, N, D) has no S
-axis; the page's TND rules (约束说明, "TND、TND_NTD、NTD_TND场景下...综合限制") list sparse 0/3/4
-with no Q_S exception, and its Q_S=1 section defers TND to them ("当query的input_layout为TND/
-TND_NTD时，综合约束请见..."). The emulation therefore applies the band to every TND segment, a
+axis; the page's TND rules (约束说明, "TND、TND_NTD、NTD_TND场景下...综合限制", query D != 512)
+restrict head dims, GQA and block sizes but neither sparse_mode nor a Q_S of 1, and its Q_S=1
+section defers TND to them ("当query的input_layout为TND/TND_NTD时，综合约束请见..."). The emulation therefore applies the band to every TND segment, a
 decode segment of one query token included (the only layout it emulates for this op). Whether
 the installed op does the same in a decode-only TND call is probed by the same selftest; an op
 that ignores it there would attend past the window, to the null block vLLM's KV manager leaves in
 the block table for the blocks it has freed.
-* ATB PagedAttention: the documented inputs take one head size for the caches (the separate
-  V head size exists only as ``mlaVHeadSize`` in the MLA-merged cache mode, not emulated):
-  V != K is refused.
-
-For K == V the same list allows only D 128 (or 192) in TND; vllm-ascend's releases call TND
-for every head size of the models they serve, and the emulation does not refuse other
-equal head sizes (the tests use D 128).
 """
 import math
 
