@@ -91,6 +91,30 @@ MUTANTS = (
            "latest-sglang", "FAILED tests/lanes/test_sglang_npu_decode_v_head_dim.py",
            ("npu_shim/patches/sglang/npu_decode_v_head_dim.py",
             'ReplaceExpression("self.use_fia", "True")),', "),")),
+    mutant("o", "the source check compares bytecode and names only: a stale source differing from the running code "
+                "in a constant (x + 2 for x + 1, \"TND\" for \"BSND\") is edited as if it were that code",
+           "base", "FAILED tests/test_source_edit.py",
+           ("npu_shim/patches/_shared/source_edit.py",
+            "and len(a.co_consts) == len(b.co_consts) and all(map(_same_constant, a.co_consts, b.co_consts)))",
+            ")")),
+    mutant("p", "a family's build edits upstream's function again instead of installing the edit its check made "
+                "(dots.ocr's tower forward edited twice)", "vllm-0.30", "edited more than once at install",
+           ("npu_shim/patches/vllm/dots_ocr_host_lengths.py", "        edited = edit_of(context, FORWARD)\n",
+            "        edited = self.edited(module_class(module, TOWER), original)\n")),
+    mutant("q", "a replacement that cannot take a parameter upstream added (hand-typed parameters) is presented "
+                "as upstream's: the structural check passes and the first call raises TypeError",
+           "base", "FAILED tests/test_family_context.py",
+           ("npu_shim/patch.py", "        refused = signature_refusal(replacement, original)\n",
+            "        refused = \"\"\n")),
+    mutant("counters-record", "the per-process record is written only when a patch applies and at exit: a process "
+                              "killed at shutdown (vLLM's EngineCore) leaves its counters at 0",
+           "base", "FAILED tests/test_stats.py",
+           ("npu_shim/engine/counters.py", "        _Record.dirty = True\n        due = first or",
+            "        _Record.dirty = True\n        return\n        due = first or")),
+    mutant("counters-calls", "vllm.mm_encoder_host_lengths' wrapper counts nothing (calls=0 in every process)",
+           "vllm-0.30", "FAILED tests/lanes/test_mm_encoder_host_lengths.py",
+           ("npu_shim/patches/vllm/mm_encoder_host_lengths/families.py",
+            "            if outer:\n                context.count(\"calls\")", "            if False:\n                pass")),
     mutant("w", "a MiMo sliding layer (V != K) keeps upstream's pre_tokens = W, which the op page's band admits as "
                 "W + 1 keys (the extra one the null block's row at the window edge), the patch applied", "vllm-0.30",
            "FAILED tests/lanes/test_mimo_v2_flash.py::test_native_window_edge_is_the_models",

@@ -20,7 +20,9 @@ reason printed as ``LANE FAILED: ...``) when
   status row's ``admitted``) is not applied with one of those families, or no test marked
   for it passed: a claim no test exercised on the lane standing for it is a defect;
 - the status command is missing or fails (the claim above cannot be checked then; the
-  table says so instead of rows, none are made up);
+  table says so instead of rows, none are made up); it fails, naming the function, when an
+  upstream function was edited more than once while the patches applied (a family whose build
+  edits again what its check edited: build must install the check's edit, ``context.found``);
 - npu_shim/releases_read.json (the releases each family was read in) records the installed
   release for a family other than the one applied here, or for a patch not applied here
   (evidence_conflicts);
@@ -90,11 +92,21 @@ def run_pytest(junit_path, pytest_args, env):
 # registered with its real __path__ but without running that __init__; the real
 # ``vllm_ascend.ops.mm_encoder_attention`` file is then imported by the shim as usual.
 STATUS_SNIPPET = """
-import contextlib, json, sys, traceback
+import collections, contextlib, json, sys, traceback
+from npu_shim.patches._shared import source_edit
+# Each edit of upstream's function reads its definition once (_function_node): counted per function
+# object, so a family whose build edits again what its check edited (and threw away) shows here.
+edits, definition = collections.Counter(), source_edit._function_node
+def counted(function):
+    edits["%s.%s" % (function.__module__, function.__qualname__), id(function)] += 1
+    return definition(function)
+source_edit._function_node = counted
 from npu_shim.testing.towers import targets_importable
 from npu_shim.cli import main
 with targets_importable():
     status = main(["status", "--json", "--import"])
+source_edit._function_node = definition
+twice = sorted("%s (%d times)" % (name, n) for (name, _), n in edits.items() if n > 1)
 sys.stdout.flush()
 if len(sys.argv) > 1:
     # The family matrix, after the status is printed (see MATRIX_NOTE); a failure here is the
@@ -107,8 +119,12 @@ if len(sys.argv) > 1:
         matrix = {"error": traceback.format_exc()}
     with open(sys.argv[1], "w", encoding="utf-8") as handle:
         json.dump(matrix, handle)
+if twice:
+    print("%s: %s" % (EDITED_TWICE, ", ".join(twice)), file=sys.stderr)
+    sys.exit(3)
 sys.exit(status)
-"""
+""".replace("EDITED_TWICE", repr("upstream's function edited more than once at install (build must install the "
+                                 "edit its check made, context.found)"))
 # Where vllm-ascend is installed, the status interpreter then also computes the family
 # matrix of tests/lanes/test_family_by_structure.py (every family's structural check against
 # upstream's code; the test would otherwise import every target once more in a fresh

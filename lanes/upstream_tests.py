@@ -178,7 +178,7 @@ CONFTEST_STANDINS = {
 
 GQA_EVIDENCE = ("docs/upstream-evidence.md section 3.2 (GQA): the documented _npu_flash_attention_unpad takes "
                 "K/V with num_kv_heads heads; the emulation rejects upstream's call (K/V repeated to num_heads, "
-                "num_kv_heads unchanged); tests/lanes/test_mm_encoder_attn_310p.py checks the family's call "
+                "num_kv_heads unchanged); tests/lanes/test_mm_encoder_310p.py checks the family's call "
                 "against the float64 reference (8 heads, 2 KV heads)")
 DIFFERENCES = (
     Difference("vllm-ascend:mm_encoder_attention_310p",

@@ -45,6 +45,11 @@ VARIABLES = (
     ("NPU_SHIM_EXIT_SUMMARY", "boolean, default 0",
      "1: every process that applied a patch prints one line per applied patch at exit (pid, family, "
      "counters)", ""),
+    ("NPU_SHIM_STATS_DIR", "a directory (made if missing), default unset",
+     "every process that applies a patch keeps its record there, npu-shim-<pid>.json: pid, role (the "
+     "name multiprocessing gave it, e.g. vLLM's EngineCore, VllmWorker-0), each applied patch's family "
+     "and counters; written when a patch applies and as the counters change (at most 0.5 s behind), so "
+     "a process killed at shutdown leaves its counts; `npu-shim stats --processes` reads them", ""),
     ("NPU_SHIM_FAMILY_BY_STRUCTURE", "boolean, default 1",
      "where the installed version of a family's distribution is a development or local build "
      "(PEP 440 .devN or +local), the family is chosen by the structure of the installed code alone: "
@@ -172,6 +177,20 @@ def env_positive_number(name, default, environ=None):
     return value
 
 
+def env_directory(name, environ=None):
+    """A directory path (None when unset or empty); a path that exists and is not a directory
+    is an error naming the variable. The directory itself is made when first written."""
+    environ = os.environ if environ is None else environ
+    raw = environ.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    path = os.path.abspath(os.path.expanduser(raw.strip()))
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ConfigError("%s=%r is not a directory (a file of that name exists); use a directory path"
+                          % (name, raw))
+    return path
+
+
 def check_emulation(environ=None):
     """The NPU_SHIM_EMULATE_* variables; checked only where NPU_SHIM_EMULATE=1, so a
     typo in a test-only variable never switches the shim off on a production machine."""
@@ -194,7 +213,8 @@ class Settings:
 
     __slots__ = ("enabled", "strict", "emulate", "enable", "disable", "log_level", "mm_encoder_tnd",
                  "mm_encoder_fusion_attention", "switched_off", "moonvit_attn", "exit_summary",
-                 "family_by_structure", "mimo_pad_v", "mimo_pad_sinks", "ascend_swa_window_edge")
+                 "family_by_structure", "mimo_pad_v", "mimo_pad_sinks", "stats_dir",
+                 "ascend_swa_window_edge")
 
     def __init__(self, environ=None):
         environ = os.environ if environ is None else environ
@@ -222,6 +242,7 @@ class Settings:
         self.ascend_swa_window_edge = env_flag("NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE", False, environ)
         self.moonvit_attn = env_choice("NPU_SHIM_MOONVIT_ATTN", MOONVIT_ATTN_CHOICES, "auto", environ)
         self.exit_summary = env_flag("NPU_SHIM_EXIT_SUMMARY", False, environ)
+        self.stats_dir = env_directory("NPU_SHIM_STATS_DIR", environ)
         self.family_by_structure = env_flag("NPU_SHIM_FAMILY_BY_STRUCTURE", True, environ)
         if self.emulate:
             check_emulation(environ)

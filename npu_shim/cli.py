@@ -1,6 +1,9 @@
 """``npu-shim`` command line (also ``python -m npu_shim``).
 
     npu-shim status [--json] [--import]   what each patch does in this environment
+    npu-shim stats --processes [--dir D] [--json]
+                                          every process's record of its applied patches and counters
+                                          (NPU_SHIM_STATS_DIR, or --dir)
     npu-shim run -- CMD [ARGS...]         run CMD with the shim installed at start-up
     npu-shim selftest [--json]            check every applicable patched path against float64
     npu-shim reference [--check]          write (or check) docs/reference.md, docs/lanes.md, docs/benchmarks.md
@@ -49,6 +52,57 @@ def cmd_status(args):
     else:
         print(_status_table(rows))
     return 0
+
+
+def _process_rows(records):
+    import time
+
+    rows = []
+    for record in records:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(record.get("written") or 0))
+        process = "%s%s" % (record["pid"], " " + record["role"] if record.get("role") else "")
+        patches = record["patches"] or {"-": None}
+        for name, row in sorted(patches.items()):
+            row = row or {}
+            rows.append((process, "running" if record["alive"] else "ended", when + " UTC", name,
+                         row.get("family") or "-")
+                        + tuple(str(row.get(event, "-")) for event in _counters_events()))
+    return rows
+
+
+def _counters_events():
+    from npu_shim.engine import counters
+
+    return counters.EVENTS
+
+
+def cmd_stats(args):
+    if not args.processes:
+        print("npu-shim stats: use --processes (every process's record in NPU_SHIM_STATS_DIR or --dir); "
+              "a process's own counters are npu_shim.stats()", file=sys.stderr)
+        return EXIT_USAGE
+    directory = args.dir or _config.settings().stats_dir
+    if not directory:
+        print("npu-shim stats --processes: no directory: set NPU_SHIM_STATS_DIR (where the processes "
+              "wrote their records) or pass --dir", file=sys.stderr)
+        return EXIT_USAGE
+    if not os.path.isdir(directory):
+        print("npu-shim stats --processes: %s is not a directory (no process has written a record there)"
+              % directory, file=sys.stderr)
+        return 1
+    from npu_shim.engine import counters
+
+    records, problems = counters.read_records(directory)
+    for line in problems:
+        print("npu-shim stats: %s" % line, file=sys.stderr)
+    if args.json:
+        print(json.dumps(records, indent=2, sort_keys=True))
+    elif not records:
+        print("no process has written a record in %s" % directory)
+    else:
+        print(format_table(("process", "now", "written", "patch", "family") + counters.EVENTS,
+                           _process_rows(records)))
+    return 1 if problems else 0
 
 
 def cmd_run(argv):
@@ -105,6 +159,13 @@ def build_parser():
         help="import each installed target module first, so structural checks run and patches apply",
     )
     status.set_defaults(func=cmd_status)
+    stats = sub.add_parser("stats", help="every process's record of its applied patches and counters "
+                                          "(--processes; written where NPU_SHIM_STATS_DIR names)")
+    stats.add_argument("--processes", action="store_true",
+                       help="read every process's record (npu-shim-<pid>.json) in the directory")
+    stats.add_argument("--dir", default=None, help="the directory (default: NPU_SHIM_STATS_DIR)")
+    stats.add_argument("--json", action="store_true", help="print the records as JSON")
+    stats.set_defaults(func=cmd_stats)
     selftest = sub.add_parser("selftest", help="run every applicable patched path against a float64 reference")
     selftest.add_argument("--json", action="store_true", help="print the results as JSON")
     selftest.set_defaults(func=cmd_selftest)

@@ -235,7 +235,9 @@ class FamilyContext:
         ``what`` it does beside upstream's code, ``__wrapped_upstream__`` (where tests and readers
         find upstream's) and :attr:`MARK` (the patch's name). ``wrapped``: also ``__wrapped__``
         (functools' convention, which :mod:`inspect` follows to upstream's source), for the
-        replacements that always had it."""
+        replacements that always had it. A replacement whose own parameters cannot take every
+        call upstream's signature takes is refused here, :class:`TargetMismatch`
+        (:func:`signature_refusal`), which the engine reports as a structural mismatch."""
         import inspect
 
         replacement.__name__ = original.__name__
@@ -243,6 +245,9 @@ class FamilyContext:
         replacement.__doc__ = "npu-shim (%s) replacement of %s.%s%s%s." % (
             self.patch, original.__module__, original.__qualname__, ": " + what if what else "",
             "; see " + self.module if self.module else "")
+        refused = signature_refusal(replacement, original)
+        if refused:
+            raise TargetMismatch("%s.%s: %s" % (original.__module__, original.__qualname__, refused))
         replacement.__signature__ = inspect.signature(original)
         replacement.__wrapped_upstream__ = original
         if wrapped:
@@ -252,6 +257,71 @@ class FamilyContext:
 
     def __repr__(self):
         return "FamilyContext(%r, %r, %r)" % (self.patch, self.family, self.module)
+
+
+def signature_refusal(replacement, original) -> str:
+    """Why ``replacement`` cannot take every call ``original``'s signature takes ("" when it can).
+
+    A replacement advertises upstream's signature (``__signature__``); one that hand-types
+    upstream's parameters must also accept them, or a release that adds a parameter would pass the
+    structural check and raise TypeError at the first call. Read from the replacement's own code:
+    each of upstream's positional parameters at its position (or ``*args`` from there on), each
+    parameter by name (or ``**kwargs``), a default where upstream has one, and no required
+    parameter upstream's callers do not pass."""
+    import inspect
+
+    try:
+        ours = inspect.signature(replacement, follow_wrapped=False)
+        theirs = inspect.signature(original)
+    except (TypeError, ValueError):
+        return ""
+    kinds = inspect.Parameter
+    mine = list(ours.parameters.values())
+    var_positional = any(p.kind is kinds.VAR_POSITIONAL for p in mine)
+    var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in mine)
+    positional = [p for p in mine if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    by_name = {p.name: p for p in mine if p.kind in (kinds.POSITIONAL_OR_KEYWORD, kinds.KEYWORD_ONLY)}
+    taken = set()
+    index = 0
+    for parameter in theirs.parameters.values():
+        if parameter.kind is kinds.VAR_POSITIONAL:
+            if not var_positional:
+                return "upstream takes *%s, the replacement no *args" % parameter.name
+            continue
+        if parameter.kind is kinds.VAR_KEYWORD:
+            if not var_keyword:
+                return "upstream takes **%s, the replacement no **kwargs" % parameter.name
+            continue
+        if parameter.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD):
+            at = positional[index] if index < len(positional) else None
+            index += 1
+            if at is None:
+                if not var_positional:
+                    return ("upstream's parameter %r (position %d) is not a parameter of the replacement"
+                            % (parameter.name, index))
+                if parameter.kind is kinds.POSITIONAL_OR_KEYWORD and not var_keyword:
+                    return "upstream's parameter %r cannot be passed to the replacement by name" % parameter.name
+                continue
+            if parameter.kind is kinds.POSITIONAL_OR_KEYWORD and at.name != parameter.name \
+                    and at.kind is not kinds.POSITIONAL_ONLY and index > 1:
+                return ("the replacement takes %r where upstream takes %r (position %d)"
+                        % (at.name, parameter.name, index))
+            taken.add(at.name)
+            if parameter.default is not kinds.empty and at.default is kinds.empty:
+                return "upstream's %r has a default, the replacement's %r none" % (parameter.name, at.name)
+            continue
+        at = by_name.get(parameter.name)           # keyword-only
+        if at is None and not var_keyword:
+            return "upstream's keyword %r is not a parameter of the replacement" % parameter.name
+        if at is not None:
+            taken.add(at.name)
+            if parameter.default is not kinds.empty and at.default is kinds.empty:
+                return "upstream's %r has a default, the replacement's none" % parameter.name
+    required = [p.name for p in mine if p.name not in taken and p.default is kinds.empty
+                and p.kind not in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD)]
+    if required:
+        return "the replacement requires %s, which upstream's callers do not pass" % ", ".join(required)
+    return ""
 
 
 class _Inline:

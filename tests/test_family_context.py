@@ -3,6 +3,8 @@ and the one way to mark a replacement; the Patch(check=, build=) shorthand keeps
 callables."""
 import types
 
+import pytest
+
 from npu_shim.engine import counters, guards
 from npu_shim.patch import Family, FamilyContext, Patch
 
@@ -171,3 +173,40 @@ def test_the_engine_reads_the_installed_versions_once_per_application(tmp_path, 
     (tmp_path / "toy_once.py").write_text("def greet():\n    return 'hi'\n")
     out = json.loads(run_python(VERSIONS_ONCE.format(toy=str(tmp_path))).stdout.strip().splitlines()[-1])
     assert out == {"reads": ["packaging", "wrapt"], "found": [True], "greet": "patched"}, out
+
+
+def upstream_forward(self, x, grid_thw, scale=1.0, *, out=None):
+    return x
+
+
+def _refusal(replacement):
+    from npu_shim.patch import signature_refusal
+
+    return signature_refusal(replacement, upstream_forward)
+
+
+def test_a_replacement_that_takes_every_upstream_call_is_presented():
+    """Pass-through (wrapt's (*args, **kwargs)) and upstream's parameters typed out both take every
+    call; an extra parameter with a default is the replacement's own business."""
+    assert _refusal(lambda self, *args, **kwargs: None) == ""
+    assert _refusal(lambda self, x, grid_thw, scale=1.0, *, out=None: None) == ""
+    assert _refusal(lambda layer, x, grid_thw, scale=2.0, *, out=None, trace=False: None) == ""
+    assert _refusal(lambda self, x, *args, **kwargs: None) == ""
+
+
+@pytest.mark.parametrize("replacement, why", [
+    (lambda self, x, grid_thw: None, "'scale' (position 4) is not a parameter of the replacement"),
+    (lambda self, x, grid_thw, scale=1.0: None, "keyword 'out' is not a parameter"),
+    (lambda self, x, grid_thw, scale, *, out=None: None, "'scale' has a default, the replacement's 'scale' none"),
+    (lambda self, x, grid, scale=1.0, *, out=None: None, "takes 'grid' where upstream takes 'grid_thw'"),
+    (lambda self, x, grid_thw, scale=1.0, *, out=None, extra: None, "requires extra"),
+    (lambda self, x, *args: None, "'grid_thw' cannot be passed to the replacement by name"),
+])
+def test_a_replacement_that_cannot_take_an_upstream_call_is_not_the_shape(replacement, why):
+    """Upstream added a parameter the hand-typed wrapper lacks (or renamed one): the structural
+    check fails with "not the shape" instead of a TypeError at the first call."""
+    from npu_shim.patch import TargetMismatch
+
+    assert why in _refusal(replacement)
+    with pytest.raises(TargetMismatch, match="upstream_forward: "):
+        FamilyContext("toy.context").present(replacement, upstream_forward)

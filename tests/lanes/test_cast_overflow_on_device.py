@@ -125,7 +125,7 @@ def _check_on(source):
     name = "<cast_overflow_test_%d>" % id(text)
     linecache.cache[name] = (len(text), None, text.splitlines(True), name)
     namespace = {}
-    exec(compile(text, name, "exec"), vars(target()), namespace)
+    exec(compile(text, name, "exec"), dict(vars(target()), __file__=name), namespace)
     module = types.ModuleType("checked")
     setattr(module, FUNCTION, namespace[FUNCTION])
     patch.ASK_THEN_CLAMP.check(module, FamilyContext(PATCH_NAME))

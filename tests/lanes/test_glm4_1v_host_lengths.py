@@ -254,7 +254,7 @@ def test_the_copy_then_tolist_family_needs_the_copy_before_the_read(stack):
         name = "<glm4_1v_test_%d>" % id(swapped)
         linecache.cache[name] = (len(swapped), None, swapped.splitlines(True), name)
         namespace = {}
-        exec(compile(swapped, name, "exec"), forward.__globals__, namespace)
+        exec(compile(swapped, name, "exec"), dict(forward.__globals__, __file__=name), namespace)
         forward = namespace["forward"]
     embeddings = vars(module.Glm4vVisionEmbeddings)["forward"].__wrapped_upstream__
     fake = types.SimpleNamespace(

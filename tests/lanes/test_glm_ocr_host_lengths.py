@@ -240,7 +240,7 @@ def _patched(source, like):
     name = "<glm_ocr_test_%d>" % id(text)
     linecache.cache[name] = (len(text), None, text.splitlines(True), name)
     namespace = {}
-    exec(compile(text, name, "exec"), like.__globals__, namespace)
+    exec(compile(text, name, "exec"), dict(like.__globals__, __file__=name), namespace)
     return namespace["forward"]
 
 

@@ -232,7 +232,8 @@ def test_the_edit_and_a_forward_without_its_anchor(stack):
     name = "<hunyuan_test_%d>" % id(source)
     linecache.cache[name] = (len(source), None, source.splitlines(True), name)
     namespace = {}
-    exec(compile(source, name, "exec"), upstream_forward.__globals__, namespace)
+    # compiled as a module of its own (its globals name its file), not as code swapped into upstream's
+    exec(compile(source, name, "exec"), dict(upstream_forward.__globals__, __file__=name), namespace)
     module.HunYuanVisionTransformer = type("HunYuanVisionTransformer", (), {"forward": namespace["forward"]})
     with pytest.raises(TargetMismatch, match=r"anchor '\(cu_seqlens\[1:\] - cu_seqlens\[:-1\]\).tolist\(\)' "
                                              r"found 0 times"):

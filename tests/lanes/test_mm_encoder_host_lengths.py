@@ -20,6 +20,8 @@ own TORCH_SDPA tower and to a float64 copy whose attention is
 ``npu_shim.testing.attention_f64``.
 """
 
+import os
+
 import pytest
 
 from npu_shim.testing.errors import Tolerance
@@ -163,3 +165,109 @@ def test_disable_switch(stack):
     from npu_shim.testing import towers
 
     assert towers.state_with_disabled(PATCH_NAME) == "disabled"
+
+
+def tower_calls_of_maybe_recompute(module_file):
+    """A profiler that counts the calls of ``maybe_recompute_cu_seqlens`` made from the tower's own
+    module (``module_file``): what vLLM's tower code does, read without the shim's counters."""
+    import sys
+
+    seen = []
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_name == "maybe_recompute_cu_seqlens" \
+                and frame.f_back is not None and frame.f_back.f_code.co_filename == module_file:
+            seen.append(frame.f_back.f_code.co_name)
+
+    return seen, profile
+
+
+@pytest.mark.parametrize("name", ["Qwen2.5-VL", "Qwen3-VL"])
+def test_counters_count_through_the_tower_forward(stack, name):
+    """``npu_shim.stats()`` after the tower's own forwards: ``calls`` is the number of times the
+    tower copied ``cu_seqlens`` through ``maybe_recompute_cu_seqlens`` (counted by a profiler on
+    the tower's module, not by the shim; Qwen2.5-VL: full and window, 2 a forward; Qwen3-VL: 1),
+    the nested call vLLM's method makes through vllm-ascend's class is not a second call, and
+    nothing is handed back to upstream (no FlashInfer here). Before the fix: calls=0."""
+    import sys
+
+    import npu_shim
+    from npu_shim.testing import towers
+
+    tower = towers.build_tower(stack, name, stack.attention["A2"])
+    module_file = sys.modules[type(tower).__module__].__file__
+    before = npu_shim.stats()[PATCH_NAME]
+    seen, profile = tower_calls_of_maybe_recompute(module_file)
+    for forward in range(2):
+        grid = towers.grids(forward)
+        x = towers.pixel_values(tower, grid, seed=forward)
+        sys.setprofile(profile)
+        try:
+            run(tower, stack.attention["A2"], x, grid)
+        finally:
+            sys.setprofile(None)
+    after = npu_shim.stats()[PATCH_NAME]
+    per_forward = 0 if name == "Qwen2.5-VL" and tower_copies_itself() else {"Qwen2.5-VL": 2, "Qwen3-VL": 1}[name]
+    assert len(seen) == 2 * per_forward, seen
+    assert (after["state"], after["calls"] - before["calls"], after["upstream_calls"] - before["upstream_calls"]) \
+        == ("applied", len(seen), 0), (before, after)
+
+
+RECORDING_CHILD = """
+import sys, time, torch
+from npu_shim.testing import towers
+s = towers.setup()
+t = towers.build_tower(s, "Qwen2.5-VL", s.attention["A2"])
+g = towers.grids(0)
+x = towers.pixel_values(t, g)
+with torch.inference_mode(), towers.registered(s.attention["A2"]):
+    t(x, grid_thw=g)
+print("forward done", flush=True)
+time.sleep(300)
+"""
+
+
+def test_record_of_a_worker_killed_after_the_tower_forward(stack, tmp_path):
+    """A worker process runs the tower's forward and is killed with SIGKILL (vLLM's shutdown of its
+    EngineCore): its record in NPU_SHIM_STATS_DIR holds the patch's family and the calls it made."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from npu_shim.testing import claims
+
+    if tower_copies_itself():
+        pytest.skip("vLLM %s copies cu_seqlens through maybe_recompute_cu_seqlens: the patch is out"
+                    % vllm_minor())
+    env = dict(os.environ, NPU_SHIM_STATS_DIR=str(tmp_path))
+    env.pop("NPU_SHIM_DISABLE", None)
+    child = subprocess.Popen([sys.executable, "-P", "-c", RECORDING_CHILD], env=env, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    path = tmp_path / ("npu-shim-%d.json" % child.pid)
+
+    def calls():
+        try:
+            return json.loads(path.read_text())["patches"][PATCH_NAME]["calls"]
+        except (OSError, ValueError, KeyError):
+            return None
+
+    try:
+        for line in child.stdout:              # vLLM logs to stdout too
+            if line.strip() == "forward done":
+                break
+        else:
+            raise AssertionError(child.stderr.read()[-3000:])
+        deadline = time.monotonic() + 30       # a bound: the last count is written RECORD_INTERVAL later
+        while calls() != 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        child.send_signal(signal.SIGKILL)
+        assert child.wait(timeout=60) == -signal.SIGKILL
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    row = json.loads(path.read_text())["patches"][PATCH_NAME]
+    assert (row["applied"], row["family"], row["calls"], row["upstream_calls"]) \
+        == (True, claims.claimed_family(PATCH_NAME).name, 2, 0), row

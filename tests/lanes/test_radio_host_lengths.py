@@ -176,7 +176,7 @@ def _variant(source, old, new):
     name = "<radio_test_%d>" % id(source)
     linecache.cache[name] = (len(source), None, source.splitlines(True), name)
     namespace = {}
-    exec(compile(source, name, "exec"), upstream_method().__globals__, namespace)
+    exec(compile(source, name, "exec"), dict(upstream_method().__globals__, __file__=name), namespace)
     return namespace[METHOD]
 
 

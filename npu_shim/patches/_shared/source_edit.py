@@ -15,8 +15,8 @@ upstream line (an inserted statement takes its anchor's line), so a traceback po
 file. Each anchor must be found exactly ``count`` times: missing, or found more often,
 :class:`~npu_shim.patch.TargetMismatch` names the function and the anchor. Before editing, the
 unedited source is compiled the same way and must give the very code object the interpreter runs
-(bytecode and names), so an edit never applies to source that is not the code in use (a file
-changed after import, a wrapper's source). :class:`AddKeyword` names a
+(bytecode, names and constants, nested code objects compared the same way), so an edit never applies
+to source that is not the code in use (a file changed after import, a wrapper's source). :class:`AddKeyword` names a
 callee instead (``"Pool"``) and adds one keyword argument to each call of it, where upstream's call
 leaves an argument out.
 
@@ -24,11 +24,14 @@ The edited function runs in upstream's module globals (the live dict, not a copy
 original's closure cells, ``__class__`` included (zero-argument ``super()`` works); its defaults,
 keyword defaults, annotations and attributes are the original's objects (never re-evaluated).
 ``names`` hands the inserted code values of the shim's own (a counter, a helper) as closure cells,
-never through upstream's globals. Refused with the reason: a lambda, a function whose source does
+never through upstream's globals. Refused with the reason, as :class:`~npu_shim.patch.TargetMismatch`
+(this is not the code the edit was written for; an edit text that does not parse is the patch's own
+error, ValueError, raised where the edit is declared): a lambda, a function whose source does
 not compile to its code (a method using a private ``__name``, which the class body mangles), a
 ``functools.wraps`` wrapper (edit the function it wraps), a ``names``
 entry the original code already uses, an edit whose result does not compile (a ``nonlocal`` of a
-name upstream's function does not close over, say).
+name upstream's function does not close over, say), a :class:`ReplaceExpression` anchor that upstream's
+function assigns to.
 
 Why the standard library's :mod:`ast` (not libcst, patchy or a diff): the anchors are statements and
 expressions, which ``ast`` compares structurally with no dependency; libcst keeps comments and layout
@@ -43,6 +46,7 @@ import __future__ as _future
 import ast
 import functools
 import inspect
+import os
 import re
 import textwrap
 import types
@@ -50,6 +54,7 @@ from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional
 
 from npu_shim.patch import TargetMismatch
+from npu_shim.patches._shared.structure import foreign
 
 __all__ = ["Edit", "Replace", "InsertBefore", "InsertAfter", "ReplaceExpression", "AddKeyword",
            "edit_function", "edited_source"]
@@ -234,8 +239,8 @@ class _Expressions(ast.NodeTransformer):
     def visit(self, node):
         if isinstance(node, ast.expr) and _key(node) == self.key:
             if not isinstance(getattr(node, "ctx", ast.Load()), ast.Load):
-                raise ValueError("ReplaceExpression anchor %r is assigned to in the function; "
-                                 "use Replace on the statement" % self.edit.anchor)
+                raise TargetMismatch("ReplaceExpression anchor %r is assigned to in the function (the edit "
+                                     "was written for code that reads it)" % self.edit.anchor)
             self.found += 1
             return self.edit.expression(node)
         return super().visit(node)
@@ -247,8 +252,13 @@ def _function_node(function):
     if not isinstance(function, types.FunctionType):
         raise TargetMismatch("%s is not a Python function (%s): nothing to edit" % (what, type(function).__name__))
     if hasattr(function, "__wrapped__"):
-        raise TargetMismatch("%s wraps another function (__wrapped__): edit the function it wraps" % what)
+        raise TargetMismatch("%s is %s (__wrapped__): edit the function it wraps" % (what, foreign(function)))
     code = function.__code__
+    home = function.__globals__.get("__file__")
+    if home and not _same_file(code.co_filename, home):
+        # another tool swapped the function's __code__ for code of its own: the edit was written for upstream's
+        raise TargetMismatch("%s runs code compiled from %s, not from its module %s (%s): its __code__ was "
+                             "replaced by another tool" % (what, code.co_filename, function.__module__, home))
     if code.co_name == "<lambda>":
         raise TargetMismatch("%s is a lambda: nothing to anchor an edit to" % what)
     try:
@@ -279,6 +289,15 @@ def _function_node(function):
             [a for a in (arguments.vararg, arguments.kwarg) if a is not None]:
         argument.annotation = None
     return node, code
+
+
+def _same_file(a: str, b: str) -> bool:
+    """``a`` and ``b`` name one source file (a module's ``__file__`` may be its ``.pyc``)."""
+    return _source_path(a) == _source_path(b)
+
+
+def _source_path(path: str) -> str:
+    return os.path.realpath(path[:-1] if path.endswith(".pyc") else path)
 
 
 def _compile(function, node, cell_names: Iterable[str]):
@@ -328,9 +347,31 @@ def _imports_in(filename: str) -> list:
             if not (isinstance(statement, ast.ImportFrom) and statement.module == "__future__")]
 
 
+_CODE_FIELDS = ("co_code", "co_names", "co_varnames", "co_freevars", "co_argcount", "co_posonlyargcount",
+                "co_kwonlyargcount")
+
+
 def _same_code(a, b) -> bool:
-    return (a.co_code, a.co_names, a.co_varnames, a.co_freevars, a.co_argcount, a.co_kwonlyargcount) == \
-           (b.co_code, b.co_names, b.co_varnames, b.co_freevars, b.co_argcount, b.co_kwonlyargcount)
+    """The same code: bytecode, names and argument counts, and the constants, nested code objects
+    (an inner function, a lambda, a comprehension) compared the same way. Bytecode alone names a
+    constant by its index: ``x + 1`` and ``x + 2``, ``layout="TND"`` and ``"BSND"``, compile alike."""
+    return (all(getattr(a, field) == getattr(b, field) for field in _CODE_FIELDS)
+            and len(a.co_consts) == len(b.co_consts) and all(map(_same_constant, a.co_consts, b.co_consts)))
+
+
+def _same_constant(a, b) -> bool:
+    # an int, the float of it and a bool are equal values, not one constant
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, types.CodeType):
+        return _same_code(a, b)
+    if isinstance(a, tuple):
+        return len(a) == len(b) and all(map(_same_constant, a, b))
+    if isinstance(a, (float, complex)):         # a signed zero equals the unsigned one, and a NaN equals nothing
+        return repr(a) == repr(b)
+    if isinstance(a, frozenset):                # a constant set of `in {...}`: its members, typed
+        return {(type(m), repr(m)) for m in a} == {(type(m), repr(m)) for m in b}
+    return a == b
 
 
 def _apply(node, edits, what):
@@ -356,8 +397,8 @@ def edit_function(function, edits, names: Optional[Mapping[str, object]] = None)
     used = set(code.co_names) | set(code.co_varnames) | set(code.co_freevars) | set(code.co_cellvars)
     clashing = sorted(set(names) & used)
     if clashing:
-        raise ValueError("%s: names %s are used by upstream's code; give the shim's values other names"
-                         % (what, ", ".join(clashing)))
+        raise TargetMismatch("%s: names %s are used by upstream's code (the edit was written for code "
+                             "that does not use them)" % (what, ", ".join(clashing)))
     freevars = list(code.co_freevars)
     if not _same_code(_compile(function, node, freevars), code):
         raise TargetMismatch("%s: its source (%s:%d) does not compile to the code in use; the file "
@@ -367,7 +408,8 @@ def edit_function(function, edits, names: Optional[Mapping[str, object]] = None)
     try:
         edited = _compile(function, node, freevars + sorted(names))
     except SyntaxError as exc:
-        raise ValueError("%s: the edited function does not compile: %s (line %s)" % (what, exc.msg, exc.lineno)) from None
+        raise TargetMismatch("%s: the edited function does not compile: %s (line %s)"
+                             % (what, exc.msg, exc.lineno)) from None
     cells = dict(zip(code.co_freevars, function.__closure__ or ()))
     closure = tuple(cells[name] if name in cells else types.CellType(names[name]) for name in edited.co_freevars)
     result = types.FunctionType(edited, function.__globals__, code.co_name, function.__defaults__, closure)

@@ -1,5 +1,7 @@
 """What the families' checks read of a target's structure, and a class's own function replaced."""
 import inspect
+import types
+import typing
 
 from npu_shim.patch import TargetMismatch
 
@@ -14,11 +16,48 @@ def module_class(module, name):
 
 def own_function(cls, name):
     """``cls.name`` as a plain function the class itself defines (not inherited, not a wrapper
-    object); TargetMismatch naming it otherwise."""
+    object); TargetMismatch naming it, or what stands there instead, otherwise."""
     function = vars(cls).get(name)
-    if not inspect.isfunction(function):
-        raise TargetMismatch("%s.%s is not a function defined by the class" % (cls.__name__, name))
+    if not inspect.isfunction(function) or type(function) is not types.FunctionType:
+        if function is None:
+            raise TargetMismatch("%s.%s is not a function defined by the class" % (cls.__name__, name))
+        raise TargetMismatch("%s.%s is %s, not upstream's function: another tool's wrapper stands there; the "
+                             "patch was written for upstream's code, not for it" % (cls.__name__, name,
+                                                                                    foreign(function)))
     return function
+
+
+def foreign(thing) -> str:
+    """What stands where upstream's function was expected, for a refusal's reason: its type, the
+    file its code was compiled from (``functools.wraps`` copies the wrapped function's
+    ``__module__``, not its file), and what it wraps (``__wrapped__``: functools.wraps, wrapt)."""
+    kind = type(thing)
+    text = "a %s.%s" % (kind.__module__, kind.__qualname__)
+    if kind is types.FunctionType:
+        text += " compiled from %s" % thing.__code__.co_filename
+    inner = getattr(thing, "__wrapped__", None)
+    if inner is not None:
+        text += " wrapping %s.%s" % (getattr(inner, "__module__", "?"), getattr(inner, "__qualname__", repr(inner)))
+    return text
+
+
+class Edited(typing.NamedTuple):
+    """What a family's check found at one path, upstream's ``original``, and the ``edited`` function
+    it made of it. The check returns ``{path: Edited(...)}``; build installs that very edit
+    (:func:`edit_of`), so each function is edited once, and build cannot install an edit other than
+    the one the check accepted."""
+
+    original: types.FunctionType
+    edited: types.FunctionType
+
+
+def edit_of(context, path):
+    """The edited function the family's check made at ``path`` (an :class:`Edited` it returned)."""
+    held = context.found.get(path) if isinstance(context.found, dict) else None
+    if not isinstance(held, Edited):
+        raise TypeError("the check of %s returned no Edited for %s (build installs the check's edit)"
+                        % (context.patch, path))
+    return held.edited
 
 
 def found(context, path, look_up):
@@ -35,6 +74,8 @@ def replace_own(module, class_name, name, make, context, what):
     :func:`expect_own_body`), else looked up."""
     original = found(context, "%s.%s" % (class_name, name),
                      lambda: own_function(module_class(module, class_name), name))
+    if isinstance(original, Edited):
+        original = original.original
     return context.present(make(module, original, context), original, what)
 
 

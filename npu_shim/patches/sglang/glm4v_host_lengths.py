@@ -32,7 +32,7 @@ Remove when: sglang's GLM-4V embeddings take host lengths as host data.
 from npu_shim.patch import Family, Patch, Selftest
 from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
-from npu_shim.patches._shared.structure import module_class, own_function, replace_own
+from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
 
 TARGET = "sglang.srt.models.glm4v"
 EMBEDDINGS = "Glm4vVisionEmbeddings"
@@ -76,7 +76,7 @@ class _Embeddings:
         return original, edit_function(original, self.edits)
 
     def check(self, module, context):
-        self.edited(module)
+        return {FORWARD: Edited(*self.edited(module))}
 
     def build(self, module, context):
         return {FORWARD: replace_own(module, EMBEDDINGS, "forward", self.make_forward, context,
@@ -84,7 +84,7 @@ class _Embeddings:
                                      "the copies non-blocking (no read, no blocking copy)")}
 
     def make_forward(self, module, original, context):
-        edited = self.edited(module)[1]
+        edited = edit_of(context, FORWARD)
 
         def forward(self, embeddings, lengths, image_shapes, h_coords, w_coords):
             context.count("calls")

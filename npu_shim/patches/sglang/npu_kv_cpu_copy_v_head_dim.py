@@ -14,7 +14,7 @@ Remove when: the pinned sglang views V with ``v_head_dim`` there.
 """
 from npu_shim.patch import Family, NotNeeded, Patch, Selftest
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
-from npu_shim.patches._shared.structure import module_class, own_function, replace_own
+from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
 
 TARGET = "sglang.srt.hardware_backend.npu.memory_pool_npu"
 POOL = "NPUMHATokenToKVPool"
@@ -34,8 +34,7 @@ class CpuCopies:
             function = own_function(cls, name)
             if "v_head_dim" in function.__code__.co_names:
                 raise NotNeeded("%s.%s reads v_head_dim" % (POOL, name))
-            edit_function(function, (V_VIEW,))
-            found["%s.%s" % (POOL, name)] = function
+            found["%s.%s" % (POOL, name)] = Edited(function, edit_function(function, (V_VIEW,)))
         return found
 
     def build(self, module, context):
@@ -44,7 +43,7 @@ class CpuCopies:
                 for name in METHODS}
 
     def make(self, module, original, context):
-        edited = edit_function(original, (V_VIEW,))
+        edited = edit_of(context, "%s.%s" % (POOL, original.__name__))
 
         def method(self, *args, **kwargs):
             if self.v_head_dim == self.head_dim:

@@ -32,7 +32,7 @@ import textwrap
 
 from npu_shim.patch import Family, NotNeeded, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.source_edit import AddKeyword, edit_function
-from npu_shim.patches._shared.structure import module_class, own_function, replace_own
+from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
 
 TARGET = "sglang.srt.mem_cache.kv_cache_configurator"
 CONFIGURATOR = "KVCacheConfigurator"
@@ -123,8 +123,10 @@ class PoolCall:
         missing = [name for name in self.module_names if name not in vars(module)]
         if missing:
             raise TargetMismatch("%s lacks %s" % (module.__name__, ", ".join(missing)))
-        edit_function(function, self.edits(), names={HELPER: pool_v_head_dim})
-        return {self.path: function}
+        def v_head_dim(model_config, attn_tp_size):
+            return pool_v_head_dim(model_config, attn_tp_size, context.patch)
+
+        return {self.path: Edited(function, edit_function(function, self.edits(), names={HELPER: v_head_dim}))}
 
     def build(self, module, context):
         return {self.path: replace_own(module, self.owner, self.name, self.make, context,
@@ -132,10 +134,7 @@ class PoolCall:
                                        "where one pool cannot hold the model's layer kinds)")}
 
     def make(self, module, original, context):
-        def v_head_dim(model_config, attn_tp_size):
-            return pool_v_head_dim(model_config, attn_tp_size, context.patch)
-
-        edited = edit_function(original, self.edits(), names={HELPER: v_head_dim})
+        edited = edit_of(context, self.path)
 
         def builder(self, *args, **kwargs):
             if self.model_config.v_head_dim == self.model_config.head_dim:

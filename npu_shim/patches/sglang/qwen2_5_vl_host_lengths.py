@@ -41,7 +41,7 @@ Remove when: sglang's Qwen2.5-VL tower keeps its bounds on the host on NPU.
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.host_data import host_grid_tensor
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
-from npu_shim.patches._shared.structure import module_class, own_function, replace_own
+from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
 
 TARGET = "sglang.srt.models.qwen2_5_vl"
 TOWER = "Qwen2_5_VisionTransformer"
@@ -81,7 +81,7 @@ class _Tower:
     def check(self, module, context):
         if not callable(getattr(module, "is_npu", None)):
             raise TargetMismatch("%s lacks is_npu" % TARGET)
-        self.edited(module)
+        return {FORWARD: Edited(*self.edited(module))}
 
     def build(self, module, context):
         return {FORWARD: replace_own(module, TOWER, "forward", self.make_forward, context,
@@ -90,7 +90,7 @@ class _Tower:
                                      "blocking copy)")}
 
     def make_forward(self, module, original, context):
-        edited = self.edited(module)[1]
+        edited = edit_of(context, FORWARD)
 
         def forward(self, x, grid_thw):
             context.count("calls")

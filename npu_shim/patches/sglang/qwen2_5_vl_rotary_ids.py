@@ -30,7 +30,7 @@ Remove when: sglang's Qwen2.5-VL tower moves its rotary ids to the device itself
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.host_data import host_grid_tensor
 from npu_shim.patches._shared.source_edit import InsertAfter, edit_function
-from npu_shim.patches._shared.structure import module_class, own_function, replace_own
+from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
 
 TARGET = "sglang.srt.models.qwen2_5_vl"
 TOWER = "Qwen2_5_VisionTransformer"
@@ -55,7 +55,7 @@ class _RotaryIds:
     def check(self, module, context):
         if not callable(getattr(module, "is_npu", None)):
             raise TargetMismatch("%s lacks is_npu" % TARGET)
-        self.edited(module)
+        return {TOWER + "." + METHOD: Edited(*self.edited(module))}
 
     def build(self, module, context):
         return {TOWER + "." + METHOD: replace_own(module, TOWER, METHOD, self.make, context,
@@ -63,7 +63,7 @@ class _RotaryIds:
                                                   "the table's device non-blocking (no blocking copy)")}
 
     def make(self, module, original, context):
-        edited = self.edited(module)[1]
+        edited = edit_of(context, TOWER + "." + METHOD)
 
         def rot_pos_emb(self, grid_thw):
             context.count("calls")

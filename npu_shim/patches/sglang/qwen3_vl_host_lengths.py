@@ -36,7 +36,7 @@ Remove when: the pinned sglang is 0.5.16 or later.
 from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.host_data import host_grid
 from npu_shim.patches._shared.source_edit import Replace, edit_function
-from npu_shim.patches._shared.structure import module_class, own_function, replace_own
+from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
 
 TARGET = "sglang.srt.models.qwen3_vl"
 TOWER = "Qwen3VLMoeVisionModel"
@@ -76,7 +76,7 @@ class _Tower:
         missing = [name for name in MODULE_NAMES if not hasattr(module, name)]
         if missing or "_is_npu" not in vars(module):
             raise TargetMismatch("%s lacks %s" % (TARGET, ", ".join(missing + ["_is_npu"])))
-        self.edited(module)
+        return {FORWARD: Edited(*self.edited(module))}
 
     def build(self, module, context):
         return {FORWARD: replace_own(module, TOWER, "forward", self.make_forward, context,
@@ -84,7 +84,7 @@ class _Tower:
                                      "built (no read back in the attention)")}
 
     def make_forward(self, module, original, context):
-        edited = self.edited(module)[1]
+        edited = edit_of(context, FORWARD)
 
         def forward(self, x, grid_thw):
             context.count("calls")

@@ -38,7 +38,7 @@ Remove when: dots.ocr's tower builds ``cu_seqlens`` on the host and copies it th
 from npu_shim.patch import Family, Patch, Selftest
 from npu_shim.patches._shared import host_data, host_record
 from npu_shim.patches._shared.source_edit import InsertAfter, InsertBefore, Replace, ReplaceExpression, edit_function
-from npu_shim.patches._shared.structure import module_class, own_function, replace_own
+from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
 
 TARGET = "vllm.model_executor.models.dots_ocr"
 TOWER = "DotsVisionTransformer"
@@ -80,12 +80,14 @@ class _Tower:
         self.device_grid = device_grid
 
     def check(self, module, context):
-        self.edited(module_class(module, TOWER))
+        tower = module_class(module, TOWER)
+        forward = own_function(tower, "forward")
+        return {FORWARD: Edited(forward, self.edited(tower, forward))}
 
-    def edited(self, tower, forward=None):
-        """``forward`` (default: the tower's own) edited; TargetMismatch naming a missing anchor."""
+    def edited(self, tower, forward):
+        """The tower's ``forward`` edited; TargetMismatch naming a missing anchor."""
         ids_non_blocking = edit_function(own_function(tower, "rot_pos_emb"), IDS_NON_BLOCKING)
-        return edit_function(forward or own_function(tower, "forward"), self.edits(),
+        return edit_function(forward, self.edits(),
                              names={"ids_non_blocking": ids_non_blocking, "host_record": host_record})
 
     def edits(self):
@@ -99,7 +101,7 @@ class _Tower:
     def make_forward(self, module, original, context):
         import torch
 
-        edited = self.edited(module_class(module, TOWER), original)
+        edited = edit_of(context, FORWARD)
 
         def forward(self, hidden_states, grid_thw):
             context.count("calls")

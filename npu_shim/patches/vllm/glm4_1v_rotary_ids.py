@@ -30,7 +30,7 @@ Remove when: the oldest supported vLLM is 0.22.
 from npu_shim.patch import Family, Patch, Selftest
 from npu_shim.patches._shared.host_data import host_grid_tensor
 from npu_shim.patches._shared.source_edit import InsertBefore, edit_function
-from npu_shim.patches._shared.structure import module_class, own_function, replace_own
+from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
 
 TARGET = "vllm.model_executor.models.glm4_1v"
 TOWER = "Glm4vVisionTransformer"
@@ -45,7 +45,8 @@ IDS_NON_BLOCKING = (
 
 class _RotaryIds:
     def check(self, module, context):
-        edit_function(own_function(module_class(module, TOWER), METHOD), IDS_NON_BLOCKING)
+        original = own_function(module_class(module, TOWER), METHOD)
+        return {TOWER + "." + METHOD: Edited(original, edit_function(original, IDS_NON_BLOCKING))}
 
     def build(self, module, context):
         return {TOWER + "." + METHOD: replace_own(module, TOWER, METHOD, self.make, context,
@@ -53,7 +54,7 @@ class _RotaryIds:
                                                   "non-blocking before the indexing (no blocking copy)")}
 
     def make(self, module, original, context):
-        edited = edit_function(original, IDS_NON_BLOCKING)
+        edited = edit_of(context, TOWER + "." + METHOD)
 
         def rot_pos_emb(self, grid_thw):
             context.count("calls")

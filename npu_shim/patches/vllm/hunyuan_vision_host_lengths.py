@@ -35,7 +35,7 @@ Remove when: the pinned vLLM is 0.29.0 or later (no ``hunyuan_vision`` module), 
 from npu_shim.patch import Family, Patch, Selftest
 from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches._shared.source_edit import InsertBefore, ReplaceExpression, edit_function
-from npu_shim.patches._shared.structure import module_class, own_function, replace_own
+from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
 
 TARGET = "vllm.model_executor.models.hunyuan_vision"
 TOWER = "HunYuanVisionTransformer"
@@ -63,14 +63,15 @@ def host_grid(grid_thw):
 
 class _Tower:
     def check(self, module, context):
-        edit_function(own_function(module_class(module, TOWER), "forward"), HOST_SPLIT_SIZES)
+        original = own_function(module_class(module, TOWER), "forward")
+        return {FORWARD: Edited(original, edit_function(original, HOST_SPLIT_SIZES))}
 
     def build(self, module, context):
         return {FORWARD: replace_own(module, TOWER, "forward", self.make_forward, context,
                                      "the output split by the host cu_seqlens the tower built (no read back)")}
 
     def make_forward(self, module, original, context):
-        edited = edit_function(original, HOST_SPLIT_SIZES)
+        edited = edit_of(context, FORWARD)
 
         def forward(self, x, grid_thw):
             context.count("calls")

@@ -12,7 +12,7 @@ Why: vLLM 0.15 - 0.19's own MiMo-V2-Flash model pads V from its value head dim (
   request: the emulation, following the page, refuses it there (0.19.1rc1: the V_D rule;
   0.15.0rc1 - 0.18.0 even earlier, on the band mask they pass with ``sparse_mode=4``, the
   ``swa_mask`` vllm-ascend #8387 removed in 0.19.1rc1). Reproduced with each wheel's classes
-  (tests/lanes/test_mimo_v2_flash_sinks.py).
+  (tests/lanes/test_mimo_v2_flash.py).
 How: ``MiMoV2Attention.__init__`` is upstream's, edited
   (:func:`npu_shim.patches._shared.source_edit.edit_function`): its one ``Attention(...)`` call
   goes through :func:`checked_attention`, which refuses a call with sinks whose layer pads V past

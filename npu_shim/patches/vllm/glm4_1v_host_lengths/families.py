@@ -20,7 +20,7 @@ from npu_shim.patches._shared.code import names_in_code, source_text
 from npu_shim.patches._shared.host_data import host_grid, is_host
 from npu_shim.patches._shared.host_record import keep_at_next_copy
 from npu_shim.patches._shared.source_edit import InsertAfter, InsertBefore, Replace, ReplaceExpression, edit_function
-from npu_shim.patches._shared.structure import own_function
+from npu_shim.patches._shared.structure import Edited, own_function
 
 FIXED_UPSTREAM = ("async_tensor_h2d", "np.repeat")   # the embeddings that build the sizes on the host
 
@@ -75,9 +75,9 @@ def host_lengths(lengths):
     return None
 
 
-def embeddings_forward(original, context):
-    """``Glm4vVisionEmbeddings.forward`` edited by :data:`HOST_LENGTHS` for host ``lengths``."""
-    edited = edit_function(original, HOST_LENGTHS)
+def embeddings_forward(checked, context):
+    """``Glm4vVisionEmbeddings.forward`` edited by :data:`HOST_LENGTHS` (the check's edit) for host ``lengths``."""
+    original, edited = checked
 
     def forward(self, embeddings, lengths, image_shapes, h_coords, w_coords):
         context.count("calls")
@@ -91,9 +91,9 @@ def embeddings_forward(original, context):
                                               "copied non-blocking")
 
 
-def tower_forward_seqlens_from_host(original, context):
-    """The copy-then-tolist tower forward edited by :data:`SEQLENS_FROM_HOST` for a host grid."""
-    edited = edit_function(original, SEQLENS_FROM_HOST, names={"host_record": host_record})
+def tower_forward_seqlens_from_host(checked, context):
+    """The copy-then-tolist tower forward edited by :data:`SEQLENS_FROM_HOST` (the check's edit) for a host grid."""
+    original, edited = checked
 
     def forward(self, x, grid_thw):
         context.count("calls")
@@ -107,8 +107,9 @@ def tower_forward_seqlens_from_host(original, context):
 
 def tower_forward_with_host_shapes(original, pos_embeds_interpolate, context):
     """The encoder-metadata tower forward: for the call that builds its own metadata,
-    ``pos_embeds_interpolate`` is upstream's edited by :data:`HOST_IMAGE_SHAPE`."""
-    edited = edit_function(pos_embeds_interpolate, HOST_IMAGE_SHAPE)
+    ``pos_embeds_interpolate`` is upstream's edited by :data:`HOST_IMAGE_SHAPE` (the check's
+    :class:`Edited`)."""
+    edited = pos_embeds_interpolate.edited
 
     def forward(self, x, grid_thw, *args, **kwargs):
         own = vars(self)
@@ -140,8 +141,7 @@ def _check_embeddings(embeddings):
     if all(name in source for name in FIXED_UPSTREAM):
         raise NotNeeded("%s.forward builds the target sizes on the host (np.repeat) and copies them with "
                         "async_tensor_h2d" % EMBEDDINGS)
-    edit_function(forward, HOST_LENGTHS)
-    return forward
+    return {EMBEDDINGS + ".forward": Edited(forward, edit_function(forward, HOST_LENGTHS))}
 
 
 def _in_order(function, statements):
@@ -160,15 +160,16 @@ class _CopyThenTolist:
 
     def check(self, module, context):
         embeddings, tower = _classes(module)
-        _check_embeddings(embeddings)
+        found = _check_embeddings(embeddings)
         forward = own_function(tower, "forward")
         _in_order(forward, self.ORDER)          # the other order reads the host tensor already
-        edit_function(forward, SEQLENS_FROM_HOST, names={"host_record": host_record})
+        found[TOWER + ".forward"] = Edited(forward, edit_function(forward, SEQLENS_FROM_HOST,
+                                                                  names={"host_record": host_record}))
+        return found
 
     def build(self, module, context):
-        embeddings, tower = _classes(module)
-        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward"), context),
-                TOWER + ".forward": tower_forward_seqlens_from_host(own_function(tower, "forward"), context)}
+        return {EMBEDDINGS + ".forward": embeddings_forward(context.found[EMBEDDINGS + ".forward"], context),
+                TOWER + ".forward": tower_forward_seqlens_from_host(context.found[TOWER + ".forward"], context)}
 
 
 class _TowerCopy:
@@ -181,7 +182,7 @@ class _TowerCopy:
 
     def check(self, module, context):
         embeddings, tower = _classes(module)
-        _check_embeddings(embeddings)
+        found = _check_embeddings(embeddings)
         forward = own_function(tower, "forward")
         names = names_in_code(forward.__code__, nested=False)
         if "maybe_recompute_cu_seqlens" in names or "prepare_encoder_metadata" in names:
@@ -190,10 +191,11 @@ class _TowerCopy:
         params = tuple(inspect.signature(own_function(tower, "compute_attn_mask_seqlen")).parameters)
         if params != ("self", "cu_seqlens"):
             raise TargetMismatch("%s.compute_attn_mask_seqlen takes %s" % (TOWER, params))
+        return found
 
     def build(self, module, context):
         embeddings, tower = _classes(module)
-        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward"), context),
+        return {EMBEDDINGS + ".forward": embeddings_forward(context.found[EMBEDDINGS + ".forward"], context),
                 TOWER + ".compute_attn_mask_seqlen": attn_mask_seqlen_keeping_host(
                     own_function(tower, "compute_attn_mask_seqlen"), context)}
 
@@ -204,7 +206,7 @@ class _EncoderMetadata:
 
     def check(self, module, context):
         embeddings, tower = _classes(module)
-        _check_embeddings(embeddings)
+        found = _check_embeddings(embeddings)
         forward = own_function(tower, "forward")
         if "encoder_metadata" not in inspect.signature(forward).parameters:
             raise TargetMismatch("%s.forward takes no encoder_metadata" % TOWER)
@@ -215,13 +217,15 @@ class _EncoderMetadata:
         if "pos_embeds_interpolate" not in names or "maybe_recompute_cu_seqlens" not in names:
             raise TargetMismatch("%s.prepare_encoder_metadata does not call pos_embeds_interpolate and "
                                  "maybe_recompute_cu_seqlens" % TOWER)
-        edit_function(own_function(tower, "pos_embeds_interpolate"), HOST_IMAGE_SHAPE)
+        interpolate = own_function(tower, "pos_embeds_interpolate")
+        found[TOWER + ".pos_embeds_interpolate"] = Edited(interpolate, edit_function(interpolate, HOST_IMAGE_SHAPE))
+        return found
 
     def build(self, module, context):
         embeddings, tower = _classes(module)
-        return {EMBEDDINGS + ".forward": embeddings_forward(own_function(embeddings, "forward"), context),
+        return {EMBEDDINGS + ".forward": embeddings_forward(context.found[EMBEDDINGS + ".forward"], context),
                 TOWER + ".forward": tower_forward_with_host_shapes(
-                    own_function(tower, "forward"), own_function(tower, "pos_embeds_interpolate"), context)}
+                    own_function(tower, "forward"), context.found[TOWER + ".pos_embeds_interpolate"], context)}
 
 
 COPY_THEN_TOLIST = _CopyThenTolist()
