@@ -90,6 +90,13 @@ VARIABLES = (
      "(NotImplementedError), because torch_npu's npu_fused_infer_attention_score_v2 page (op-plugin "
      "5e735e5) takes V_D 192 neither with GQA nor page attention, and learnable_sink only with V_D <= 128 "
      "(for a CANN that takes the call; unproven here)", "vllm.mimo_v2_v_head_dim"),
+    ("NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE", "boolean, default 0",
+     "vllm.ascend_attention_v_head_dim: 1 makes every sliding-window layer of vllm-ascend's "
+     "AscendAttentionBackendImpl (eager FIA calls) pass pre_tokens = sliding_window - 1, the value that "
+     "admits the model's W keys under the op page's band reading (pre_tokens=W admits W + 1); the layers "
+     "with V != K the patch serves always do. Off by default: upstream's pre_tokens=sliding_window is the "
+     "hardware-run call; turn it on where `npu-shim selftest` (the MiMo row's window probe) reports "
+     "W + 1 keys for pre_tokens=W on the installed CANN", "vllm.ascend_attention_v_head_dim"),
     ("NPU_SHIM_EMULATE_SOC", "an Ascend SoC name, e.g. Ascend910B1, Ascend310P3",
      "the SoC the emulation reports (default an A2 part); Ascend310P* exercises the 310P paths; "
      "checked only where NPU_SHIM_EMULATE=1", ""),
@@ -206,7 +213,8 @@ class Settings:
 
     __slots__ = ("enabled", "strict", "emulate", "enable", "disable", "log_level", "mm_encoder_tnd",
                  "mm_encoder_fusion_attention", "switched_off", "moonvit_attn", "exit_summary",
-                 "family_by_structure", "mimo_pad_v", "mimo_pad_sinks", "stats_dir")
+                 "family_by_structure", "mimo_pad_v", "mimo_pad_sinks", "stats_dir",
+                 "ascend_swa_window_edge")
 
     def __init__(self, environ=None):
         environ = os.environ if environ is None else environ
@@ -229,6 +237,9 @@ class Settings:
         # built anyway (default off: the op's page does not take that call).
         self.mimo_pad_v = env_flag("NPU_SHIM_VLLM_MIMO_PAD_V", False, environ)
         self.mimo_pad_sinks = env_flag("NPU_SHIM_VLLM_MIMO_PAD_SINKS", False, environ)
+        # vllm.ascend_attention_v_head_dim: every sliding-window layer of vllm-ascend's impl passes
+        # pre_tokens = W - 1 (default off: upstream's pre_tokens = W is the hardware-run call).
+        self.ascend_swa_window_edge = env_flag("NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE", False, environ)
         self.moonvit_attn = env_choice("NPU_SHIM_MOONVIT_ATTN", MOONVIT_ATTN_CHOICES, "auto", environ)
         self.exit_summary = env_flag("NPU_SHIM_EXIT_SUMMARY", False, environ)
         self.stats_dir = env_directory("NPU_SHIM_STATS_DIR", environ)
@@ -257,7 +268,8 @@ class Settings:
                   "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION": self.mm_encoder_fusion_attention,
                   "NPU_SHIM_MOONVIT_ATTN": self.moonvit_attn,
                   "NPU_SHIM_VLLM_MIMO_PAD_V": self.mimo_pad_v,
-                  "NPU_SHIM_VLLM_MIMO_PAD_SINKS": self.mimo_pad_sinks}
+                  "NPU_SHIM_VLLM_MIMO_PAD_SINKS": self.mimo_pad_sinks,
+                  "NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE": self.ascend_swa_window_edge}
         return {name: values[name] for name, _, _, owner in VARIABLES if owner == patch_name and name in values}
 
     def unknown_names(self, known):

@@ -104,7 +104,7 @@ def test_scatter_pa_kv_cache_norm_k_and_v_dims_differ():
 def test_fia_v2_tnd_sinks_prefill_then_paged_decode(sliding):
     dtype, n, nkv, d = torch.bfloat16, 8, 2, 128
     g = torch.Generator().manual_seed(3)
-    sinks = torch.randn(n, generator=g) * 2
+    sinks = (torch.randn(n, generator=g) * 2).bfloat16()      # the op takes bfloat16 sinks only
     q_lens = [9, 4]
     q = torch.randn(sum(q_lens), n, d, generator=g).to(dtype)
     k = torch.randn(sum(q_lens), nkv, d, generator=g).to(dtype)

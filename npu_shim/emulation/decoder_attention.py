@@ -27,7 +27,8 @@ Value head dim != key head dim (what each document says; encoded below):
   sparse_mode=3且传入mask": a CANN older than the page's 5e735e5 revision may refuse
   paged or sliding-window 192/128 calls the emulation runs.
 * ``learnable_sink`` (same revision, "learnable_sink的参数约束"): "仅支持TND、NTD_TND;
-  仅支持value的d小于等于128": refused with V_D > 128.
+  仅支持value的d小于等于128": refused with V_D > 128; and its parameter entry, "数据类型支持
+  `bfloat16`": any other dtype (float16, float32) is refused (ValueError quoting it).
 * ATB PagedAttention: the documented inputs take one head size for the caches (the separate
   V head size exists only as ``mlaVHeadSize`` in the MLA-merged cache mode, not emulated):
   V != K is refused.
@@ -35,6 +36,37 @@ Value head dim != key head dim (what each document says; encoded below):
 For K == V the same list allows only D 128 (or 192) in TND; vllm-ascend's releases call TND
 for every head size of the models they serve, and the emulation does not refuse other
 equal head sizes (the tests use D 128).
+
+The window edge (sparse_mode 4, what vllm-ascend passes a sliding-window layer:
+``pre_tokens=sliding_window``, ``next_tokens=0``). The page (same revision) defines the two
+counts by what they admit, not by a formula: "pre_tokens: 用于稀疏计算，表示attention需要和前几个
+Token计算关联" (how many *preceding* tokens attention relates to) and "next_tokens: ... 表示
+attention需要和后几个Token计算关联"; "sparse_mode为4时，代表band模式的mask". The kernel family's
+sparse-mode page (FlashAttentionScore's, "sparseMode为4时，代表band场景，即计算preTokens和
+nextTokens之间的部分，参数起点为右下角") fixes the arithmetic in its worked examples: mode 8's card 2
+(Sq 3, Skv 4, leftUpCausal rows 2-4 of a 5 x 4 mask) is "preTokens=4, nextTokens=1", which is
+exactly keys ``diag - pre .. diag + next`` with ``diag = Skv - Sq + i``, both ends included (row 2
+sees keys 0-2 = diag 1 + 1); mode 7's card 1 (Sq 2, Skv 6, rows 0-1 of a rightDownCausal 4 x 6)
+is "nextTokens=-2" the same way. The examples fix the upper end; the lower end is read the same
+way (symmetric, and "前几个Token" counts tokens *before* the current one). So the emulation
+admits, for query row i of a segment,
+``kv_len - q_len + i - pre_tokens <= j <= kv_len - q_len + i + next_tokens``: pre_tokens=W,
+next_tokens=0 is the current key and the W before it, **W + 1 keys**. vLLM's FlashAttention
+(``window_size=(W - 1, 0)``), its KV-cache manager and HF (a query at i sees i - W < j <= i) use
+W: under this reading the op needs ``pre_tokens=W - 1`` (what ``vllm.ascend_attention_v_head_dim``
+passes for the layers it serves; ``NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1`` for every layer).
+Which reading an installed CANN has is probed on the box by the MiMo selftest
+(:func:`npu_shim.testing.window_edge.probe_window_edge`).
+
+Q_S = 1: the page says of pre_tokens and next_tokens "Q_S为1时该参数无效" and of sparse_mode
+"Q_S为1且不带rope输入时该参数无效", Q_S being "query shape中的S". A TND query (T, N, D) has no S
+axis; the page's TND rules (约束说明, "TND、TND_NTD、NTD_TND场景下...综合限制", query D != 512)
+restrict head dims, GQA and block sizes but neither sparse_mode nor a Q_S of 1, and its Q_S=1
+section defers TND to them ("当query的input_layout为TND/TND_NTD时，综合约束请见..."). The emulation therefore applies the band to every TND segment, a
+decode segment of one query token included (the only layout it emulates for this op). Whether
+the installed op does the same in a decode-only TND call is probed by the same selftest; an op
+that ignores it there would attend past the window, to the null block vLLM's KV manager leaves in
+the block table for the blocks it has freed.
 """
 import math
 
@@ -67,6 +99,7 @@ MAX_GQA_RATIO = 64
 DOCUMENTED_TND_DIFF_DIMS = ((192, 128),)
 NO_GQA_OR_PAGING_V_DIM = 192
 SINK_MAX_V_DIM = 128
+SINK_DTYPE = torch.bfloat16      # learnable_sink: "数据类型支持`bfloat16`" (5e735e5's parameter list)
 TND_PA_BLOCK_ALIGN, TND_PA_MAX_BLOCK = 16, 1024
 
 
@@ -180,8 +213,13 @@ def npu_fused_infer_attention_score_v2(
     (Q_N,); op-plugin's test_fused_infer_attention_score_v2 golden, ``npSoftmax_new(x,
     sinks)`` with ``sinks.view(1, -1, 1, 1)``): one logit per query head added to each
     softmax denominator as ``exp(sink_h)``, with no value; only with V_D <= 128. That later
-    revision lists bfloat16 for it; vllm-ascend passes the model's parameter as it is, and
-    the emulation takes any float dtype (upcast to float32).
+    revision lists bfloat16 only for it ("数据类型支持`bfloat16`"); vllm-ascend passes the
+    model's parameter as it is (a float16 model's sinks are float16): the emulation refuses any
+    dtype but bfloat16, as the page does (upcast to float32 inside).
+
+    ``pre_tokens`` / ``next_tokens`` with sparse_mode 4: the band of the module docstring, both
+    ends included (pre_tokens=W, next_tokens=0 admits W + 1 keys), applied to every TND segment,
+    one-token decode segments included.
 
     Value head dim != key head dim: see the module docstring (Q_D=K_D=192 with V_D=128 in
     TND, paged or not). Not implemented (NotImplementedError): layouts other than
@@ -289,12 +327,12 @@ def npu_fused_infer_attention_score_v2(
         if not isinstance(learnable_sink, torch.Tensor) or tuple(learnable_sink.shape) != (n,):
             raise ValueError("%s: learnable_sink must be a (num_query_heads=%d,) tensor, got %r"
                              % (FIA_V2, n, getattr(learnable_sink, "shape", learnable_sink)))
-        if not learnable_sink.is_floating_point():
-            raise ValueError("%s: learnable_sink must be a float tensor, got %s"
-                             % (FIA_V2, learnable_sink.dtype))
         if dv > SINK_MAX_V_DIM:
             raise C.not_implemented(FIA_V2, "learnable_sink", "with V_D=%d (\"仅支持value的d小于等于"
                                     "128\")" % dv)
+        if learnable_sink.dtype != SINK_DTYPE:
+            raise ValueError("%s: learnable_sink must be bfloat16 (the op page, op-plugin 5e735e5: "
+                             "\"数据类型支持`bfloat16`\"), got %s" % (FIA_V2, learnable_sink.dtype))
         sink = learnable_sink
     out = torch.zeros((t, n, dv), dtype=query.dtype, device=query.device)
     lse = torch.full((t, n, 1), -math.inf, dtype=torch.float32, device=query.device) \

@@ -26,7 +26,10 @@ FIA
 * sparse_mode 0: no mask -> no masking, tokens ignored; mask -> mask plus the
   pre/next band (top-left origin). 1: full mask. 2: leftUpCausal,
   3: rightDownCausal (query rows aligned to the *end* of the KV sequence),
-  4: band anchored bottom-right; 2-4 require the compressed 2048x2048 mask.
+  4: band anchored bottom-right (keys ``diag - pre_tokens .. diag + next_tokens``, both ends
+  included: pre_tokens=W, next_tokens=0 admits W + 1 keys; the page's words and the worked
+  examples that fix it are quoted in decoder_attention.py's module docstring); 2-4 require the
+  compressed 2048x2048 mask.
   TND supports only sparse_mode 0 without a mask or 3 with the mask.
 * GQA via ``num_key_value_heads`` (0 = ``num_heads``), ratio <= 64.
 * Value head dim != key head dim is accepted with TND (documented there, e.g.

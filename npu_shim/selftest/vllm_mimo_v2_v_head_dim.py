@@ -10,14 +10,27 @@ compared with attention with V 128 from the definition in float64
 (:func:`npu_shim.testing.mimo.sink_attention_f64`), sinks included:
 
 * by default (native): the full layer and the sliding-window layer (learnable sinks, GQA, window
-  16, past the 7-token sequence), each with a 192-wide K cache and a 128-wide V cache, served by
-  vllm-ascend's FIA v2 call (``vllm.ascend_attention_v_head_dim`` must be applied);
+  4), each with a 192-wide K cache and a 128-wide V cache, served by vllm-ascend's FIA v2 call
+  (``vllm.ascend_attention_v_head_dim`` must be applied). The shapes reach the window edge across
+  the null block: 19 prefill tokens and a decode step at position 19 in 16-token blocks, block 0
+  the null block (large random K/V), the sequence's first block pointed at it for the decode step
+  as vLLM's KV manager does once that block lies wholly before the window; the key the op's band
+  reading adds to pre_tokens = W (key 15) is that block's last row. The sliding layer must give
+  the model's W keys (the patch passes pre_tokens = W - 1);
 * ``NPU_SHIM_VLLM_MIMO_PAD_V=1``: V padded to 192 before the impl and the output cut back after it;
   the sliding-window layer's build must then be refused (NotImplementedError naming the op page's
   rules: V_D 192 not with GQA or page attention, ``learnable_sink`` only with V_D <= 128; error 0
   for the check when the refusal names them), or, with ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1``, built
   padded and run (the emulation, following the page, refuses that call: the selftest then fails,
   naming the layer).
+
+Window probe (:func:`npu_shim.testing.window_edge.probe_window_edge`, reported in ``detail``):
+which reading the installed ``npu_fused_infer_attention_score_v2`` has for ``pre_tokens=W,
+next_tokens=0`` (sparse_mode 4, TND), W or W + 1 keys, in a prefill call and in a decode-only call
+(Q_S 1, where the page says pre_tokens has no effect), whether it ignores the window there. It
+decides NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE (W + 1: turn it on for the V == K sliding layers too;
+W: the sliding layer above fails, and upstream's call was right); it does not change the verdict
+by itself.
 
 Error: max |out - ref| over the layers run; the tolerance scales with max |ref|: the bfloat16
 rounding of the output, 2**-7 * max |ref|. Host syncs: counted over the decode step (pad, impl,
@@ -32,9 +45,11 @@ MODULES = {"vllm.mimo_v2_v_head_dim": "mimo_v2", "vllm.mimo_v2_flash_v_head_dim"
 # the vllm-ascend patch serving the native layers: its selftest is the model patch's, on the model
 # module the installed vLLM has
 IMPL_PATCH = "vllm.ascend_attention_v_head_dim"
-TOKENS = 6
-WINDOW = 16
+TOKENS = 19
+WINDOW = 4
 KINDS = {"full": {}, "swa": {"sliding_window_size": WINDOW}}
+# the window edge across the null block (see the module docstring)
+EDGE = dict(tokens=TOKENS, block_size=16, num_blocks=3, null_block=True)
 # what the refusal must name: the op and the rules of its page
 REFUSAL = ("npu_fused_infer_attention_score_v2", "5e735e5", "GQA和PA场景不支持V_D等于192",
            "仅支持value的d小于等于128", "NPU_SHIM_VLLM_MIMO_PAD_SINKS=1")
@@ -94,7 +109,7 @@ def run(device=None, patch=None, model=None):
         if kind == "swa" and getattr(layer, "attention_sink_bias", None) is None:
             raise RuntimeError("the sliding-window layer was built without its learnable sinks")
         try:
-            got, expected = mimo.ascend_prefill_decode(layer, tokens=TOKENS, around_decode=counted, device=device)
+            got, expected = mimo.ascend_prefill_decode(layer, around_decode=counted, device=device, **EDGE)
         except NotImplementedError as exc:      # an op refusing the padded call: say which layer
             raise RuntimeError("the %s layer (%d heads, %d KV heads, V %d wide in the impl%s): %s"
                                % (kind, layer.num_heads, layer.num_kv_heads, layer.attn.head_size_v,
@@ -106,6 +121,7 @@ def run(device=None, patch=None, model=None):
     if device != "cpu":
         torch.npu.synchronize()
     seconds = time.perf_counter() - started
+    probe = _window_probe(device)
     return {
         "max_abs_err": max(errors),
         "tolerance": min(tolerances),
@@ -117,5 +133,24 @@ def run(device=None, patch=None, model=None):
                      "the full layer" if pad_v and not pad_sinks else
                      "a full layer and a sliding-window layer with sinks (window %d)" % WINDOW, TOKENS, device,
                      "" if not pad_v else "; NPU_SHIM_VLLM_MIMO_PAD_SINKS=1" if pad_sinks else
-                     "; the sliding-window layer (sinks) refused at build as it should be"),
+                     "; the sliding-window layer (sinks) refused at build as it should be")
+                  + "; decode at position %d, 16-token blocks, the first one the null block; %s" % (TOKENS, probe),
     }
+
+
+def _window_probe(device):
+    """The window probe's sentence, with what it means for NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE."""
+    from npu_shim.testing.window_edge import probe_window_edge
+
+    try:
+        found = probe_window_edge(device=device)
+    except (AttributeError, NotImplementedError, ValueError, RuntimeError) as exc:
+        return "window probe not run (%s: %s)" % (type(exc).__name__, exc)
+    if found["prefill"] == found["decode"] == "W+1":
+        advice = ("the op's band reading: NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1 gives every sliding layer "
+                  "the model's W (on: %s)" % _config.settings().ascend_swa_window_edge)
+    elif found["prefill"] == found["decode"] == "W":
+        advice = "W keys for pre_tokens=W: upstream's call is right, keep NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE off"
+    else:
+        advice = "a reading neither W nor W + 1 throughout: no pre_tokens gives every sliding layer W"
+    return "%s; %s" % (found["detail"], advice)

@@ -227,7 +227,7 @@ def kv_bytes_per_token(spec):
 
 
 def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128, around_decode=None,
-                          device="cpu", value_cache_width=None):
+                          device="cpu", value_cache_width=None, null_block=False):
     """One sequence through vllm-ascend's own ``AscendAttentionBackendImpl.forward`` (the emulated
     torch_npu ops underneath): a prefill of ``tokens`` tokens (``PrefillNoCache``), then one decode
     step (``DecodeOnly``) reading the paged K/V caches the prefill wrote, on the q/k/v the layer's
@@ -242,7 +242,12 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
     counter, handed the tensors that live on the device there). ``device``: where the layer, the
     caches and the metadata's device tensors live (``"npu"`` for the real kernels; the layer is
     moved there). ``value_cache_width``: the V cache's last dim where it is not the layer's V head
-    dim (what a runner allocates from a spec that carries no ``head_size_v``)."""
+    dim (what a runner allocates from a spec that carries no ``head_size_v``). ``null_block``: as
+    vLLM's KV-cache manager lays out a sliding-window layer's blocks, block 0 is the null block
+    (filled here with large random K and V, so that reading it shows), the sequence's blocks are
+    1, 2, ..., and at the decode step each block whose every token lies before the window (all
+    positions < p - W + 1 for the query at p; vLLM's ``SlidingWindowManager`` frees them) has its
+    block-table entry pointed at the null block; ``num_blocks`` counts the null block."""
     import contextlib
     import dataclasses
     import sys
@@ -265,6 +270,13 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
     value_cache = torch.zeros(num_blocks, block_size, layer.num_kv_heads, value_cache_width or value_width,
                               dtype=dtype, device=device)
     generator = torch.Generator().manual_seed(seed)
+    first = 1 if null_block else 0           # the sequence's first physical block
+    if null_block:
+        if num_blocks < first + -(-(tokens + 1) // block_size):
+            raise ValueError("null_block: %d blocks of %d hold neither the null block and %d tokens"
+                             % (num_blocks, block_size, tokens + 1))
+        key_cache[0] = (8 * torch.randn(key_cache[0].shape, generator=generator)).to(device, dtype)
+        value_cache[0] = (8 * torch.randn(value_cache[0].shape, generator=generator)).to(device, dtype)
     hidden = torch.randn(tokens + 1, layer.qkv_proj.input_size, generator=generator).to(device, dtype)
     positions = torch.arange(tokens + 1, device=device)
     with torch.no_grad():
@@ -288,13 +300,18 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
         for step, start, stop in steps:
             n = stop - start
             decode = step == state.DecodeOnly
+            table = torch.arange(first, num_blocks, dtype=torch.int32)
+            if null_block and decode and window:
+                skipped = stop - 1 - window + 1              # positions before the decode query's window
+                table[: max(0, skipped // block_size)] = 0   # freed blocks: the null block
             given = dict(
                 attn_mask=mask, attn_state=step, num_actual_tokens=n, num_decode_tokens=n if decode else 0,
                 num_prefills=0 if decode else 1, num_decodes=1 if decode else 0,
                 seq_lens=torch.tensor([stop], device=device), seq_lens_cpu=torch.tensor([stop]), seq_lens_list=[stop],
                 actual_seq_lengths_q=[n], query_start_loc=torch.tensor([0, n], device=device), max_query_len=n,
-                block_tables=torch.arange(num_blocks, dtype=torch.int32, device=device).unsqueeze(0),
-                slot_mapping=torch.arange(start, stop, dtype=torch.int32, device=device), causal=True,
+                block_tables=table.to(device).unsqueeze(0),
+                slot_mapping=torch.arange(start + first * block_size, stop + first * block_size, dtype=torch.int32,
+                                          device=device), causal=True,
                 swa_mask=swa_mask)
             metadata = metadata_class(**{k: v for k, v in given.items() if k in fields})
             output = torch.zeros(n, layer.num_heads, value_width, dtype=dtype, device=device)

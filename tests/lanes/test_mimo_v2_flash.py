@@ -176,16 +176,35 @@ def test_native_layers_build_on_the_ascend_backend(mimo):
     assert layers["full"].attn.impl.sinks is None
 
 
+# the window edge: a sequence whose decode query (position 19) has its window (W 4) at 16-19 and
+# the key the op's band reading adds (15) in a block vLLM's KV manager has freed (the null block)
+EDGE = dict(tokens=19, block_size=16, num_blocks=3, null_block=True)
+
+
+@contextlib.contextmanager
+def _window_edge_switch():
+    """NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1 in this process's settings inside the block."""
+    import os
+
+    from npu_shim import _config
+
+    previous = _config.use_settings(_config.Settings(dict(os.environ, NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE="1")))
+    try:
+        yield
+    finally:
+        _config.use_settings(previous)
+
+
 @pytest.mark.claimed(*NATIVE)
 @pytest.mark.patch(*NATIVE)
-@pytest.mark.parametrize("kind", ["full", "swa"])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("kind,dtype", [("full", "bfloat16"), ("full", "float16"), ("swa", "bfloat16")])
 def test_native_layer_matches_the_reference(mimo, kind, dtype):
     """vllm-ascend's own impl forward on the emulated ops, in the dtypes the hardware takes: a
     prefill of 6 tokens, then one decode step over the paged K (192) and V (128) caches, against
     attention with V 128 from the definition in float64, sinks included; within the output
     dtype's rounding (2**-7 of max |ref| for bfloat16, 2**-10 for float16). The sliding layer's
-    window (16) is past the sequence: see test_native_window_edge_is_upstreams for the edge."""
+    window (16) is past the sequence: see test_native_window_edge_is_the_models for the edge; its
+    sinks are bfloat16 only (test_native_float16_sink_layer_is_refused_by_the_op)."""
     import torch
 
     _ascend_or_skip()
@@ -200,22 +219,67 @@ def test_native_layer_matches_the_reference(mimo, kind, dtype):
 
 @pytest.mark.claimed(*NATIVE)
 @pytest.mark.patch(*NATIVE)
-def test_native_window_edge_is_upstreams(mimo):
-    """At the window's edge (window 4, 6 tokens) the sliding layer attends to window + 1 keys:
-    vllm-ascend passes pre_tokens=sliding_window to FIA v2 (sparse_mode 4), which the op's band
-    reading admits with the current token (every sliding-window model on vllm-ascend, upstream's
-    call, kept). Pinned here: the output equals the float64 reference with window 5."""
+def test_native_float16_sink_layer_is_refused_by_the_op(mimo):
+    """A float16 model's sliding layer hands FIA v2 its float16 sinks (vllm-ascend passes the
+    parameter as it is); the op page lists learnable_sink as bfloat16 only, and the emulation
+    refuses it as the page does, naming the rule."""
     import torch
 
     _ascend_or_skip()
     with mimo.ascend_backend():
-        layer = mimo.build_layer("swa", dtype=torch.float16)
-    got, expected = mimo.ascend_prefill_decode(layer)
-    assert (got - expected).abs().max().item() > 0.1          # window 4: not what the model defines
-    layer.attn.sliding_window = mimo.WINDOW + 1               # read by the reference only
-    _, wider = mimo.ascend_prefill_decode(layer)
-    err = (got - wider).abs().max().item()
-    assert err <= 2 ** -10 * wider.abs().max().item(), err
+        layer = mimo.build_layer("swa", dtype=torch.float16, sliding_window_size=16)
+    assert layer.attn.impl.sinks.dtype is torch.float16
+    with pytest.raises(ValueError, match=r"npu_fused_infer_attention_score_v2: learnable_sink must be bfloat16 "
+                                         r"\(the op page, op-plugin 5e735e5: .数据类型支持`bfloat16`.\), got "
+                                         r"torch\.float16"):
+        mimo.ascend_prefill_decode(layer)
+
+
+@pytest.mark.claimed(*NATIVE)
+@pytest.mark.patch(*NATIVE)
+def test_native_window_edge_is_the_models(mimo):
+    """At the window's edge the sliding layer (V 128, sinks, W 4) attends to the model's W keys: 19
+    prefill tokens and a decode step at position 19, 16-token blocks, block 0 the null block (large
+    random K/V) that vLLM's KV manager leaves in the block table for the first block once it lies
+    wholly before the window. The patch passes pre_tokens = W - 1 (the op's band admits
+    pre_tokens + 1 keys); upstream's W would read key 15, the null block's last row, and key
+    i - W of every prefill query. Equal to the float64 reference with W (HF's definition) within
+    bfloat16 rounding."""
+    import torch
+
+    _ascend_or_skip()
+    with mimo.ascend_backend():
+        layer = mimo.build_layer("swa", dtype=torch.bfloat16)
+    assert layer.attn.sliding_window == mimo.WINDOW
+    got, expected = mimo.ascend_prefill_decode(layer, **EDGE)
+    assert got.shape == expected.shape == (20, mimo.HEADS * mimo.V_HEAD_DIM)
+    err = (got - expected).abs().max().item()
+    assert err <= 2 ** -7 * expected.abs().max().item(), err
+
+
+@pytest.mark.claimed(*NATIVE)
+@pytest.mark.patch(*NATIVE)
+def test_equal_head_dims_sliding_layer_is_upstreams_unless_switched(mimo):
+    """A standard sliding layer (K = V = 128, sinks, W 4) at the window edge of
+    test_native_window_edge_is_the_models: by default the patched impl gives what upstream's gives,
+    bit for bit (pre_tokens = W: W + 1 keys under the op's band, the null block's row included, so
+    it misses the reference with W); with NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1 it passes W - 1 and
+    equals the float64 reference with W within bfloat16 rounding."""
+    import torch
+
+    _ascend_or_skip()
+    with mimo.ascend_backend():
+        layer = mimo.build_layer("swa", dtype=torch.bfloat16, head_dim=128, v_head_dim=128)
+    patched, expected = mimo.ascend_prefill_decode(layer, **EDGE)
+    with _upstream_impl(mimo):
+        upstream, _ = mimo.ascend_prefill_decode(layer, **EDGE)
+    assert torch.equal(patched, upstream)
+    tolerance = 2 ** -7 * expected.abs().max().item()
+    assert (upstream - expected).abs().max().item() > 10 * tolerance
+    with _window_edge_switch():
+        switched, _ = mimo.ascend_prefill_decode(layer, **EDGE)
+    err = (switched - expected).abs().max().item()
+    assert err <= tolerance, err
 
 
 @pytest.mark.claimed(*NATIVE)

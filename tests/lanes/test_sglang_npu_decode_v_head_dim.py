@@ -70,7 +70,9 @@ def _layer(spec, window):
 def _sinks(spec):
     import torch
 
-    return (torch.randn(spec.num_heads, generator=torch.Generator().manual_seed(11)) * 2).to(spec.dtype)
+    # bfloat16 whatever the model dtype: FIA v2's page takes learnable_sink as bfloat16 only (sglang's
+    # gpt-oss makes its sinks bfloat16 on NPU; a float16 sink is refused, tests/lanes/test_mimo_v2_flash.py)
+    return (torch.randn(spec.num_heads, generator=torch.Generator().manual_seed(11)) * 2).to(torch.bfloat16)
 
 
 def _decode_expected(batch, window, sinks):

@@ -121,7 +121,9 @@ def _layer(kv, layer_id, window):
 def _sinks(dtype):
     import torch
 
-    return (torch.randn(HEADS, generator=torch.Generator().manual_seed(11)) * 2).to(getattr(torch, dtype))
+    # bfloat16 whatever the model dtype: FIA v2's page takes learnable_sink as bfloat16 only (sglang's
+    # gpt-oss makes its sinks bfloat16 on NPU; a float16 sink is refused, tests/lanes/test_mimo_v2_flash.py)
+    return (torch.randn(HEADS, generator=torch.Generator().manual_seed(11)) * 2).to(torch.bfloat16)
 
 
 def _expected(batch, queries, window, sinks):

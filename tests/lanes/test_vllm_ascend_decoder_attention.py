@@ -107,7 +107,7 @@ def test_sliding_window_layer_with_sinks(support):
         pytest.skip("this vllm-ascend's AscendAttentionBackendImpl has no sinks parameter "
                     "(0.14.0rc1 takes them into **kwargs and drops them): nothing to run")
     dtype, window = torch.bfloat16, 3
-    sinks = torch.tensor([1.5, -0.5, 0.8, 2.0], dtype=torch.float32)
+    sinks = torch.tensor([1.5, -0.5, 0.8, 2.0], dtype=torch.bfloat16)   # FIA v2 takes bfloat16 sinks only
     case = support.DecoderCase(num_heads=N, num_kv_heads=NKV, head_size=D, dtype=dtype)
     q, k, v = tensors(dtype, 2, sum(Q_LENS))
     q1, k1, v1 = tensors(dtype, 3, len(Q_LENS))

@@ -21,6 +21,20 @@ How: two of the impl's methods are upstream's, edited (:func:`npu_shim.patches._
   False). The FIA v2 call is upstream's own (its arguments, ``learnable_sink=self.sinks`` None for
   a layer without sinks, ``sparse_mode`` 3 causal / 4 with a window), fed the separate K and V
   caches vllm-ascend already views as ``(blocks, block_size, kv_heads * head dim)``.
+Window edge: upstream passes ``pre_tokens=self.sliding_window`` (sparse_mode 4, next_tokens 0),
+  which the op page's band reading admits as W + 1 keys (the current one and the W before it; the
+  page's words and worked examples are quoted in npu_shim/emulation/decoder_attention.py), where
+  the model (HF: a query at i sees i - W < j <= i), vLLM's FlashAttention ``(W - 1, 0)`` and vLLM's
+  KV-cache manager use W. The extra key lies where the KV manager has already freed the block:
+  once freed, the block table points at the null block there, so the error depends on the
+  position. In ``forward_fused_infer_attention`` each read of ``self.sliding_window`` (the
+  sparse_mode choices and both ``pre_tokens``) goes through :func:`sliding_pre_tokens`: W - 1 for a
+  layer this patch serves (V != K), W otherwise -- the same value, so a V == K layer's call is
+  upstream's -- unless ``NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1``, which gives every sliding-window
+  layer W - 1 (off by default: W is the hardware-run call; the MiMo selftest probes which reading
+  the installed op has and says whether to turn it on). Not edited: ACL graph capture
+  (``full_graph_fia`` / ``full_graph_fia_v2`` and the replay's parameter update keep
+  ``pre_tokens=W``; docs/limitations.md).
 Window: read in the builds of 0.20.2rc1, 0.21.0rc1, 0.22.1rc1, 0.23.0, 0.24.0rc1, 0.25.1rc1,
   0.26.0rc1, 0.27.1rc1, 0.28.0rc1, 0.29.0rc1 and 0.30.0rc2 (the sinks test twice in
   ``forward_fused_infer_attention``: graph capture and eager; the paged-attention test once in
@@ -28,6 +42,7 @@ Window: read in the builds of 0.20.2rc1, 0.21.0rc1, 0.22.1rc1, 0.23.0, 0.24.0rc1
 Upstream fix: none (no vllm-ascend release reads ``head_size_v`` in its attention impl).
 Remove when: vllm-ascend's attention impl serves ``head_size_v != head_size``.
 """
+from npu_shim import _config
 from npu_shim.patch import Family, Patch, Selftest
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import module_class, own_function
@@ -41,6 +56,8 @@ REPLACES = (IMPL + "." + FIA, IMPL + "." + IMPL_FORWARD)
 FIA_EDITS = (
     ReplaceExpression("self.sinks is not None", "self.sinks is not None or value_head_dim_differs(self, output)",
                       count=2),
+    # the two sparse_mode tests, the FIA v2 call's pre_tokens (test and value), the FIA v1 sliding call's pre_tokens
+    ReplaceExpression("self.sliding_window", "sliding_pre_tokens(self, output)", count=5),
 )
 IMPL_FORWARD_EDITS = (
     ReplaceExpression("self.sliding_window is None",
@@ -58,6 +75,19 @@ def value_head_dim(impl, output):
 
 def value_head_dim_differs(impl, output):
     return value_head_dim(impl, output) != impl.head_size
+
+
+def sliding_pre_tokens(impl, output):
+    """What ``forward_fused_infer_attention`` reads for ``self.sliding_window``: None without a
+    window; W - 1 (the op page's band admits pre_tokens + 1 keys) for a layer with V != K, or for
+    every layer with ``NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1``; else upstream's W. Host values
+    only (the window, the output's shape, the settings)."""
+    window = impl.sliding_window
+    if window is None:
+        return None
+    if value_head_dim_differs(impl, output) or _config.settings().ascend_swa_window_edge:
+        return window - 1
+    return window
 
 
 def why_not_served(impl):
@@ -87,7 +117,7 @@ class _ValueHeadDim:
     @staticmethod
     def edited(fia, forward_impl):
         """{method: edited}; TargetMismatch naming an anchor not found as often as declared."""
-        names = {"value_head_dim_differs": value_head_dim_differs}
+        names = {"value_head_dim_differs": value_head_dim_differs, "sliding_pre_tokens": sliding_pre_tokens}
         return {IMPL + "." + FIA: edit_function(fia, FIA_EDITS, names=names),
                 IMPL + "." + IMPL_FORWARD: edit_function(forward_impl, IMPL_FORWARD_EDITS, names=names)}
 
@@ -97,7 +127,8 @@ class _ValueHeadDim:
                      IMPL + "." + IMPL_FORWARD: own_function(impl, IMPL_FORWARD)}
         edited = context.found if isinstance(context.found, dict) else self.edited(*originals.values())
         what = {IMPL + "." + FIA: "a layer whose V head dim differs from K's takes upstream's FIA v2 call "
-                                  "(as a layer with sinks does)",
+                                  "(as a layer with sinks does), its window passed as pre_tokens W - 1 "
+                                  "(every sliding layer with NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1)",
                 IMPL + "." + IMPL_FORWARD: "a layer whose V head dim differs from K's never takes the "
                                            "paged-attention decode"}
         return {path: context.present(edited[path], originals[path], what[path]) for path in REPLACES}
@@ -119,7 +150,8 @@ PATCH = Patch(
     families=(
         Family(__name__ + ":VALUE_HEAD_DIM", fence=">=0.20.0rc1,<0.31.0rc1",
                keeps="vllm-ascend's own npu_fused_infer_attention_score_v2 call (TND, paged, learnable_sink "
-                     "as the layer has it) for a layer with V != K; every V == K layer's calls unchanged"),
+                     "as the layer has it) for a layer with V != K, pre_tokens W - 1 for its window; every "
+                     "V == K layer's calls unchanged unless NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1"),
     ),
     selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": None}),
     summary="vllm-ascend's attention serves a layer whose V head dim differs from K's (MiMo-V2-Flash: K 192, "
