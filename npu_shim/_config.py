@@ -103,6 +103,12 @@ VARIABLES = (
     ("NPU_SHIM_EMULATE_CANN", "a CANN version as torch_npu reports it, e.g. 8.5.0, 8.3.RC1, 9.0.0",
      "the CANN release the emulation reports (torch_npu.npu.utils.get_cann_version()) and follows where "
      "the vendor's rules differ by release (default 8.5.0); checked only where NPU_SHIM_EMULATE=1", ""),
+    ("NPU_SHIM_EMULATE_DEFECTS", "comma list of fia-tnd-uniform, fia-mask-512; default none",
+     "the emulated ops behave as upstream's reports of silent op failures say, for the calls they name "
+     "(fia-tnd-uniform: vllm-ascend #13699, FIA TND sparse_mode=0 without a mask returns the plain "
+     "average of V; fia-mask-512: vllm-ascend #15503, FIA sparse_mode=0 with a bool [1,1,1,S] mask "
+     "drops KV positions past 512), so that a check can be seen to catch them (npu-shim selftest "
+     "fails); checked only where NPU_SHIM_EMULATE=1", ""),
     ("NPU_SHIM_EMULATE_MEMORY_MIB", "finite number > 0, default 256",
      "bound on the emulated ops' temporary memory per call (MiB); checked only where NPU_SHIM_EMULATE=1", ""),
 )
@@ -206,6 +212,12 @@ def check_emulation(environ=None):
         raise ConfigError("%s=%r is not a CANN version; use the form torch_npu reports, e.g. 8.5.0, "
                           "8.3.RC1 or 9.0.0" % (CANN_ENV, environ[CANN_ENV]))
     env_positive_number("NPU_SHIM_EMULATE_MEMORY_MIB", None, environ)
+    from npu_shim.emulation import defects
+
+    try:
+        defects.active(environ)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 class Settings:

@@ -40,10 +40,12 @@ Remove when: the pinned sglang carries PR #39905 (or qlens is fixed in CANN
 
 What the tests can and cannot show: the torch_npu emulation computes what the
 documentation says, so it cannot show the op bug; it is taken from the
-hardware evidence above (the one exception to "reproduce first"). The tests
+hardware evidence above (the one exception to "reproduce first"; the emulation
+has no qlens op, so ``NPU_SHIM_EMULATE_DEFECTS`` has no defect for it either). The tests
 check the dispatch: page sizes 16/32/64 reach ``npu_fused_infer_attention_score``
 and match the float64 reference; 128 and 256, and 8 and 24 (not multiples of 16),
-make upstream's qlens call.
+make upstream's qlens call. The selftest (``npu-shim selftest``) runs the prefill at
+each of the reported page sizes 16, 32 and 64.
 
 Release families (each fenced by version and accepted by the structure of
 ``forward_extend``: the conditions of its ``if`` statements, compared as syntax
@@ -85,7 +87,8 @@ SGLANG_FIA_SWITCH = "ASCEND_USE_FIA"
 QLENS_OP = "_npu_flash_attention_qlens"
 FIA_OP = "npu_fused_infer_attention_score"
 FIA_KEPT = ("sglang's own FIA prefill branch of the release (npu_fused_infer_attention_score), "
-            "as with ASCEND_USE_FIA=1; page size >= 128, or not a multiple of 16, keeps "
+            "as with ASCEND_USE_FIA=1, as sglang PR #39905 does (qlens wrong at page sizes 16/32/64, "
+            "sglang #38196); page size >= 128, or not a multiple of 16, keeps "
             "_npu_flash_attention_qlens")
 SMALLEST_SAFE_PAGE = 128   # PR #39905: qlens right at 128, wrong at 16/32/64
 FIA_PAGE_ALIGN = 16        # FIA's block_size without quantisation (sglang #25169, PR #29815)
@@ -311,7 +314,8 @@ PATCH = Patch(
         Family(__name__ + ":SWA_FIA_FA", fence=">=0.5.15", keeps=FIA_KEPT),
     ),
     summary="prefill with page size < 128 (a multiple of 16, as FIA's block_size must be) goes through sglang's "
-            "FIA path, not the legacy qlens op",
+            "FIA path, not the legacy qlens op (silently wrong at page sizes 16, 32, 64 on 910C / A3: sglang "
+            "issue #38196, PR #39905)",
     # None: forward_extend's FIA route takes its lengths from the metadata's host lists.
     selftest=Selftest("npu_shim.selftest.sglang_small_page_fia", host_syncs=0),
 )
