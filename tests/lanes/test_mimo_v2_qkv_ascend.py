@@ -13,7 +13,7 @@ Stand-ins, each named: the registration's own (:func:`npu_shim.testing.mimo.asce
 import placeholders for ``scipy`` and ``fla_npu`` while it imports, a model config that is not MLA,
 vllm-ascend's gemm op registered for CPU with upstream's own function); the ``self`` of
 ``MiMoV2Model.load_weights`` is a module holding the one layer under its checkpoint name, with the
-model class's own methods and no experts (:func:`_load`); the attention (``self.attn``) is the
+model class's own methods, no experts and no quantization (:func:`_load`); the attention (``self.attn``) is the
 float64 reference of :func:`npu_shim.testing.mimo.sink_attention_f64` on what the layer hands it
 (vllm-ascend's attention for this layer is tested in test_mimo_v2_flash.py).
 """
@@ -81,14 +81,14 @@ def _checkpoint(layer, seed=11):
 
 def _load(mimo, layer, weights):
     """``weights`` loaded into ``layer`` by the model's own ``MiMoV2Model.load_weights``, its ``self``
-    a module holding the layer under its checkpoint name, with the model class's methods and no
-    experts. Returns the loaded parameter names."""
+    a module holding the layer under its checkpoint name, with the model class's methods, no
+    experts and no quantization (``quant_config`` None, read by vLLM 0.20's). Returns the loaded parameter names."""
     import torch
 
     model_class = mimo.model_module().MiMoV2Model
     methods = {name: value for name, value in vars(model_class).items()
                if inspect.isfunction(value) and name not in ("__init__", "forward")}
-    methods["get_expert_mapping"] = lambda self: []
+    methods.update(get_expert_mapping=lambda self: [], quant_config=None)       # no experts, not quantized
     stand_in = type("MiMoV2ModelStandIn", (torch.nn.Module,), methods)()
     index = layer.attn.layer_name.split(".")[2]
     stand_in.layers = torch.nn.Module()

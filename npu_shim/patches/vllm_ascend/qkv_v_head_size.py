@@ -19,10 +19,12 @@ How: ``AscendQKVParallelLinear.__init__`` is upstream's, edited
   already stores, ``head_size`` when none is given), as vLLM's own ``QKVParallelLinear.__init__``
   sizes them. Nothing else changes: the weight loaders are vLLM's (they read ``v_head_size``),
   the forward and the parallel op are upstream's.
-Window: read in the builds of 0.20.2rc1 - 0.30.0rc2 (one text of the class's ``__init__``; the
-  release branches 0.20.2rc - 0.26.0rc and vllm-ascend's main of this writing have it too).
-  0.18.0's class has the same text, and vLLM's MiMo model passes ``v_head_size`` there as well,
-  but no lane below 0.20 runs it here: not claimed.
+Window: read in the builds of 0.20.2rc1, 0.22.1rc1 and 0.30.0rc2 and in vllm-ascend's release
+  branches 0.20.2rc - 0.26.0rc and main of this writing (one text of the class's ``__init__``);
+  0.27.1rc1 - 0.29.0rc1 are admitted by the fence between them (the edit's anchors must match there,
+  or the patch refuses). Tests run here on the vllm-0.20 and vllm-0.30 lanes. 0.18.0's class has
+  the same text, and vLLM's MiMo model passes ``v_head_size`` there as well, but no lane below 0.20
+  runs it here: not claimed.
 Upstream fix: none (vllm-ascend 0.30.0rc2).
 Remove when: ``AscendQKVParallelLinear.__init__`` sizes V with ``v_head_size``.
 """
