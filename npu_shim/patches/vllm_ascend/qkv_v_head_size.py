@@ -71,7 +71,8 @@ PATCH = Patch(
     target=TARGET,
     replaces=(INIT,),
     requires={"vllm-ascend": ">=0.20.0rc1,<0.31.0rc1"},
-    outside_window={"vllm-ascend": "below, the same text in 0.18.0 but no lane runs it here; above, not read"},
+    outside_window={"vllm-ascend": "below, the same class text (read in one older release) but no lane runs it here; "
+                                   "above, not read"},
     families=(
         Family(__name__ + ":V_HEAD_SIZE", fence=">=0.20.0rc1,<0.31.0rc1",
                keeps="upstream's __init__, parallel op, forward and vLLM's weight loaders; only the V sizes change"),
