@@ -22,7 +22,8 @@ How: ``AscendQKVParallelLinear.__init__`` is upstream's, edited
 Window: read in the builds of 0.20.2rc1, 0.22.1rc1 and 0.30.0rc2 and in vllm-ascend's release
   branches 0.20.2rc - 0.26.0rc and main of this writing (one text of the class's ``__init__``);
   0.27.1rc1 - 0.29.0rc1 are admitted by the fence between them (the edit's anchors must match there,
-  or the patch refuses). Tests run here on the vllm-0.20 and vllm-0.30 lanes. 0.18.0's class has
+  or the patch refuses). Tests run here on the vllm-0.20, latest-vllm (0.26.0rc1) and vllm-0.30
+  lanes. 0.18.0's class has
   the same text, and vLLM's MiMo model passes ``v_head_size`` there as well, but no lane below 0.20
   runs it here: not claimed.
 Upstream fix: none (vllm-ascend 0.30.0rc2).
