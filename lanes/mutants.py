@@ -134,6 +134,12 @@ MUTANTS = (
                 "says ok whatever its error against float64",
            "base", "FAILED tests/test_emulation_defects.py",
            ("npu_shim/selftest/op_reports.py", "ok = err <= tolerance", "ok = True")),
+    mutant("u", "vllm-ascend's QKV projection for a K 192 / V 128 layer keeps V's entry of output_sizes K-wide (its "
+                "weight then 1,536 rows, the model's split raising), the patch applied", "vllm-0.30",
+           "FAILED tests/lanes/test_mimo_v2_qkv_ascend.py",
+           ("npu_shim/patches/vllm_ascend/qkv_v_head_size.py",
+            '" self.num_kv_heads * self.head_size * tp_size, self.num_kv_heads * self.v_head_size * tp_size]"),',
+            '" self.num_kv_heads * self.head_size * tp_size, self.num_kv_heads * self.head_size * tp_size]"),')),
 )
 
 

@@ -34,6 +34,7 @@ BUILTIN_PATCHES = (
     ("vllm.sinks_refuse", "npu_shim.patches.vllm_ascend.sinks_refuse"),
     ("vllm.ascend_attention_v_head_dim", "npu_shim.patches.vllm_ascend.attention_v_head_dim"),
     ("vllm.ascend_kv_split_exact", "npu_shim.patches.vllm_ascend.kv_split_exact"),
+    ("vllm.ascend_qkv_v_head_size", "npu_shim.patches.vllm_ascend.qkv_v_head_size"),
     ("sglang.cp_fia", "npu_shim.patches.sglang.cp_fia"),
     ("sglang.cp_pad_gather", "npu_shim.patches.sglang.cp_pad_gather"),
     ("sglang.cp_npu_refuse", "npu_shim.patches.sglang.cp_npu_refuse"),

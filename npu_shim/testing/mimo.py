@@ -29,7 +29,8 @@ import itertools
 import os
 import types
 
-__all__ = ["ASCEND_BACKEND", "HEAD_DIM", "KINDS", "V_HEAD_DIM", "WINDOW", "ascend_backend", "attention_class",
+__all__ = ["ASCEND_BACKEND", "HEAD_DIM", "KINDS", "V_HEAD_DIM", "WINDOW", "ascend_backend", "ascend_registrations",
+           "attention_class",
            "build_layer", "kv_cache_spec", "model_module", "padded", "reference_layer_attention", "setup",
            "sink_attention_f64"]
 
@@ -327,3 +328,117 @@ def ascend_prefill_decode(layer, tokens=6, seed=0, num_blocks=2, block_size=128,
                                       step_v.view(n, -1, value_width), (key_cache, value_cache), metadata, output)
                 outputs.append(unpad_output(layer, result.reshape(n, -1)))
     return torch.cat(outputs).double().cpu(), reference_layer_attention(layer, q.cpu(), k.cpu(), v.cpu())
+
+
+# vllm-ascend's register_ascend_customop imports every one of its ops modules; two of their imports
+# are missing from the lanes, both only used on the NPU: scipy (a declared dependency of vllm-ascend
+# the lanes do not install; vllm_ascend.attention.indexer, reached through ops.mla, builds a Hadamard
+# matrix with it) and fla_npu (NPU-only kernels, not on the package index; vllm_ascend.ops.gdn).
+REGISTRATION_PLACEHOLDERS = ("scipy", "fla_npu")
+
+
+class _RegistrationConfig(_SpecConfig):
+    """The config ``register_ascend_customop`` reads: :class:`_SpecConfig`, its model a model that
+    is not DeepSeek's MLA (vllm-ascend 0.20 - 0.22 ask, to register the MLA gate)."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.model_config = types.SimpleNamespace(use_mla=False, is_deepseek_mla=False)
+
+
+@contextlib.contextmanager
+def _import_placeholders(roots):
+    """Inside the block, a module of ``roots`` (top-level names) that is not installed imports as a
+    placeholder whose names are classes that refuse to be instantiated; after the block the
+    placeholders leave ``sys.modules`` and the finder ``sys.meta_path``."""
+    import importlib.abc
+    import importlib.machinery
+    import sys
+
+    from npu_shim.emulation.placeholders import placeholder_class
+
+    missing = {root for root in roots if importlib.util.find_spec(root) is None}
+
+    class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+        def find_spec(self, fullname, path=None, target=None):
+            if fullname.split(".")[0] not in missing:
+                return None
+            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
+
+        def create_module(self, spec):
+            module = types.ModuleType(spec.name, "npu-shim test import placeholder for %s" % spec.name)
+            module.__path__ = []
+
+            def __getattr__(name, prefix=spec.name):
+                if name.startswith("__"):
+                    raise AttributeError(name)
+                return placeholder_class(prefix + "." + name)
+
+            module.__getattr__ = __getattr__
+            return module
+
+        def exec_module(self, module):
+            pass
+
+    finder = Finder()
+    sys.meta_path.insert(0, finder)
+    try:
+        yield
+    finally:
+        sys.meta_path.remove(finder)
+        for name in [n for n in sys.modules if n.split(".")[0] in missing]:
+            del sys.modules[name]
+
+
+def _gemm_on_cpu():
+    """vllm-ascend's ``torch.ops.vllm.unquantized_gemm`` (its linear layers' matmul; 0.20+), which
+    it registers for the NPU dispatch key only, also registered for CPU with the very function
+    upstream registers (``vllm_ascend.ops.linear.unquantized_gemm``: ``F.linear``). Once per
+    process; nothing where the op does not exist."""
+    import sys
+
+    import torch
+
+    linear = sys.modules.get("vllm_ascend.ops.linear")
+    op = getattr(getattr(torch.ops, "vllm", None), "unquantized_gemm", None) if linear else None
+    if op is None or getattr(_gemm_on_cpu, "done", False):
+        return
+    library = torch.library.Library("vllm", "IMPL")
+    library.impl("unquantized_gemm", linear.unquantized_gemm, "CPU")
+    _gemm_on_cpu.done, _gemm_on_cpu.library = True, library
+
+
+@contextlib.contextmanager
+def ascend_registrations():
+    """Inside the block, vLLM builds layers as on a vllm-ascend worker: vllm-ascend's
+    ``init_ascend_config`` and ``register_ascend_customop`` (upstream's own functions, called as the
+    platform's worker calls them) have run, so vLLM's ``PluggableLayer.__new__`` / ``CustomOp``
+    hand out vllm-ascend's classes (``AscendQKVParallelLinear`` for ``QKVParallelLinear``, ...).
+    Stand-ins: :data:`REGISTRATION_PLACEHOLDERS` while it imports, :class:`_RegistrationConfig`,
+    :func:`_gemm_on_cpu`. After the block vLLM's registry of out-of-tree classes and vllm-ascend's
+    "registered" flag are what they were (the rest of the process builds vLLM's own classes)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor import custom_op
+
+    from npu_shim.testing.isolation import import_vllm_ascend_module
+
+    config = setup()
+    registry = vars(custom_op).get("op_registry_oot")
+    if registry is None:
+        registry = custom_op.CustomOp.op_registry_oot
+    saved = dict(registry)
+    with set_current_vllm_config(config):
+        utils = import_vllm_ascend_module("vllm_ascend.utils")
+        ascend_config = import_vllm_ascend_module("vllm_ascend.ascend_config")
+        flag = vars(utils).get("_ASCEND_CUSTOMOP_IS_REIGISTERED", False)
+        utils._ASCEND_CUSTOMOP_IS_REIGISTERED = False
+        try:
+            ascend_config.init_ascend_config(config)
+            with _import_placeholders(REGISTRATION_PLACEHOLDERS):
+                utils.register_ascend_customop(_RegistrationConfig(config))
+            _gemm_on_cpu()
+            yield registry
+        finally:
+            registry.clear()
+            registry.update(saved)
+            utils._ASCEND_CUSTOMOP_IS_REIGISTERED = flag
