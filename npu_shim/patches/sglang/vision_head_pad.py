@@ -193,7 +193,7 @@ def make_forward(inner, fallback, context):
                  if signature.parameters[key].kind is inspect.Parameter.VAR_KEYWORD]
         return extra[0].get(name) if extra else None
 
-    # upstream's parameters after softmax_scale (0.5.23: forward_metadata, attention_mask) pass through
+    # upstream's parameters after softmax_scale (forward_metadata, attention_mask where it takes them) pass through
     # *args / **kwargs as they came
     def forward(self, q, k, v, cu_seqlens, bsz, seq_len, softmax_scale=None, *args, **kwargs):
         context.count("calls")
