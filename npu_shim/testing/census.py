@@ -561,6 +561,6 @@ def reference_forward(stack, name, x, grid, *, seed=0):
     import torch
 
     ref = build(stack, name, None, seed=seed, dtype=x.dtype).double()
-    towers._f64_attention_layers(ref)
+    towers.f64_attention_layers(ref)
     with torch.inference_mode(), towers.registered(None):
         return CENSUS[name].call(ref, x.double(), CENSUS[name].grid_arg(grid))

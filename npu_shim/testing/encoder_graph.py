@@ -20,6 +20,15 @@ and the budget's workspace (what ``update_encoder_graph_params`` hands
 ``npu_fused_infer_attention_score.out``), with :func:`npu_shim.emulation.weak_ref.require_alive`:
 one whose owner was released raises the 507011 error replay raised on the device (vllm-ascend PR
 #16794). Not modelled: the real graph capture and replay, the graph pool, the NPU allocator.
+
+:func:`capture_ops_stand_in` lets upstream's own ``_forward_capture_fia`` (the attention recorded into
+the graph) and ``update_encoder_graph_params`` (the replay's rebinding of it) run here: the graph-task
+ops (``torch.npu.graph_task_group_begin/end``, ``graph_task_update_begin/end``,
+``torch.npu.ExternalEvent``) do nothing, ``torch_npu._npu_fused_infer_attention_score_get_max_workspace``
+hands back a workspace, and ``torch_npu.npu_fused_infer_attention_score.out`` runs the emulated op
+(:mod:`npu_shim.emulation.fused_infer_attention`, which rejects K/V whose head count is not
+``num_key_value_heads``) and writes its result into ``out``, at once: a capture that runs the call
+eagerly, as a replay with the capture-time lengths would. Every call's arguments are recorded.
 """
 import contextlib
 import types
@@ -98,19 +107,21 @@ def graph_stand_in():
                 setattr(existing, name, value)
 
 
-def capture(module, budgets, device="cpu"):
+def capture(module, budgets, device="cpu", model=None, dtype=None):
     """Upstream's capture of ``budgets`` by ``module``'s ``EncoderAclGraphManager``, the capture's
-    locals collected afterwards; ``(manager, model)``."""
+    locals collected afterwards; ``(manager, model)``. ``model``: the model whose capture hooks
+    run (default :class:`ToyModel`), e.g. a vLLM model class around a tower; ``dtype``: the
+    capture inputs' (default float32)."""
     import gc
 
     import torch
 
     manager = object.__new__(module.EncoderAclGraphManager)
-    model = ToyModel(module, device)
+    model = ToyModel(module, device) if model is None else model
     manager.__dict__.update(
         model=model, token_budgets=list(budgets), path_token_budgets={"default": list(budgets)},
         _capture_axes=(), budget_graphs={}, graph_pool=None, update_stream=None, fullatt=None,
-        max_batch_size=1, max_frames_per_batch=1, device=torch.device(device), dtype=torch.float32,
+        max_batch_size=1, max_frames_per_batch=1, device=torch.device(device), dtype=dtype or torch.float32,
         # enable_dual_path_graph: vLLM 0.24 - 0.26's capture asks it (one path here)
         config=types.SimpleNamespace(input_key_by_modality={"image": "pixel_values"}, enable_dual_path_graph=False))
     manager.capture()
@@ -133,3 +144,82 @@ def replay(module, manager, budget):
     meta.graph.replay()
     require_alive(module.get_encoder_graph_params().workspaces[budget], "the FIA workspace of budget %d" % budget)
     return require_alive(meta.output_buffer, "the output buffer of budget %d" % budget)
+
+
+class _Event:
+    """``torch.npu.ExternalEvent`` (what ``_forward_capture_fia`` and the replay call on it: nothing
+    is ever pending here)."""
+
+    def wait(self, stream=None):
+        pass
+
+    def reset(self, stream=None):
+        pass
+
+    def record(self, stream=None):
+        pass
+
+
+@contextlib.contextmanager
+def capture_ops_stand_in():
+    """The graph-task and FIA ``out``/workspace ops named in the module docstring, for the block, on
+    ``torch.npu`` as :func:`graph_stand_in` (entered first) leaves it and on the emulated torch_npu;
+    yields the list of ``(op, keyword arguments)`` of every FIA call made through them. On an NPU
+    machine (a real torch_npu) nothing changes and it yields None."""
+    import torch
+
+    from npu_shim import emulation
+
+    if not emulation.is_emulated():
+        yield None
+        return
+    import torch_npu
+
+    calls = []
+    fia = torch_npu.npu_fused_infer_attention_score
+
+    def get_max_workspace(**kwargs):
+        calls.append(("workspace", kwargs))
+        return torch.empty(WORKSPACE_ELEMENTS, device=kwargs["query"].device)
+
+    def fia_out(*, workspace, out, **kwargs):
+        if workspace is None:
+            raise ValueError("npu_fused_infer_attention_score.out: no workspace")
+        calls.append(("out", kwargs))
+        attention_out, lse = fia(**kwargs)
+        out[0].copy_(attention_out)
+        if out[1].numel() == lse.numel():
+            out[1].copy_(lse.reshape(out[1].shape))
+        return out
+
+    handles = []
+
+    def group_end(stream):
+        handles.append(object())
+        return handles[-1]
+
+    device = torch.npu
+    on_device = {
+        "ExternalEvent": _Event, "graph_task_group_begin": lambda stream: None, "graph_task_group_end": group_end,
+        "graph_task_update_begin": lambda stream, handle: None, "graph_task_update_end": lambda stream: None,
+        "Stream": torch_npu.npu.Stream, "stream": torch_npu.npu.stream,
+    }
+    saved = [(device, name, vars(device).get(name, _MISSING)) for name in on_device]
+    saved += [(torch_npu, "_npu_fused_infer_attention_score_get_max_workspace",
+               vars(torch_npu).get("_npu_fused_infer_attention_score_get_max_workspace", _MISSING)),
+              (fia, "out", vars(fia).get("out", _MISSING))]
+    for name, value in on_device.items():
+        setattr(device, name, value)
+    torch_npu._npu_fused_infer_attention_score_get_max_workspace = get_max_workspace
+    fia.out = fia_out
+    try:
+        yield calls
+    finally:
+        for owner, name, value in reversed(saved):
+            if value is _MISSING:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, value)
+
+
+_MISSING = object()

@@ -40,6 +40,7 @@ import tempfile
 import types
 
 __all__ = ["DEVICE_CLASSES", "MOONVIT", "MOONVIT_GRIDS", "TOWERS", "Stack", "assert_near_references", "build_moonvit", "build_tower",
+           "build_tower_of", "f64_attention_layers",
            "grids", "has_device_class", "hardware_dtype", "moonvit_pixel_values", "moonvit_reference_forward", "pixel_values", "reference_forward",
            "registered", "setup", "upstream_code", "upstream_methods"]
 
@@ -457,11 +458,17 @@ def build_tower(stack, name, attention_class=None, *, seed=0, dtype=None):
     :func:`hardware_dtype` of the emulated SoC); its attention layers are
     ``attention_class`` (None: vLLM's own ``MMEncoderAttention``, whose native path is
     TORCH_SDPA here)."""
+    module_name, class_name, make_config = TOWERS[name]
+    return build_tower_of(stack, getattr(stack.modules[name], class_name), make_config, attention_class,
+                          seed=seed, dtype=dtype)
+
+
+def build_tower_of(stack, cls, make_config, attention_class=None, *, seed=0, dtype=None):
+    """:func:`build_tower` for a tower class ``cls`` and its config builder ``make_config`` not in
+    :data:`TOWERS` (the tests of one tower)."""
     import torch
     from vllm.config import set_current_vllm_config
 
-    module_name, class_name, make_config = TOWERS[name]
-    cls = getattr(stack.modules[name], class_name)
     with registered(attention_class), set_current_vllm_config(stack.config):
         if "text_config" in inspect.signature(cls).parameters:
             # GLM-4.1V from vLLM 0.23: a required first argument the vision tower does not read
@@ -486,7 +493,7 @@ def pixel_values(tower, grid, seed=0):
     return torch.randn(tokens, width, generator=torch.Generator().manual_seed(seed)).to(_dtype_of(tower))
 
 
-def _f64_attention_layers(model):
+def f64_attention_layers(model):
     """Every ``MMEncoderAttention`` of ``model`` runs :func:`npu_shim.testing.attention_f64`."""
     from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
 
@@ -494,7 +501,8 @@ def _f64_attention_layers(model):
 
     def attend(layer, query, key, value, cu_seqlens=None, *args, **kwargs):
         heads, dim = layer.num_heads, layer.head_size
-        flat = [t.reshape(-1, heads, dim) for t in (query, key, value)]
+        kv_heads = getattr(layer, "num_kv_heads", None) or heads      # grouped K/V: head h reads h // group
+        flat = [query.reshape(-1, heads, dim)] + [t.reshape(-1, kv_heads, dim) for t in (key, value)]
         if cu_seqlens is None:      # MMEncoderAttention's batch layout: each of the B rows is one sequence
             bounds = [i * query.shape[1] for i in range(query.shape[0] + 1)]
         else:
@@ -515,7 +523,7 @@ def reference_forward(stack, name, x, grid, *, seed=0):
     import torch
 
     ref = build_tower(stack, name, None, seed=seed, dtype=x.dtype).double()
-    _f64_attention_layers(ref)
+    f64_attention_layers(ref)
     with torch.inference_mode(), registered(None), upstream_code(stack, name):
         return ref(x.double(), grid_thw=grid)
 
@@ -559,7 +567,7 @@ def moonvit_reference_forward(stack, x, grid, *, seed=0):
     import torch
 
     ref = build_moonvit(stack, None, seed=seed, dtype=x.dtype).double()
-    _f64_attention_layers(ref)
+    f64_attention_layers(ref)
     with torch.inference_mode(), registered(None):
         return torch.cat(ref(x.double(), torch.tensor(grid)))
 

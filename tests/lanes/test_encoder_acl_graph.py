@@ -156,10 +156,11 @@ def test_replacements_are_upstream_edited(stack):
 
 
 def test_capture_path_keeps_upstream_attention_call(stack, monkeypatch):
-    """``vllm.mm_encoder_attn``'s fixes are not on the capture path: while the encoder graph is
-    captured the patched ``forward_oot`` hands the call to upstream's, which goes to upstream's
-    ``_forward_capture_fia`` (stood in here: its graph ops cannot run on CPU). On 0.22.1rc1 that
-    call uses ``scale_value`` (``head_size ** -0.5``), not the model's scale: status names it."""
+    """``vllm.mm_encoder_attn``'s eager path is not the capture path: while the encoder graph is
+    captured the patched ``forward_oot`` hands the call to upstream's, which goes to
+    ``_forward_capture_fia`` (stood in here; the head-count edit of it is
+    tests/lanes/test_encoder_acl_graph_gqa.py's). On 0.22.1rc1 that call uses ``scale_value``
+    (``head_size ** -0.5``), not the model's scale: status names it."""
     import torch
     import npu_shim
     from npu_shim.testing.isolation import import_vllm_ascend_ops_module

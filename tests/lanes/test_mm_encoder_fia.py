@@ -623,6 +623,7 @@ def family_forward(stack, switch_on):
     previous = _config.use_settings(_config.Settings({FUSION_SWITCH: "1"} if switch_on else {}))
     try:
         context = FamilyContext(PATCH_NAME, module=family.__name__)
+        context.found = family.check(stack.upstream, context)      # as the engine hands build
         return fia.build_forward(stack.upstream, family.host_lengths, context)["forward_oot"]
     finally:
         _config.use_settings(previous)

@@ -22,15 +22,18 @@ How: ``capture`` and ``_capture_budget_graph`` become upstream's own, edited
   0.29.0rc1 .. 0.30.0rc2 (the graph's own output, weakly referenced twice). A missing anchor is
   another shape (TargetMismatch naming it); code with no weak reference left in either function is
   the fixed upstream (NotNeeded).
-  The capture path does not go through ``vllm.mm_encoder_attn``'s eager forward: while the encoder
-  graph is captured, that patch hands the call to upstream's ``forward_oot`` untouched, so the
-  captured graph keeps upstream's attention call. On 0.22.1rc1 that means upstream's
-  ``head_size ** -0.5`` (``scale_value``) instead of the model's ``scale``, and ``num_kv_heads``
-  beside K/V repeated to the query heads: not applied on the capture path. Reason: every tower vLLM
-  0.22.1 can capture (``SupportsEncoderCudaGraph``: Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Step3-VL)
-  passes ``head_dim ** -0.5`` and has as many K/V heads as query heads, so upstream's captured call
-  equals the eager fix there; and the capture/replay ops (``torch.npu.graph_task_group_begin``,
-  ``graph_task_update_*``, ``NPUGraph``) cannot run here, so an edit there could not be checked.
+  The captured attention is upstream's: while the encoder graph is captured, ``vllm.mm_encoder_attn``
+  hands the call to upstream's ``forward_oot``, whose capture functions (``_forward_capture_fia``,
+  ``_run_vit_fia``) that patch edits at one expression in every family 0.22.1rc1 .. 0.30.0rc2:
+  upstream repeats K/V to the query heads there too but hands FIA ``num_kv_heads`` (workspace query,
+  captured op, the replay's rebinding), which for a tower with grouped vision heads does not match its
+  K/V; the edit passes the repeated K/V's head count. Such a tower is capturable: EXAONE 4.5
+  (``SupportsEncoderCudaGraph`` through its Qwen2.5-VL base; 16 heads over 8), in vLLM 0.22.1 and
+  0.30.0 as read (its config needs a transformers that has ``exaone4_5``: 5.14.1 has, 5.5.4 not);
+  tests/lanes/test_encoder_acl_graph_gqa.py captures it through this manager. On 0.22.1rc1 the
+  captured call keeps upstream's ``head_size ** -0.5`` (``scale_value``) instead of the model's
+  ``scale``: every tower vLLM 0.22.1 can capture (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Step3-VL, EXAONE
+  4.5) passes ``head_dim ** -0.5``, so it is the same number there.
   Verified here (CPU, real wheels, emulated torch_npu, tests/lanes/test_encoder_acl_graph.py):
   the edited functions run upstream's capture for every budget; the metadata and the graph params
   hold the output buffer and the workspaces as owners; after capture nothing the replay writes into
@@ -115,10 +118,10 @@ PATCH = Patch(
         Family(__name__ + ":WEAK_GRAPH_OUTPUT", fence=">=0.29.0rc1", keeps=KEEPS),
     ),
     summary="encoder ACL graph: the output buffer and the FIA workspaces stay owned after capture (upstream "
-            "holds them weakly; replay fails with 507011 on the device, vllm-ascend #16794). Not applied: "
-            "vllm.mm_encoder_attn's eager fixes on the capture path, which keeps upstream's attention call "
-            "(family weak-encoder-graph-workspaces' release: head_size ** -0.5, not the model's scale, equal for "
-            "every tower that vLLM release can capture; the graph ops cannot run off the device)",
+            "holds them weakly; replay fails with 507011 on the device, vllm-ascend #16794). The captured "
+            "attention call is upstream's, with vllm.mm_encoder_attn's head-count edit (grouped vision heads, "
+            "EXAONE 4.5); family weak-encoder-graph-workspaces' release keeps head_size ** -0.5, not the model's "
+            "scale, there (equal for every tower that vLLM release can capture)",
     # Capture and replay of a toy encoder read nothing back; what replay writes into must be owned.
     selftest=Selftest("npu_shim.selftest.vllm_encoder_acl_graph_refs", host_syncs=0),
 )

@@ -22,7 +22,13 @@ How: one family per vllm-ascend release family (modules in
 
   Graph path (0.22.1rc1 and later): while vllm-ascend's encoder ACL-graph capture is
   active (``get_encoder_forward_context().capturing``), upstream's
-  ``forward_oot`` runs untouched (counted as ``upstream_calls``).
+  ``forward_oot`` runs (counted as ``upstream_calls``), and its
+  ``_forward_capture_fia`` and ``_run_vit_fia`` are upstream's edited at one
+  expression: the head count handed to FIA (workspace, captured op, the replay's
+  rebinding) is the repeated K/V's, not ``num_kv_heads`` (upstream repeats K/V to
+  the query heads on this path too; for a grouped tower, EXAONE 4.5's in vLLM
+  0.22.1 .. 0.30.0, its call does not match its K/V). Towers with as many K/V heads
+  as query heads get upstream's very call.
   Optional, off by default: ``NPU_SHIM_MM_ENCODER_FUSION_ATTENTION=1`` makes the
   0.22.1rc1 and 0.23.0rc1+ families' eager path call what family 0.18.0 calls
   for the same layer, ``torch_npu.npu_fusion_attention`` with ``input_layout="TND"``
@@ -37,7 +43,7 @@ How: one family per vllm-ascend release family (modules in
   defect itself (not reproduced: the emulation computes what the documentation
   says), that the fusion op avoids it on an affected stack (its evidence is that
   vllm-ascend 0.18.0 shipped that call for this layer), and the ACL-graph capture
-  path, where upstream's FIA call runs untouched, switch or not. Under the switch
+  path, where upstream's FIA call runs (with the head count above), switch or not. Under the switch
   a call with different query and key lengths raises ``ValueError`` (0.18.0's
   call takes one list for both).
 Upstream fix: none yet for the copy of towers that pass no ``sequence_lengths``
@@ -56,7 +62,8 @@ PATCH = Patch(
     target="vllm_ascend.ops.mm_encoder_attention",
     subject=CLASS_NAME,
     # Every attribute some family replaces (each replaces a subset).
-    replaces=(CLASS_NAME + ".__init__", CLASS_NAME + ".forward_oot"),
+    replaces=(CLASS_NAME + ".__init__", CLASS_NAME + ".forward_oot",
+              CLASS_NAME + "._forward_capture_fia", CLASS_NAME + "._run_vit_fia"),
     requires={"vllm-ascend": ">=0.13.0rc1"},
     outside_window={"vllm-ascend": "below the window vllm-ascend had no AscendMMEncoderAttention"},
     needs_npu=True,
@@ -81,7 +88,9 @@ PATCH = Patch(
     ),
     summary="host seq lens once per encoder forward (no prefix cache, no global), honour scale; "
             "during vllm-ascend's encoder ACL-graph capture (families fia-tnd-*) upstream's forward_oot "
-            "runs untouched (counted as upstream_calls)",
+            "runs (counted as upstream_calls), its capture functions edited so the captured FIA call, its "
+            "workspace and its replay get the repeated K/V's head count, not num_kv_heads (grouped vision "
+            "heads, EXAONE 4.5: upstream's call does not match its K/V)",
     # One: the single copy of a device cu_seqlens per encoder forward, whatever the depth.
     selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_attn", host_syncs=1),
 )

@@ -11,11 +11,21 @@ From 0.22.1rc1 on, vllm-ascend's ``forward_oot`` reshapes Q/K/V to TND
   the encoder graph is captured): records the op inside
   ``graph_task_group_begin/end`` for replay-time length updates.
 
-The families replace ``forward_oot`` only. While capture is active they hand
-the call to upstream's ``forward_oot`` untouched (counted as
-``upstream_calls``; the emulation has no graph ops, and replay rebinds the
-lengths from vLLM's host buffers anyway). Otherwise they make upstream's
-eager op call with upstream's arguments and module constants, changing:
+The families replace ``forward_oot``, and upstream's ``_forward_capture_fia``
+and ``_run_vit_fia`` by themselves edited at the K/V head count only. While
+capture is active ``forward_oot`` hands the call to upstream's own (counted as
+``upstream_calls``; replay rebinds the lengths from vLLM's host buffers
+anyway), which reaches the edited capture functions: there too upstream repeats
+K/V to ``num_heads`` and passed ``num_kv_heads`` to the workspace query, to the
+captured op and (through ``params.attn_params``) to the replay's rebinding of
+it; the edit passes the repeated K/V's own head count (``k.shape[1]``,
+``key.shape[1]``) in those three places, nothing else. For a tower with as many
+K/V heads as query heads that is the same number (the same call); for a grouped
+tower (EXAONE 4.5's, 16 heads over 8, a Qwen2.5-VL subclass, so capturable;
+in vLLM 0.22.1 .. 0.30.0) upstream's call did not match its K/V. The
+eager path never calls ``_run_vit_fia`` (the families' ``forward_oot`` makes its
+own call). Otherwise they make upstream's eager op call with upstream's
+arguments and module constants, changing:
 
 * where the host lengths come from: :func:`common.host_values`, at most one
   device->host copy per encoder forward (the family's ``host_lengths``);
@@ -48,6 +58,7 @@ import torch
 from npu_shim import _config
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches._shared.host_data import is_host
+from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 from npu_shim.patches.vllm_ascend.mm_encoder import v018
 
@@ -61,12 +72,21 @@ FORWARD_PARAMS = ("self", "query", "key", "value", "cu_seqlens", "max_seqlen", "
 CONSTANTS = ("FIA_BLOCK_SIZE", "SWA_INT_MAX")
 # The eager/capture split of forward_oot and the op call in _run_vit_fia.
 FORWARD_USES = (CAPTURE_CONTEXT, "capturing", "_forward_capture_fia", "_forward_eager_fia")
+# The captured call: upstream's K/V are repeated to the query heads (_reshape_qkv_to_3d) before
+# either path, so the head count FIA gets is the repeated K/V's, as in the eager call below:
+# _run_vit_fia's op call (its key), _forward_capture_fia's workspace query and the head count it
+# packs for the replay's rebinding (update_encoder_graph_params), both of its padded k.
+KV_HEADS = "self.num_kv_heads"
+CAPTURE_EDITS = {
+    "_run_vit_fia": (ReplaceExpression(KV_HEADS, "key.shape[1]"),),
+    "_forward_capture_fia": (ReplaceExpression(KV_HEADS, "k.shape[1]", count=2),),
+}
 
 
 def check_family(cls, eager_uses, fia_uses, fia_avoids=()):
     """The 0.22.1rc1+ shape; ``eager_uses``/``fia_uses``: names the family's
     ``_forward_eager_fia`` / ``_run_vit_fia`` must refer to, ``fia_avoids``: names
-    ``_run_vit_fia`` must not."""
+    ``_run_vit_fia`` must not. Returns :func:`capture_edited` (the family's ``context.found``)."""
     if not any(base.__name__ == BASE_NAME for base in cls.__mro__[1:]):
         raise TargetMismatch("%s no longer derives from vLLM's %s" % (cls.__name__, BASE_NAME))
     forward = C.own_function(cls, "forward_oot")
@@ -82,6 +102,17 @@ def check_family(cls, eager_uses, fia_uses, fia_avoids=()):
     present = [name for name in fia_avoids if C.calls_name(run_fia, name)]
     if present:
         raise TargetMismatch("%s._run_vit_fia refers to %s" % (cls.__name__, ", ".join(present)))
+    return capture_edited(cls)
+
+
+def capture_edited(cls):
+    """``{name: (upstream's function, the same edited)}`` for :data:`CAPTURE_EDITS` (a missing or
+    repeated anchor: TargetMismatch naming it)."""
+    found = {}
+    for name, edits in CAPTURE_EDITS.items():
+        original = C.own_function(cls, name)
+        found[name] = (original, edit_function(original, edits))
+    return found
 
 
 def _require(cls, function, names):
@@ -98,7 +129,8 @@ def make_state(layer):
 
 def build_forward(cls, host_lengths, context):
     """``{"forward_oot": f}`` around ``host_lengths(layer, upstream_globals, query,
-    tokens_q, tokens_kv, cu_seqlens, sequence_lengths, context) -> (lengths_q, lengths_kv)``."""
+    tokens_q, tokens_kv, cu_seqlens, sequence_lengths, context) -> (lengths_q, lengths_kv)``, and
+    the edited capture functions ``check_family`` found (``context.found``)."""
     original_forward = vars(cls)["forward_oot"]
     upstream_globals = original_forward.__globals__
     block_size, no_band = (upstream_globals[name] for name in CONSTANTS)
@@ -131,7 +163,11 @@ def build_forward(cls, host_lengths, context):
             pre_tokens=no_band, next_tokens=no_band)
         return C.to_upstream_shape(out, query, self.head_size, heads)
 
-    return {"forward_oot": context.present(forward_oot, original_forward)}
+    replacements = {"forward_oot": context.present(forward_oot, original_forward)}
+    for name, (original, edited) in context.found.items():
+        replacements[name] = context.present(
+            edited, original, "the captured FIA call gets the repeated K/V's head count, not num_kv_heads")
+    return replacements
 
 
 def fusion_attention(upstream_globals, q, k, v, lengths_q, lengths_kv, heads, scale):

@@ -9,8 +9,8 @@ lives on the device: 27 copies per 27-layer MoonViT forward. ``_run_vit_fia``
 passes ``scale=self.scale_value``, which ``__init__`` sets to
 ``head_size ** -0.5`` whatever ``scale`` the model gave.
 
-Replaced: ``forward_oot``. The same lengths rule (``sequence_lengths``
-cumulated, else ``cu_seqlens[1:]``, else uniform lengths built on the host) with
+Replaced: ``forward_oot`` (and the capture functions, :mod:`.fia`). The same
+lengths rule (``sequence_lengths`` cumulated, else ``cu_seqlens[1:]``, else uniform lengths built on the host) with
 the tensor read at most once per encoder forward; the model's ``scale``
 (``self.scale``); the K/V head count that matches the repeated K/V.
 """
@@ -34,10 +34,11 @@ def host_lengths(layer, upstream_globals, query, tokens_q, tokens_kv, cu_seqlens
 
 
 def check(cls, context):
-    fia.check_family(cls, eager_uses=(LENGTHS_METHOD,), fia_uses=("scale_value",))
+    found = fia.check_family(cls, eager_uses=(LENGTHS_METHOD,), fia_uses=("scale_value",))
     for name in (SEQ_LENS_HOOK, LENGTHS_METHOD):
         if name not in vars(cls):
             raise TargetMismatch("%s has no %s (this family's shape has)" % (cls.__name__, name))
+    return found
 
 
 def build(cls, context):

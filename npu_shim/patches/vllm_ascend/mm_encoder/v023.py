@@ -9,8 +9,8 @@ every layer, 27 per 27-layer forward, for every model) and the module's
 ``maybe_compute_actual_seq_lengths`` (``.tolist()``). The scale is the model's
 (``self.scale``). 0.26.0rc1 hands K/V over with ``.contiguous()``.
 
-Replaced: ``forward_oot``. ``cu_seqlens`` read at most once per encoder
-forward, then upstream's own ``maybe_compute_actual_seq_lengths`` on that host
+Replaced: ``forward_oot`` (and the capture functions, :mod:`.fia`).
+``cu_seqlens`` read at most once per encoder forward, then upstream's own ``maybe_compute_actual_seq_lengths`` on that host
 tensor (same lists, KV lengths scaled as upstream does when K/V have a
 different token count); uniform lengths built on the host where the model
 passes none, as upstream; ``.contiguous()`` K/V where the installed
@@ -41,10 +41,11 @@ def host_lengths(layer, upstream_globals, query, tokens_q, tokens_kv, cu_seqlens
 
 
 def check(cls, context):
-    fia.check_family(cls, eager_uses=(LENGTHS_FUNCTION, CU_METHOD), fia_uses=("scale",),
-                     fia_avoids=("scale_value",))
+    found = fia.check_family(cls, eager_uses=(LENGTHS_FUNCTION, CU_METHOD), fia_uses=("scale",),
+                             fia_avoids=("scale_value",))
     if LENGTHS_FUNCTION not in vars(cls)["forward_oot"].__globals__:
         raise TargetMismatch("%s has no module-level %s" % (cls.__module__, LENGTHS_FUNCTION))
+    return found
 
 
 def build(cls, context):
