@@ -140,6 +140,11 @@ MUTANTS = (
            ("npu_shim/patches/vllm_ascend/qkv_v_head_size.py",
             '" self.num_kv_heads * self.head_size * tp_size, self.num_kv_heads * self.v_head_size * tp_size]"),',
             '" self.num_kv_heads * self.head_size * tp_size, self.num_kv_heads * self.head_size * tp_size]"),')),
+    mutant("x", "the encoder ACL graph's captured FIA call keeps upstream's num_kv_heads beside K/V repeated to the "
+                "query heads (the capture edit of _run_vit_fia dropped): a grouped tower's call does not match its K/V",
+           "vllm-0.30", "FAILED tests/lanes/test_encoder_acl_graph_gqa.py",
+           ("npu_shim/patches/vllm_ascend/mm_encoder/fia.py",
+            '"_run_vit_fia": (ReplaceExpression(KV_HEADS, "key.shape[1]"),),', '"_run_vit_fia": (),')),
 )
 
 
