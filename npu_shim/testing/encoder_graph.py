@@ -27,7 +27,7 @@ ops (``torch.npu.graph_task_group_begin/end``, ``graph_task_update_begin/end``,
 ``torch.npu.ExternalEvent``) do nothing, ``torch_npu._npu_fused_infer_attention_score_get_max_workspace``
 hands back a workspace, and ``torch_npu.npu_fused_infer_attention_score.out`` runs the emulated op
 (:mod:`npu_shim.emulation.fused_infer_attention`, which rejects K/V whose head count is not
-``num_key_value_heads``) and writes its result into ``out``, at once: a capture that runs the call
+``num_key_value_heads``) and writes its attention output into ``out``, at once: a capture that runs the call
 eagerly, as a replay with the capture-time lengths would. Every call's arguments are recorded.
 """
 import contextlib
@@ -186,10 +186,8 @@ def capture_ops_stand_in():
         if workspace is None:
             raise ValueError("npu_fused_infer_attention_score.out: no workspace")
         calls.append(("out", kwargs))
-        attention_out, lse = fia(**kwargs)
-        out[0].copy_(attention_out)
-        if out[1].numel() == lse.numel():
-            out[1].copy_(lse.reshape(out[1].shape))
+        attention_out, _ = fia(**kwargs)
+        out[0].copy_(attention_out)          # softmax_lse (out[1]): upstream never reads it
         return out
 
     handles = []

@@ -34,7 +34,7 @@ pytestmark = [pytest.mark.claimed("vllm.encoder_acl_graph_refs"), pytest.mark.pa
 PATCH = "vllm.mm_encoder_attn"
 GRAPH = "vllm_ascend.worker.encoder_acl_graph"
 HEADS, KV_HEADS, HEAD_SIZE = 4, 2, 64
-TOKENS = (10, 6)                        # two sequences: the capture-time lengths are [16] (one)
+TOKENS = (10, 6)                        # two sequences (0.23.0rc1+ capture them as one: [16])
 BUDGET = 16
 LAYER_TOL = {"bfloat16": 1e-2}
 TOWER_TOL = {"bfloat16": 5e-2}
@@ -84,14 +84,23 @@ def qkv(heads=HEADS, kv_heads=KV_HEADS, seed=0):
     return q, k, v
 
 
-def captured(stack, layer, q, k, v):
-    """``layer``'s forward inside the capture of ``BUDGET`` (upstream's graph params set up for it)."""
+def captured(stack, layer, q, k, v, reads=None):
+    """``layer``'s forward inside the capture of ``BUDGET`` (upstream's graph params set up for it);
+    the device->host reads it makes (q, k, v and cu_seqlens standing in for device tensors) are
+    appended to ``reads``."""
     import torch
+
+    from npu_shim.testing import count_host_syncs
 
     stack.graph.set_encoder_graph_params([BUDGET])
     cu = torch.tensor([0, TOKENS[0], sum(TOKENS)], dtype=torch.int32)
-    with torch.inference_mode(), stack.graph.set_encoder_forward_context(BUDGET, True):
-        return layer(q, k, v, cu_seqlens=cu)
+    with torch.inference_mode(), stack.graph.set_encoder_forward_context(BUDGET, True), \
+            count_host_syncs(device_tensors=(q, k, v, cu)) as counter:
+        try:
+            return layer(q, k, v, cu_seqlens=cu)
+        finally:
+            if reads is not None:
+                reads.extend(counter.events)
 
 
 def replayed(stack):
@@ -129,17 +138,25 @@ def test_status_names_the_capture_edit(stack):
 def test_grouped_layer_capture_and_replay(stack, capture_ops):
     """Capture of a grouped layer (4 heads over 2): every FIA call it makes (workspace, the captured
     op, the replay's rebinding) gets the head count of the K/V handed over, and the output is the
-    float64 reference's, at capture (one segment, upstream's capture-time lengths) and after the
-    replay rebinding (this batch's two segments)."""
+    float64 reference's, at capture (upstream's capture-time lengths) and after the replay
+    rebinding (this batch's two segments)."""
     import torch
 
     layer = make_layer(stack, stack.attention["A2"])
     q, k, v = qkv()
-    out = captured(stack, layer, q, k, v)
+    reads = []
+    out = captured(stack, layer, q, k, v, reads)
+    # the edit reads a shape: no device->host read in the edited functions (upstream's own reads of
+    # cu_seqlens elsewhere, 0.22.1rc1's per layer, are the ungrouped test's: the same as upstream's)
+    assert not [e for e in reads if e.location.endswith(("in _forward_capture_fia", "in _run_vit_fia"))], reads
     assert [op for op, _ in capture_ops] == ["workspace", "out"]
     for op, kwargs in capture_ops:
         assert kwargs["num_key_value_heads"] == kwargs["key"].shape[1] == HEADS, (op, kwargs["num_key_value_heads"])
-    err = rel_err(out, reference(q, k, v, [0, sum(TOKENS)]))
+    # the capture-time lengths are upstream's (0.23.0rc1+: one segment built on the host; 0.22.1rc1:
+    # the model's cu_seqlens); the replay rebinds them to this batch's below
+    lengths = capture_ops[-1][1]["actual_seq_lengths"]
+    assert lengths[-1] == sum(TOKENS)
+    err = rel_err(out, reference(q, k, v, [0] + list(lengths)))
     assert err <= LAYER_TOL["bfloat16"], err
 
     packed = stack.graph.get_encoder_graph_params().attn_params[BUDGET]
@@ -166,24 +183,27 @@ def test_upstream_grouped_capture_call_is_rejected(stack, capture_ops):
 
 def test_ungrouped_layer_capture_equals_upstream(stack, capture_ops):
     """As many K/V heads as query heads: the edited capture makes upstream's very call; the outputs
-    at capture and after the replay rebinding are torch.equal to upstream's."""
+    at capture and after the replay rebinding are torch.equal to upstream's, with the same
+    device->host reads (upstream's own: none from 0.23.0rc1, 0.22.1rc1's copy of cu_seqlens)."""
     import torch
 
-    results = {}
+    results, reads = {}, {"A2": [], "upstream": []}
     for side in ("A2", "upstream"):
         cls = stack.attention["A2"] if side == "A2" else stack.upstream["A2"]
         layer = make_layer(stack, cls, HEADS, HEADS)
         q, k, v = qkv(HEADS, HEADS)
         start = len(capture_ops)
-        out = captured(stack, layer, q, k, v)
+        out = captured(stack, layer, q, k, v, reads[side])
         packed = replayed(stack)
         calls = capture_ops[start:]
-        results[side] = (out.clone(), [t.clone() for t in packed[0] if isinstance(t, torch.Tensor)],
+        # packed: q, k, v, ..., the output buffer, softmax_lse (never written: upstream does not read it)
+        results[side] = (out.clone(), [t.clone() for t in packed[0][:-1] if isinstance(t, torch.Tensor)],
                          [{k: v for k, v in kw.items() if not isinstance(v, torch.Tensor)} for _, kw in calls])
     shim, upstream = results["A2"], results["upstream"]
     assert torch.equal(shim[0], upstream[0])
     assert len(shim[1]) == len(upstream[1]) and all(torch.equal(a, b) for a, b in zip(shim[1], upstream[1]))
     assert shim[2] == upstream[2]
+    assert reads["A2"] == reads["upstream"], reads
 
 
 def _exaone_config():
