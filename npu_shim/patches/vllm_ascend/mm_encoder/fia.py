@@ -59,6 +59,7 @@ from npu_shim import _config
 from npu_shim.patch import TargetMismatch
 from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
+from npu_shim.patches._shared.structure import Edited, edit_of
 from npu_shim.patches.vllm_ascend.mm_encoder import common as C
 from npu_shim.patches.vllm_ascend.mm_encoder import v018
 
@@ -106,12 +107,12 @@ def check_family(cls, eager_uses, fia_uses, fia_avoids=()):
 
 
 def capture_edited(cls):
-    """``{name: (upstream's function, the same edited)}`` for :data:`CAPTURE_EDITS` (a missing or
-    repeated anchor: TargetMismatch naming it)."""
+    """``{name: Edited(upstream's function, the same edited)}`` for :data:`CAPTURE_EDITS` (a missing
+    or repeated anchor: TargetMismatch naming it)."""
     found = {}
     for name, edits in CAPTURE_EDITS.items():
         original = C.own_function(cls, name)
-        found[name] = (original, edit_function(original, edits))
+        found[name] = Edited(original, edit_function(original, edits))
     return found
 
 
@@ -164,9 +165,10 @@ def build_forward(cls, host_lengths, context):
         return C.to_upstream_shape(out, query, self.head_size, heads)
 
     replacements = {"forward_oot": context.present(forward_oot, original_forward)}
-    for name, (original, edited) in context.found.items():
+    for name in CAPTURE_EDITS:
         replacements[name] = context.present(
-            edited, original, "the captured FIA call gets the repeated K/V's head count, not num_kv_heads")
+            edit_of(context, name), context.found[name].original,
+            "the captured FIA call gets the repeated K/V's head count, not num_kv_heads")
     return replacements
 
 
