@@ -120,7 +120,7 @@ PATCH = Patch(
     summary="encoder ACL graph: the output buffer and the FIA workspaces stay owned after capture (upstream "
             "holds them weakly; replay fails with 507011 on the device, vllm-ascend #16794). The captured "
             "attention call is upstream's, with vllm.mm_encoder_attn's head-count edit (grouped vision heads, "
-            "EXAONE 4.5); family weak-encoder-graph-workspaces' release keeps head_size ** -0.5, not the model's "
+            "vLLM's exaone4_5 tower); family weak-encoder-graph-workspaces' release keeps head_size ** -0.5, not the model's "
             "scale, there (equal for every tower that vLLM release can capture)",
     # Capture and replay of a toy encoder read nothing back; what replay writes into must be owned.
     selftest=Selftest("npu_shim.selftest.vllm_encoder_acl_graph_refs", host_syncs=0),

@@ -90,7 +90,7 @@ PATCH = Patch(
             "during vllm-ascend's encoder ACL-graph capture (families fia-tnd-*) upstream's forward_oot "
             "runs (counted as upstream_calls), its capture functions edited so the captured FIA call, its "
             "workspace and its replay get the repeated K/V's head count, not num_kv_heads (grouped vision "
-            "heads, EXAONE 4.5: upstream's call does not match its K/V)",
+            "heads, vLLM's exaone4_5 tower: upstream's call does not match its K/V)",
     # One: the single copy of a device cu_seqlens per encoder forward, whatever the depth.
     selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_attn", host_syncs=1),
 )
