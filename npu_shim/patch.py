@@ -345,6 +345,10 @@ class Patch:
     target: str
     replaces: Tuple[str, ...]
     requires: Mapping[str, str] = field(default_factory=dict)
+    # Attributes only some families replace, where the installed code has them (a method a later
+    # release added): not required to exist before a family is chosen, as ``replaces`` are; the
+    # family that replaces one checks for it.
+    may_replace: Tuple[str, ...] = ()
     # Per distribution: what a version outside ``requires`` means, e.g.
     # {"vllm": "0.14+ dispatches MoonViT through MMEncoderAttention"}.
     outside_window: Mapping[str, str] = field(default_factory=dict)
@@ -365,10 +369,11 @@ class Patch:
     selftest: Optional[Selftest] = None
 
     def __post_init__(self):
-        if isinstance(self.replaces, str):
-            raise TypeError("Patch.replaces must be a tuple of attribute paths, not a string")
-        for path in self.replaces:
-            parse_path(path)
+        for label, paths in (("replaces", self.replaces), ("may_replace", self.may_replace)):
+            if isinstance(paths, str):
+                raise TypeError("Patch.%s must be a tuple of attribute paths, not a string" % label)
+            for path in paths:
+                parse_path(path)
         stray = set(self.outside_window) - set(self.requires)
         if stray:
             raise ValueError("outside_window names %s, which requires does not" % sorted(stray))

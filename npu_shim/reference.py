@@ -81,6 +81,9 @@ def render_patches(declared, root):
         out += ["", "### %s" % patch.name, ""]
         out.append("- module: `%s`" % module.__name__)
         out.append("- replaces: %s" % ", ".join("`%s.%s`" % (patch.target, r) for r in patch.replaces))
+        if patch.may_replace:
+            out.append("- replaces where the installed code has them: %s"
+                       % ", ".join("`%s.%s`" % (patch.target, r) for r in patch.may_replace))
         window = ["%s `%s`%s" % (dist, spec, " (outside: %s)" % patch.outside_window[dist]
                                   if dist in patch.outside_window else "")
                   for dist, spec in patch.requires.items()]

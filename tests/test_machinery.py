@@ -225,6 +225,29 @@ def test_a_build_that_finds_another_shape_skips_as_a_structural_mismatch(toy, ru
                                                     "does not")
 
 
+def test_an_attribute_only_some_releases_have_is_declared_may_replace(toy, run_python):
+    """``may_replace``: a method a later release added, which only the family for that release
+    replaces. Missing in the installed code, the patch still applies (its other paths); declared
+    ``replaces`` instead, the patch would be skipped as "not found" (the control)."""
+    body = '''
+        def build_some(module):
+            return {"greet": lambda: "patched"}
+        for name, kind in (("toy.may", "may_replace"), ("toy.must", "replaces")):
+            paths = {"replaces": ("greet",), "may_replace": ()}
+            paths[kind] += ("Widget.added_later",)
+            npu_shim.register(Patch(name=name, target="toy_target", requires={"toy-target": ">=1.0"},
+                                    build=build_some, **paths))
+        import toy_target
+        rows = {r["name"]: r for r in npu_shim.status()}
+        print(json.dumps([rows["toy.may"]["state"], rows["toy.may"]["replaces"], rows["toy.must"]["state"],
+                          rows["toy.must"]["reason"], toy_target.greet()]))
+    '''
+    may_state, may_paths, must_state, must_reason, greeted = json.loads(
+        run_python(script(toy, body, register_first=False)).stdout)
+    assert (may_state, may_paths, greeted) == ("applied", ["greet", "Widget.added_later"], "patched")
+    assert (must_state, must_reason) == ("skipped", "structural check: toy_target.Widget.added_later not found")
+
+
 def test_apply_is_atomic(toy, run_python):
     out = run_python(script(toy, '''
         import toy_target

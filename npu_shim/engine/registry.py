@@ -335,7 +335,7 @@ def status(import_targets: bool = False) -> list:
             {
                 "name": patch.name,
                 "target": patch.target,
-                "replaces": list(patch.replaces),
+                "replaces": list(patch.replaces) + list(patch.may_replace),
                 "state": state,
                 "family": family,
                 "families": [f.name for f in patch.families] if patch.named_families else [],

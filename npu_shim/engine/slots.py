@@ -61,11 +61,12 @@ def apply_atomically(module: ModuleType, patch: Patch, values: Mapping[str, Any]
     module) must be a non-empty subset of the patch's ``replaces``: each family
     replaces what its release needs.
     """
-    keys, declared = set(values), set(patch.replaces)
-    if not keys or not keys <= declared:
+    declared = tuple(patch.replaces) + tuple(patch.may_replace)
+    keys = set(values)
+    if not keys or not keys <= set(declared):
         raise TypeError("%s: build() returned %s but the patch declares %s (a non-empty subset is allowed)"
-                        % (patch.name, sorted(values), sorted(patch.replaces)))
-    slots = [Slot(module, path) for path in patch.replaces if path in keys]
+                        % (patch.name, sorted(values), sorted(declared)))
+    slots = [Slot(module, path) for path in declared if path in keys]
     done = []
     try:
         for slot in slots:

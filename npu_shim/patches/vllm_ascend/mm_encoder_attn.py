@@ -61,9 +61,10 @@ PATCH = Patch(
     name=PATCH_NAME,
     target="vllm_ascend.ops.mm_encoder_attention",
     subject=CLASS_NAME,
-    # Every attribute some family replaces (each replaces a subset).
-    replaces=(CLASS_NAME + ".__init__", CLASS_NAME + ".forward_oot",
-              CLASS_NAME + "._forward_capture_fia", CLASS_NAME + "._run_vit_fia"),
+    # Every attribute some family replaces (each replaces a subset); the capture functions only the
+    # fused-infer families replace, in the releases that have the encoder ACL graph.
+    replaces=(CLASS_NAME + ".__init__", CLASS_NAME + ".forward_oot"),
+    may_replace=(CLASS_NAME + "._forward_capture_fia", CLASS_NAME + "._run_vit_fia"),
     requires={"vllm-ascend": ">=0.13.0rc1"},
     outside_window={"vllm-ascend": "below the window vllm-ascend had no AscendMMEncoderAttention"},
     needs_npu=True,
