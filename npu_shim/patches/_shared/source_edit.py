@@ -351,22 +351,28 @@ _CODE_FIELDS = ("co_code", "co_names", "co_varnames", "co_freevars", "co_argcoun
                 "co_kwonlyargcount")
 
 
-def _same_code(a, b) -> bool:
+def _same_code(a, b, qualnames=("", "")) -> bool:
     """The same code: bytecode, names and argument counts, and the constants, nested code objects
     (an inner function, a lambda, a comprehension) compared the same way. Bytecode alone names a
-    constant by its index: ``x + 1`` and ``x + 2``, ``layout="TND"`` and ``"BSND"``, compile alike."""
+    constant by its index: ``x + 1`` and ``x + 2``, ``layout="TND"`` and ``"BSND"``, compile alike.
+    ``qualnames``: (prefix in ``a``, prefix in ``b``) of a nested function's qualified name, which
+    Python before 3.11 keeps as a string constant: ``a`` compiled inside the edit's factory names
+    ``<factory>.<locals>.f.<locals>.g`` where ``b`` names ``Class.f.<locals>.g``."""
     return (all(getattr(a, field) == getattr(b, field) for field in _CODE_FIELDS)
-            and len(a.co_consts) == len(b.co_consts) and all(map(_same_constant, a.co_consts, b.co_consts)))
+            and len(a.co_consts) == len(b.co_consts)
+            and all(_same_constant(x, y, qualnames) for x, y in zip(a.co_consts, b.co_consts)))
 
 
-def _same_constant(a, b) -> bool:
+def _same_constant(a, b, qualnames) -> bool:
     # an int, the float of it and a bool are equal values, not one constant
     if type(a) is not type(b):
         return False
     if isinstance(a, types.CodeType):
-        return _same_code(a, b)
+        return _same_code(a, b, qualnames)
     if isinstance(a, tuple):
-        return len(a) == len(b) and all(map(_same_constant, a, b))
+        return len(a) == len(b) and all(_same_constant(x, y, qualnames) for x, y in zip(a, b))
+    if isinstance(a, str) and qualnames[0] and a.startswith(qualnames[0]):
+        return qualnames[1] + a[len(qualnames[0]):] == b
     if isinstance(a, (float, complex)):         # a signed zero equals the unsigned one, and a NaN equals nothing
         return repr(a) == repr(b)
     if isinstance(a, frozenset):                # a constant set of `in {...}`: its members, typed
@@ -400,7 +406,8 @@ def edit_function(function, edits, names: Optional[Mapping[str, object]] = None)
         raise TargetMismatch("%s: names %s are used by upstream's code (the edit was written for code "
                              "that does not use them)" % (what, ", ".join(clashing)))
     freevars = list(code.co_freevars)
-    if not _same_code(_compile(function, node, freevars), code):
+    qualnames = ("%s.<locals>.%s." % (_FACTORY, code.co_name), function.__qualname__ + ".")
+    if not _same_code(_compile(function, node, freevars), code, qualnames):
         raise TargetMismatch("%s: its source (%s:%d) does not compile to the code in use; the file "
                              "changed after import, or the source is not this function's"
                              % (what, code.co_filename, code.co_firstlineno))
