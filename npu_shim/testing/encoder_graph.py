@@ -33,6 +33,8 @@ eagerly, as a replay with the capture-time lengths would. Every call's arguments
 import contextlib
 import types
 
+from npu_shim.testing.attributes import attributes_set
+
 WIDTH = 4
 WORKSPACE_ELEMENTS = 64
 
@@ -202,22 +204,9 @@ def capture_ops_stand_in():
         "graph_task_update_begin": lambda stream, handle: None, "graph_task_update_end": lambda stream: None,
         "Stream": torch_npu.npu.Stream, "stream": torch_npu.npu.stream,
     }
-    saved = [(device, name, vars(device).get(name, _MISSING)) for name in on_device]
-    saved += [(torch_npu, "_npu_fused_infer_attention_score_get_max_workspace",
-               vars(torch_npu).get("_npu_fused_infer_attention_score_get_max_workspace", _MISSING)),
-              (fia, "out", vars(fia).get("out", _MISSING))]
-    for name, value in on_device.items():
-        setattr(device, name, value)
-    torch_npu._npu_fused_infer_attention_score_get_max_workspace = get_max_workspace
-    fia.out = fia_out
-    try:
+    with attributes_set() as put:
+        for name, value in on_device.items():
+            put(device, name, value)
+        put(torch_npu, "_npu_fused_infer_attention_score_get_max_workspace", get_max_workspace)
+        put(fia, "out", fia_out)
         yield calls
-    finally:
-        for owner, name, value in reversed(saved):
-            if value is _MISSING:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, value)
-
-
-_MISSING = object()

@@ -28,6 +28,8 @@ from types import SimpleNamespace
 
 import torch
 
+from npu_shim.testing.attributes import attributes_set
+
 VISION = "sglang.srt.layers.attention.vision"
 PAD_VALUE = 1.0e3
 # bfloat16 output vs float64: measured worst 3.9e-3 (lengths 64/100/36, D 64, N 4 over Nkv 2).
@@ -61,35 +63,17 @@ def npu_platform(*model_modules):
     import torch_npu
 
     vision = importlib.import_module(VISION)
-    saved = []
-
-    def put(obj, name, value):
-        saved.append((obj, name, obj.__dict__.get(name, _MISSING)))
-        setattr(obj, name, value)
-
-    put(vision, "_is_npu", True)
-    put(vision, "torch_npu", torch_npu)
-    for module in model_modules:
-        if "_is_npu" in vars(module):
-            put(module, "_is_npu", True)
-        if "is_npu" in vars(module):
-            put(module, "is_npu", lambda: True)
-    had_attribute = "is_npu" in vars(torch.Tensor)
-    if not had_attribute:
-        torch.Tensor.is_npu = property(_tensor_is_npu)
-    try:
+    with attributes_set() as put:
+        put(vision, "_is_npu", True)
+        put(vision, "torch_npu", torch_npu)
+        for module in model_modules:
+            if "_is_npu" in vars(module):
+                put(module, "_is_npu", True)
+            if "is_npu" in vars(module):
+                put(module, "is_npu", lambda: True)
+        if "is_npu" not in vars(torch.Tensor):
+            put(torch.Tensor, "is_npu", property(_tensor_is_npu))
         yield vision
-    finally:
-        if not had_attribute:
-            del torch.Tensor.is_npu
-        for obj, name, value in reversed(saved):
-            if value is _MISSING:
-                delattr(obj, name)
-            else:
-                setattr(obj, name, value)
-
-
-_MISSING = object()
 
 
 def make_case(lengths, *, padded=False, heads=4, kv_heads=2, head_dim=64, dtype=torch.bfloat16, seed=0):
