@@ -25,6 +25,7 @@ Remove when: ``calc_split_factor`` (or its callers) split the bytes exactly.
 """
 from npu_shim.patch import Family, Patch, Selftest
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
+from npu_shim.patches._shared.structure import Edited, edit_of
 
 TARGET = "vllm_ascend.utils"
 FUNCTION = "calc_split_factor"
@@ -44,18 +45,14 @@ def _function(module):
 
 class _ExactSplit:
     def check(self, module, context):
-        return self.edited(_function(module))
-
-    @staticmethod
-    def edited(function):
         from fractions import Fraction
 
-        return edit_function(function, EDITS, names={"Fraction": Fraction})
+        function = _function(module)
+        return {FUNCTION: Edited(function, edit_function(function, EDITS, names={"Fraction": Fraction}))}
 
     def build(self, module, context):
-        original = _function(module)
-        edited = context.found if callable(context.found) else self.edited(original)
-        return {FUNCTION: context.present(edited, original, "exact ratios (fractions.Fraction), not floats")}
+        return {FUNCTION: context.present(edit_of(context, FUNCTION), context.found[FUNCTION].original,
+                                          "exact ratios (fractions.Fraction), not floats")}
 
 
 EXACT_SPLIT = _ExactSplit()

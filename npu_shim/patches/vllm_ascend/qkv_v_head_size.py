@@ -33,7 +33,7 @@ import inspect
 
 from npu_shim.patch import Family, NotNeeded, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.source_edit import Replace, edit_function
-from npu_shim.patches._shared.structure import module_class, own_function
+from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function
 
 TARGET = "vllm_ascend.ops.linear"
 CLASS = "AscendQKVParallelLinear"
@@ -57,12 +57,11 @@ class _VHeadSize:
             raise TargetMismatch("%s.__init__ takes no v_head_size" % CLASS)
         if "self.v_head_size * tp_size" in inspect.getsource(init):
             raise NotNeeded("%s.__init__ sizes V with v_head_size" % CLASS)
-        return edit_function(init, EDITS)
+        return {INIT: Edited(init, edit_function(init, EDITS))}
 
     def build(self, module, context):
-        init = own_function(module_class(module, CLASS), "__init__")
-        edited = context.found if callable(context.found) else self.check(module, context)
-        return {INIT: context.present(edited, init, "the V slice (output_size, output_sizes) v_head_size wide")}
+        return {INIT: context.present(edit_of(context, INIT), context.found[INIT].original,
+                                      "the V slice (output_size, output_sizes) v_head_size wide")}
 
 
 V_HEAD_SIZE = _VHeadSize()
