@@ -63,6 +63,7 @@ run time (uv_source_args); file:// or local locations that do not exist are left
 ignores them. uv installs from its cache by hardlink: a second lane with the same torch costs
 megabytes, not gigabytes.
 """
+import concurrent.futures
 import functools
 import glob
 import os
@@ -592,8 +593,9 @@ def mutants(session):
         session.error("; ".join((["no mutant %s" % ", ".join(unknown)] if unknown else []) + broken))
     logs = os.path.join(HERE, ".nox", "mutants")
     os.makedirs(logs, exist_ok=True)
-    rows, missed, first = [], [], time.time()
-    for entry in chosen:
+    first = time.time()
+
+    def run_one(entry):
         ident, defect, lane_name, expect = entry.ident, entry.defect, entry.lane, entry.expect
         with tempfile.TemporaryDirectory(prefix="npu-shim-mutant-%s-" % ident) as scratch:
             _scratch_copy(scratch)
@@ -606,11 +608,17 @@ def mutants(session):
             handle.write(output)
         evidence = _evidence(output, expect)
         caught = proc.returncode != 0 and bool(evidence)
-        if not caught:
-            missed.append(ident)
-        rows.append((ident, defect, "lane(%s)" % lane_name, "caught" if caught else "MISSED",
-                     "%.0f s" % (time.monotonic() - started), evidence[:160] or "(expected: %s)" % expect))
-        session.log("mutant %s: %s", ident, rows[-1][3])
+        row = (ident, defect, "lane(%s)" % lane_name, "caught" if caught else "MISSED",
+               "%.0f s" % (time.monotonic() - started), evidence[:160] or "(expected: %s)" % expect)
+        session.log("mutant %s: %s (%s)", ident, row[3], row[4])
+        return row
+
+    # each mutant is a lane run in its own scratch copy and venv, independent of the others: run
+    # NPU_SHIM_MUTANT_JOBS at a time (default: one per core), rows kept in table order
+    jobs = max(1, int(os.environ.get("NPU_SHIM_MUTANT_JOBS") or os.cpu_count() or 1))
+    with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+        rows = list(pool.map(run_one, chosen))
+    missed = [row[0] for row in rows if row[3] != "caught"]
     sys.path.insert(0, os.path.join(HERE, "lanes"))
     from report import format_table
 
@@ -621,9 +629,9 @@ def mutants(session):
                             text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=HERE,
                            capture_output=True, text=True).stdout.strip()
-    header = "ran %s-%s UTC on %s, %d cores: nox -s mutants%s at %s%s; written by noxfile.py mutants" % (
+    header = "ran %s-%s UTC on %s, %d cores, %d mutants at a time: nox -s mutants%s at %s%s; written by noxfile.py mutants" % (
         time.strftime("%Y-%m-%d %H:%M", time.gmtime(first)), time.strftime("%H:%M", time.gmtime()),
-        platform.machine(), os.cpu_count() or 0, " -- " + " ".join(session.posargs) if session.posargs else "",
+        platform.machine(), os.cpu_count() or 0, jobs, " -- " + " ".join(session.posargs) if session.posargs else "",
         commit, " + uncommitted changes" if dirty else "")
     with open(os.path.join(HERE, "benchmarks", "results", "mutants.txt"), "a" if session.posargs else "w",
               encoding="utf-8") as handle:
