@@ -400,7 +400,7 @@ def emulated_ops(lines):
     emulation.install()
     import torch_npu
 
-    n, d, dt = 2, 16, torch.bfloat16
+    n, d, dt = 2, 64, torch.bfloat16     # 64: a head dim the TND layout takes (emulation checks it)
     c = "cuda"
     q7 = torch.randn(7, n, d, dtype=dt, device=c)
     qb = torch.randn(2, 4, n, d, dtype=dt, device=c)
