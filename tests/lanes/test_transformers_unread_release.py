@@ -11,6 +11,7 @@ Each interpreter imports the patch's target the way the lane gate does (``npu-sh
 --import``, lanes/report.py). The control (the same next release with code of another shape,
 refused by structure) is tests/lanes/test_vllm_ascend_unread_release.py's.
 """
+import importlib
 import json
 import os
 import subprocess
@@ -20,12 +21,13 @@ import pytest
 from packaging.version import Version
 
 from npu_shim import evidence
+from npu_shim.patches import BUILTIN_PATCHES
 from npu_shim.reference import claimed_lanes, lane_table
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DIST = "transformers"
 NAME = "transformers.attn_check"
-FAMILY = "allow-list"
+FAMILY = importlib.import_module(dict(BUILTIN_PATCHES)[NAME]).PATCH.families[-1].name   # the newest family
 _TABLE = lane_table(ROOT)
 NEWEST = max(claimed_lanes(ROOT)[NAME], key=lambda lane: (Version(_TABLE[lane][DIST]), lane))
 NEXT = "%d.0.0" % (max(Version(r) for r in evidence.read(NAME, FAMILY) + [_TABLE[NEWEST][DIST]]).major + 1)
