@@ -392,6 +392,35 @@ class Patch:
         if any(family.fence and not family.dist for family in self.families) and not self.requires:
             raise ValueError("%s: a fenced family without dist needs the patch to require a distribution"
                              % self.name)
+        for dist, spec in self.requires.items():
+            fenced = [f for f in self.families if f.fence and self.family_dist(f) == dist]
+            if spec and self.families and len(fenced) == len(self.families):
+                raise ValueError("%s: requires %s %r states a bound, but every family's fence reads %s: the "
+                                 "window on it is the fences' (Patch.window); give requires {%r: \"\"} (the "
+                                 "distribution present) and let each fence say where its family stops"
+                                 % (self.name, dist, spec, dist, dist))
+
+    @property
+    def window(self) -> dict:
+        """``{dist: (spec, ...)}``: the releases of each distribution of ``requires`` the patch may
+        apply to, any one of the specs admitting (PEP 440 ranges, "" = any). Derived: where every
+        family is fenced on ``dist``, the window on it is its families' fences (adjacent ones
+        joined: ``>=a,<b`` and ``>=b`` make ``>=a``), so ``requires`` states no bound a fence
+        states, only the distribution being present and any bound on a distribution no fence
+        reads; otherwise (a family with no fence: the patch's own window) ``requires`` alone."""
+        out = {}
+        for dist, spec in self.requires.items():
+            fences = [family.fence for family in self.families
+                      if family.fence and self.family_dist(family) == dist]
+            if self.families and len(fences) == len(self.families):
+                out[dist] = tuple(",".join(part for part in (spec, fence) if part) for fence in join_fences(fences))
+            else:
+                out[dist] = (spec,)
+        return out
+
+    def window_text(self, dist: str) -> str:
+        """The window on ``dist`` as the reference and the guard's reason show it."""
+        return " or ".join(spec or "any release" for spec in self.window.get(dist, ("",)))
 
     @property
     def named_families(self) -> bool:
@@ -410,6 +439,26 @@ class Patch:
     def relative_path(self, path: str) -> str:
         """``path`` (relative to the subject) as a path relative to the target module."""
         return "%s.%s" % (self.subject, path) if self.subject else path
+
+
+_LOWER = re.compile(r"^>=\s*(\S+)$")
+_UPPER = re.compile(r"^<\s*(\S+)$")
+
+
+def join_fences(fences) -> list:
+    """``fences`` with adjacent ranges joined, in order: ``[">=a,<b", ">=b,<c"]`` -> ``[">=a,<c"]``.
+    A fence of any other form (``!=``, ``~=``, more clauses) stays as it is."""
+    out = []
+    for fence in fences:
+        parts = [part.strip() for part in fence.split(",") if part.strip()]
+        if out and parts and _LOWER.match(parts[0]) and all(_UPPER.match(p) for p in parts[1:]) and len(parts) <= 2:
+            last = [part.strip() for part in out[-1].split(",")]
+            if len(last) == 2 and _LOWER.match(last[0]) and _UPPER.match(last[1]) \
+                    and _UPPER.match(last[1]).group(1) == _LOWER.match(parts[0]).group(1):
+                out[-1] = ",".join([last[0]] + parts[1:])
+                continue
+        out.append(fence)
+    return out
 
 
 _PATH = re.compile(r"^(?P<attrs>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)(?:\[(?P<q>['\"])(?P<key>[^'\"]+)(?P=q)\])?$")

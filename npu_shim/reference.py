@@ -84,9 +84,9 @@ def render_patches(declared, root):
         if patch.may_replace:
             out.append("- replaces where the installed code has them: %s"
                        % ", ".join("`%s.%s`" % (patch.target, r) for r in patch.may_replace))
-        window = ["%s `%s`%s" % (dist, spec, " (outside: %s)" % patch.outside_window[dist]
-                                  if dist in patch.outside_window else "")
-                  for dist, spec in patch.requires.items()]
+        window = ["%s %s%s" % (dist, " or ".join("`%s`" % (spec or "any release") for spec in specs),
+                                " (outside: %s)" % patch.outside_window[dist] if dist in patch.outside_window else "")
+                  for dist, specs in patch.window.items()]
         out.append("- window: %s%s" % ("; ".join(window) or "none",
                                         "; needs torch_npu (real or emulated)" if patch.needs_npu else ""))
         switches = ["`NPU_SHIM_DISABLE=%s`" % patch.name] + [
@@ -139,9 +139,9 @@ def lane_releases(root):
 def admitting(patch, dist, release):
     """The families of ``patch`` whose fence, inside the patch's window on ``dist``, admits
     ``release`` of ``dist`` (the other distributions are not looked at)."""
-    from npu_shim.engine.guards import within
+    from npu_shim.engine.guards import in_window, within
 
-    if dist in patch.requires and not within(patch.requires[dist], release):
+    if dist in patch.requires and not in_window(patch, dist, release):
         return []
     return [f for f in patch.families if not f.between_releases and patch.family_dist(f) == dist
             and (not f.fence or within(f.fence, release))]
@@ -362,7 +362,7 @@ def lane_selection(root, name, implemented_in=(), outside=(), window=False, per_
     ``pinned``        ``{dist: condition}``, narrowing any of the above: a PEP 440 range, a
                       collection of releases, or None for "not installed".
     Raises ValueError for a selection the declaration cannot answer or one with no lane."""
-    from npu_shim.engine.guards import within
+    from npu_shim.engine.guards import window_admits, within
 
     declared = declared or patches()
     found = [p for p, _ in declared if p.name == name]
@@ -395,8 +395,7 @@ def lane_selection(root, name, implemented_in=(), outside=(), window=False, per_
         selected = {max(lanes, key=lambda lane: (version_key(table[lane][patch.family_dist(families[f])]), lane))
                     for f, lanes in claims.items() if lanes}
     elif window:
-        selected = {lane for lane, pins_ in table.items()
-                    if all(dist in pins_ and within(spec, pins_[dist]) for dist, spec in patch.requires.items())}
+        selected = {lane for lane, pins_ in table.items() if window_admits(patch, pins_)}
     elif outside:
         selected = set(outside_lanes(patch, table, claimed, outside))
     else:
@@ -413,7 +412,7 @@ def lane_selection(root, name, implemented_in=(), outside=(), window=False, per_
 def outside_lanes(patch, table, claimed, choices):
     """The lanes of ``table`` pinning every distribution of ``patch.requires`` that are not in
     ``claimed``, as :func:`lane_selection`'s ``outside`` chooses them."""
-    from npu_shim.engine.guards import within
+    from npu_shim.engine.guards import in_window
 
     dists = list(patch.requires)
     sides = {"below": [], "above": []}
@@ -422,7 +421,7 @@ def outside_lanes(patch, table, claimed, choices):
         if lane in claimed or not all(dist in pins_ for dist in dists):
             continue
         every.append(lane)
-        dist = next((d for d in dists if not within(patch.requires[d], pins_[d])), None)
+        dist = next((d for d in dists if not in_window(patch, d, pins_[d])), None)
         if dist is None or not claimed:
             continue
         key = (version_key(pins_[dist]), lane)

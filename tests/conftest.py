@@ -27,7 +27,8 @@ a lane, moves the test with no edit here. Keywords narrow or change the selectio
   none in the Python-variant lanes (``# Tests of:``, where everything else of their base lane
   runs): for a test that starts fresh interpreters to show a switch or strict mode (the
   engine's handling of one family, 5-20 s each).
-* ``window=True``: every lane whose pins the patch's ``requires`` admit, claimed or not (a
+* ``window=True``: every lane whose pins the patch's window admits (``Patch.window``: its
+  ``requires``, and its families' fences where every family is fenced), claimed or not (a
   patch whose family names no release, told apart by structure alone).
 * ``outside="all"`` / ``"below"`` / ``"above"`` / ``"newest"`` (or a tuple): lanes that pin
   every distribution the patch requires and that no family claims, where the patch must be out

@@ -26,7 +26,7 @@ ANY = Check(lambda s: True)
 
 
 def patch(*families):
-    return Patch(name="x.y", target="x", replaces=("f",), requires={"dist": ">=1.0"}, families=families)
+    return Patch(name="x.y", target="x", replaces=("f",), requires={"dist": ""}, families=families)
 
 
 FAMILIES = (Family(OLD, keeps="", fence=">=1.0,<2.0", id="old-shape"), Family(NEW, keeps="", fence=">=2.0", id="new-shape"))

@@ -332,7 +332,7 @@ def test_per_family_with_implemented_in_takes_those_families_newest_lanes():
 def _window_admits(patch, pins):
     from npu_shim.engine.guards import within
 
-    return all(dist in pins and within(spec, pins[dist]) for dist, spec in patch.requires.items())
+    return all(dist in pins and any(within(spec, pins[dist]) for spec in patch.window[dist]) for dist in patch.requires)
 
 
 def test_window_is_every_lane_the_requires_admit():
@@ -346,10 +346,11 @@ def test_window_is_every_lane_the_requires_admit():
 
 
 def _outside_dist(patch, pins):
-    """The first distribution of ``requires`` whose range rules the lane's pin out."""
+    """The first distribution of ``requires`` whose window (Patch.window) rules the lane's pin out."""
     from npu_shim.engine.guards import within
 
-    return next((dist for dist, spec in patch.requires.items() if not within(spec, pins[dist])), None)
+    return next((dist for dist in patch.requires if not any(within(spec, pins[dist]) for spec in patch.window[dist])),
+                None)
 
 
 def test_outside_lanes_pin_the_window_and_no_family_claims_them():

@@ -149,14 +149,18 @@ def test_every_guard_it_quotes_is_the_patchs_requirement():
     for _, line, _ in sections:
         starts.append(starts[-1] + len(line) + 1)
     checked = 0
-    for match in re.finditer(r"[Gg]uard(?: is)?:?\*{0,2}\s+`([^`]+)`", joined):
+    for match in re.finditer(r"[Gg]uard(?: is)?:?\*{0,2}\s+`([^`]+)`((?:,?\s+or\s+`[^`]+`)*)", joined):
         number = next(i for i, start in enumerate(starts) if start > match.start())
         patch = sections[number - 1][2]
         assert patch is not None, "line %d: a guard outside a patch's section" % number
         dist, spec = re.match(r"([\w-]+)\s*(.*)", match.group(1).replace("\n", "")).groups()
         assert dist in patch.requires, "line %d: %s does not require %s" % (number, patch.name, dist)
-        assert SpecifierSet(spec) == SpecifierSet(patch.requires[dist]), \
-            "line %d: guard %s%s, %s declares %s" % (number, dist, spec, patch.name, patch.requires[dist])
+        # the window the guard reads (Patch.window: requires, or the families' fences), each
+        # alternative quoted ("`dist>=a,<b` or `>=c`")
+        quoted = [spec] + re.findall(r"`([^`]+)`", match.group(2) or "")
+        assert [SpecifierSet(s) for s in quoted] == [SpecifierSet(s) for s in patch.window[dist]], \
+            "line %d: guard %s %s, %s's window is %s" % (number, dist, " or ".join(quoted), patch.name,
+                                                       patch.window_text(dist))
         checked += 1
     assert checked, "no guard checked: the pattern no longer matches the notes"
 

@@ -90,19 +90,30 @@ def within(spec: str, version: str) -> bool:
     return SpecifierSet(spec).contains(Version(version), prereleases=True)
 
 
+def in_window(patch: Patch, dist: str, version: str) -> bool:
+    """``version`` of ``dist`` inside the patch's window on it (:attr:`Patch.window`: ``requires``
+    and, where every family is fenced on ``dist``, the families' fences)."""
+    return any(within(spec, version) for spec in patch.window.get(dist, ("",)))
+
+
+def window_admits(patch: Patch, pins: dict) -> bool:
+    """Every distribution of ``requires`` pinned in ``pins`` ({dist: version}) inside the window."""
+    return all(dist in pins and in_window(patch, dist, pins[dist]) for dist in patch.requires)
+
+
 def guard_failure(patch: Patch, versions: dict):
     """Why the installed versions rule the patch out, or None."""
-    for dist, spec in patch.requires.items():
+    for dist in patch.requires:
         version = versions[dist]
         if version is None:
             return "not installed: %s" % dist
         try:
-            ok = within(spec, version)
+            ok = in_window(patch, dist, version)
         except (InvalidSpecifier, InvalidVersion) as exc:
-            return "cannot compare %s %s with %r: %s" % (dist, version, spec, exc)
+            return "cannot compare %s %s with %r: %s" % (dist, version, patch.window_text(dist), exc)
         if not ok:
             note = patch.outside_window.get(dist)
-            return "%s %s is outside %s%s" % (dist, version, spec, " (%s)" % note if note else "")
+            return "%s %s is outside %s%s" % (dist, version, patch.window_text(dist), " (%s)" % note if note else "")
     return None
 
 

@@ -32,14 +32,15 @@ ENCODER = ("vllm.mm_encoder_attn", "vllm.mm_encoder_attn_310p")
 
 
 def window_admits_dev_version(name):
-    """Whether patch ``name``'s window (its ``requires`` on vllm-ascend) admits DEV_VERSION."""
+    """Whether patch ``name``'s window on vllm-ascend (Patch.window: its families' fences where
+    every family is fenced on it) admits DEV_VERSION."""
     import importlib
 
-    from npu_shim.engine.guards import within
+    from npu_shim.engine.guards import in_window
     from npu_shim.patches import BUILTIN_PATCHES
 
-    spec = importlib.import_module(dict(BUILTIN_PATCHES)[name]).PATCH.requires.get("vllm-ascend")
-    return spec is None or within(spec, DEV_VERSION)
+    patch = importlib.import_module(dict(BUILTIN_PATCHES)[name]).PATCH
+    return "vllm-ascend" not in patch.requires or in_window(patch, "vllm-ascend", DEV_VERSION)
 
 
 def fresh(what, tmp_path, shadow=None, **env):

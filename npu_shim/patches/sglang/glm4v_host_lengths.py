@@ -103,7 +103,7 @@ PATCH = Patch(
     name="sglang.glm4v_host_lengths",
     target=TARGET,
     replaces=(FORWARD,),
-    requires={"sglang": ">=0.5.11"},
+    requires={"sglang": ""},
     outside_window={"sglang": "releases below the window were not read for this patch"},
     needs_npu=True,
     families=(

@@ -245,7 +245,7 @@ PATCH = Patch(
     name="sglang.npu_decode_v_head_dim",
     target=TARGET,
     replaces=("%s.%s" % (BACKEND, DECODE), "%s.%s" % (BACKEND, GRAPH), "%s.%s" % (BACKEND, EXTEND)),
-    requires={"sglang": ">=0.5.14"},
+    requires={"sglang": ""},
     outside_window={"sglang": "below the window the NPU MHA pool has one head dim for K and V: no layer "
                               "with V != K reaches the decode (sglang.npu_mha_v_head_dim_inline)"},
     needs_npu=True,

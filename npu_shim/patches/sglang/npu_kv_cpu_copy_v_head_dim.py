@@ -61,7 +61,7 @@ PATCH = Patch(
     name="sglang.npu_kv_cpu_copy_v_head_dim",
     target=TARGET,
     replaces=tuple("%s.%s" % (POOL, name) for name in METHODS),
-    requires={"sglang": ">=0.5.14"},
+    requires={"sglang": ""},
     outside_window={"sglang": "below the window NPUMHATokenToKVPool has no CPU copies of its own (and one "
                               "head dim for K and V)"},
     needs_npu=True,

@@ -152,7 +152,7 @@ PATCH = Patch(
     name=PATCH_NAME,
     target=TARGET,
     replaces=("%s.%s" % (CONFIGURATOR, BUILDER),),
-    requires={"sglang": ">=0.5.16"},
+    requires={"sglang": ""},
     outside_window={"sglang": "below the window the pool is built inline in _init_pools "
                               "(sglang.npu_mha_v_head_dim_inline)"},
     needs_npu=True,

@@ -35,7 +35,7 @@ PATCH = Patch(
     name="sglang.npu_mha_v_head_dim_inline",
     target=TARGET,
     replaces=("%s._init_pools" % MIXIN,),
-    requires={"sglang": ">=0.5.14,<0.5.16"},
+    requires={"sglang": ""},
     outside_window={"sglang": "below the window NPUMHATokenToKVPool has one head dim for K and V (one packed "
                               "buffer): no v_head_dim to pass; above it the pool is built by "
                               "_build_ascend_mha_kv_pool (sglang.npu_mha_v_head_dim)"},

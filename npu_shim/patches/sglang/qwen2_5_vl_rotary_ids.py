@@ -83,7 +83,7 @@ PATCH = Patch(
     name="sglang.qwen2_5_vl_rotary_ids",
     target=TARGET,
     replaces=(TOWER + "." + METHOD,),
-    requires={"sglang": ">=0.5.11"},
+    requires={"sglang": ""},
     outside_window={"sglang": "releases below the window were not read for this patch"},
     needs_npu=True,
     families=(

@@ -110,7 +110,7 @@ PATCH = Patch(
     name="sglang.qwen3_vl_host_lengths",
     target=TARGET,
     replaces=(FORWARD,),
-    requires={"sglang": ">=0.5.11,<0.5.16"},
+    requires={"sglang": ""},
     outside_window={"sglang": "above the window the tower hands its host cu_seqlens to the vision attention "
                               "metadata (sglang.vision_host_lengths); releases below the window were not read for this patch"},
     needs_npu=True,

@@ -303,7 +303,7 @@ PATCH = Patch(
     name="sglang.small_page_fia",
     target=TARGET,
     replaces=("AscendAttnBackend.%s" % METHOD,),
-    requires={"sglang": ">=0.5.12"},
+    requires={"sglang": ""},
     outside_window={"sglang": "below the window the FIA prefill branch ignores the paged KV cache (wrong with "
                               "a cached prefix: nothing right to route to)"},
     needs_npu=True,

@@ -128,7 +128,7 @@ PATCH = Patch(
     name="sglang.vision_device_lengths",
     target=TARGET,
     replaces=(FORWARD,),
-    requires={"sglang": ">=0.5.11,<0.5.16"},
+    requires={"sglang": ""},
     outside_window={"sglang": "above the window the vision attention metadata carries the lengths "
                               "(sglang.vision_host_lengths); releases below it were not read"},
     needs_npu=True,

@@ -227,7 +227,7 @@ PATCH = Patch(
     name="sglang.vision_head_pad",
     target=TARGET,
     replaces=(FORWARD,),
-    requires={"sglang": ">=0.5.14"},
+    requires={"sglang": ""},
     outside_window={"sglang": "below the window VisionAscendAttention calls _npu_flash_attention_unpad, "
                               "not FIA's TND layout"},
     needs_npu=True,

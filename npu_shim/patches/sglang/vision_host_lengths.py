@@ -308,7 +308,7 @@ PATCH = Patch(
     name="sglang.vision_host_lengths",
     target=TARGET,
     replaces=(METADATA, FORWARD),
-    requires={"sglang": ">=0.5.16"},
+    requires={"sglang": ""},
     outside_window={"sglang": "below the window there is no vision attention metadata: "
                               "sglang.vision_device_lengths serves those releases"},
     needs_npu=True,

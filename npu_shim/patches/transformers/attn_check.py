@@ -21,7 +21,9 @@ How: wrap ``PreTrainedModel.get_correct_attn_implementation``. A request for
   wrong calling convention).
 Window: the method exists from transformers 4.55.0 through 5.23.0 with the
   same ``(self, requested_attention, is_init_check=False)`` shape (4.55.0
-  spells the first parameter ``_requested_attention``). 4.54 does the name
+  spells the first parameter ``_requested_attention``); open above: a later
+  release whose method takes the requested name first gets the patch (status
+  says it was not read yet), one without it is refused by structure. 4.54 does the name
   check inline in ``_check_and_adjust_attn_implementation`` and 4.53 in the
   classmethod ``_autoset_attn_implementation``; those transformers releases
   are reachable only with vllm 0.8.5–0.10.0, where ``vllm.moonvit_attn``
@@ -108,9 +110,9 @@ PATCH = Patch(
     name="transformers.attn_check",
     target="transformers.modeling_utils",
     replaces=("PreTrainedModel.%s" % METHOD,),
-    requires={"transformers": ">=4.55,<6", "vllm": ">=0.8.5,<0.14"},
+    requires={"transformers": ">=4.55", "vllm": ">=0.8.5,<0.14"},
     outside_window={
-        "transformers": "the name check lives in other methods below the window; releases above it not read",
+        "transformers": "the name check lives in other methods below the window",
         "vllm": "ascend_fa can be requested only where vllm.moonvit_attn applies",
     },
     needs_npu=True,   # needed only where vllm.moonvit_attn (an NPU patch) can serve the name

@@ -94,7 +94,7 @@ PATCH = Patch(
     name="vllm.cast_overflow_on_device",
     target=TARGET,
     replaces=(FUNCTION,),
-    requires={"vllm": ">=0.13.0,<0.22.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "above the window vLLM clamps without asking (no read); releases below it were "
                             "not read for this patch"},
     needs_npu=True,

@@ -120,7 +120,7 @@ PATCH = Patch(
     name="vllm.dots_ocr_host_lengths",
     target=TARGET,
     replaces=(FORWARD,),
-    requires={"vllm": ">=0.14.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "the release below the window has the same forward, but its towers cannot be built here (its "
                             "MMEncoderAttention lives in vllm.attention.layers): not run, not claimed; earlier "
                             "releases were not read for this patch"},

@@ -72,7 +72,7 @@ PATCH = Patch(
     name="vllm.glm4_1v_rotary_ids",
     target=TARGET,
     replaces=(TOWER + "." + METHOD,),
-    requires={"vllm": ">=0.18.0,<0.22.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "above the window vLLM moves the ids to the device itself (first with the line this "
                             "patch backports, later by building them there); releases below the window were not read for this patch"},
     needs_npu=True,

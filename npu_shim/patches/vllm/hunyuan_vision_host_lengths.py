@@ -89,7 +89,7 @@ PATCH = Patch(
     name="vllm.hunyuan_vision_host_lengths",
     target=TARGET,
     replaces=(FORWARD,),
-    requires={"vllm": ">=0.14.0,<0.29.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "the release below the window has the same forward, but its towers cannot be built here (its "
                             "MMEncoderAttention lives in vllm.attention.layers, which the census harness does "
                             "not route): not run, not claimed; earlier releases were not read for this patch; "

@@ -99,7 +99,7 @@ PATCH = Patch(
     name="vllm.mimo_v2_flash_sinks_refuse",
     target="vllm.model_executor.models.mimo_v2_flash",
     replaces=(INIT,),
-    requires={"vllm": ">=0.15.0,<0.20.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "below, the vllm-ascend paired with it drops the sinks (vllm.sinks_refuse); above, "
                             "the model no longer pads V itself (vllm.mimo_v2_flash_v_head_dim / vllm.mimo_v2_v_head_dim "
                             "refuse the same layer)"},

@@ -21,7 +21,7 @@ PATCH = Patch(
     name="vllm.mimo_v2_flash_v_head_dim",
     target="vllm.model_executor.models.mimo_v2_flash",
     replaces=("MiMoV2Attention.__init__", "MiMoV2Attention.forward"),
-    requires={"vllm": ">=0.20.0,<0.21.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "below, the model pads V itself; above, it lives in mimo_v2 (vllm.mimo_v2_v_head_dim)"},
     needs_npu=True,
     families=(

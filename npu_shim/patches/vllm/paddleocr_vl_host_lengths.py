@@ -97,7 +97,7 @@ PATCH = Patch(
     name="vllm.paddleocr_vl_host_lengths",
     target=TARGET,
     replaces=(FUNCTION,),
-    requires={"vllm": ">=0.28.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "the two releases read below the window copy cu_seqlens with "
                             "torch.tensor(...).to(device) after reading the device grid back (not patched); "
                             "older ones were not read"},

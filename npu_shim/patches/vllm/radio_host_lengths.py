@@ -107,7 +107,7 @@ PATCH = Patch(
     target=TARGET,
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + "." + METHOD,),
-    requires={"vllm": ">=0.19.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "below the window, the releases read build cu_seqlens in inter_image_mask_metadata "
                             "(no _from_seq_lens; not patched), or a dense boolean mask, or no inter-image mask"},
     needs_npu=True,

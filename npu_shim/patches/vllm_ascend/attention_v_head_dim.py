@@ -39,13 +39,31 @@ Window: read in the builds of 0.20.2rc1, 0.21.0rc1, 0.22.1rc1, 0.23.0, 0.24.0rc1
   0.26.0rc1, 0.27.1rc1, 0.28.0rc1, 0.29.0rc1 and 0.30.0rc2 (the sinks test twice in
   ``forward_fused_infer_attention``: graph capture and eager; the paged-attention test once in
   ``forward_impl``). Below 0.20, vLLM's model pads V itself and no layer reaches the impl with V != K.
+  The fence is open-ended: a later release gets the family where the edits' anchors match (its
+  status says the release was not read yet), and is refused by structure where they do not. The
+  window on vLLM is derived from the MiMo patches' (``MIMO_VLLM``).
 Upstream fix: none (no vllm-ascend release reads ``head_size_v`` in its attention impl).
 Remove when: vllm-ascend's attention impl serves ``head_size_v != head_size``.
 """
 from npu_shim import _config
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Family, Patch, Selftest, join_fences
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import module_class, own_function
+from npu_shim.patches.vllm import mimo_v2_flash_v_head_dim, mimo_v2_v_head_dim
+
+
+def _mimo_vllm():
+    """vLLM's releases where a MiMo layer with V != K reaches vllm-ascend (the MiMo patches'
+    windows, joined): derived, so this window follows theirs (one range, as ``requires`` takes)."""
+    windows = [spec for module in (mimo_v2_flash_v_head_dim, mimo_v2_v_head_dim)
+               for spec in module.PATCH.window["vllm"]]
+    joined = join_fences(windows)
+    if len(joined) != 1:
+        raise ValueError("the MiMo patches' vLLM windows %s do not join into one range" % windows)
+    return joined[0]
+
+
+MIMO_VLLM = _mimo_vllm()
 
 TARGET = "vllm_ascend.attention.attention_v1"
 IMPL = "AscendAttentionBackendImpl"
@@ -140,15 +158,14 @@ PATCH = Patch(
     name="vllm.ascend_attention_v_head_dim",
     target=TARGET,
     replaces=REPLACES,
-    requires={"vllm-ascend": ">=0.20.0rc1,<0.31.0rc1", "vllm": ">=0.20.0,<0.31.0"},
-    outside_window={"vllm-ascend": "below, vLLM's model pads V itself (no layer with V != K reaches the impl); "
-                                   "above, not read",
-                    "vllm": "the releases of the MiMo patches (vllm.mimo_v2_v_head_dim): below, the model pads V "
-                            "itself; above, vLLM's KV-cache spec calls the newest vllm-ascend's backend with "
-                            "arguments it does not take, for every model"},
+    requires={"vllm-ascend": "", "vllm": MIMO_VLLM},
+    outside_window={"vllm-ascend": "below, vLLM's model pads V itself (no layer with V != K reaches the impl)",
+                    "vllm": "the window is the MiMo patches' (vllm.mimo_v2_flash_v_head_dim, "
+                            "vllm.mimo_v2_v_head_dim), where a layer with V != K reaches the impl: below, the "
+                            "model pads V itself; above, where they stop"},
     needs_npu=True,
     families=(
-        Family(__name__ + ":VALUE_HEAD_DIM", fence=">=0.20.0rc1,<0.31.0rc1",
+        Family(__name__ + ":VALUE_HEAD_DIM", fence=">=0.20.0rc1",
                keeps="vllm-ascend's own npu_fused_infer_attention_score_v2 call (TND, paged, learnable_sink "
                      "as the layer has it) for a layer with V != K, pre_tokens W - 1 for its window; every "
                      "V == K layer's calls unchanged unless NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1"),

@@ -108,7 +108,7 @@ PATCH = Patch(
     target=TARGET,
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + "." + CAPTURE, CLASS_NAME + "." + CAPTURE_BUDGET),
-    requires={"vllm-ascend": ">=0.22.0rc1"},
+    requires={"vllm-ascend": ""},
     outside_window={"vllm-ascend": "below the window vllm-ascend has no encoder ACL graph "
                                    "(vllm_ascend.worker.encoder_acl_graph)"},
     needs_npu=True,

@@ -19,13 +19,16 @@ How: ``calc_split_factor`` is upstream's, edited
   divides an integer byte count by the factor and takes ``int`` of it, which a Fraction gives
   exactly; a float factor's callers get the same values wherever the float was exact.
 Window: read in the builds of 0.20.2rc1 to 0.30.0rc2 (one body of ``calc_split_factor``), where a
-  layer with V != K first reaches the runner (``vllm.ascend_attention_v_head_dim``).
+  layer with V != K first reaches the runner (``vllm.ascend_attention_v_head_dim``). The fence is
+  open-ended: a later release gets the family where the edit's anchor matches (status: not read
+  yet), and is refused by structure where it does not; the vLLM window is the MiMo patches'.
 Upstream fix: none (vllm-ascend 0.30.0rc2).
 Remove when: ``calc_split_factor`` (or its callers) split the bytes exactly.
 """
 from npu_shim.patch import Family, Patch, Selftest
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of
+from npu_shim.patches.vllm_ascend.attention_v_head_dim import MIMO_VLLM
 
 TARGET = "vllm_ascend.utils"
 FUNCTION = "calc_split_factor"
@@ -61,13 +64,13 @@ PATCH = Patch(
     name="vllm.ascend_kv_split_exact",
     target=TARGET,
     replaces=(FUNCTION,),
-    requires={"vllm-ascend": ">=0.20.0rc1,<0.31.0rc1", "vllm": ">=0.20.0,<0.31.0"},
+    requires={"vllm-ascend": "", "vllm": MIMO_VLLM},
     outside_window={"vllm-ascend": "below, no layer with V != K reaches the runner's split (vLLM's model pads V "
-                                   "itself); above, not read",
-                    "vllm": "the releases of the MiMo patches (vllm.mimo_v2_v_head_dim), where a layer with V != K "
-                            "reaches the runner"},
+                                   "itself)",
+                    "vllm": "the window is the MiMo patches' (vllm.mimo_v2_flash_v_head_dim, "
+                            "vllm.mimo_v2_v_head_dim), where a layer with V != K reaches the runner"},
     families=(
-        Family(__name__ + ":EXACT_SPLIT", fence=">=0.20.0rc1,<0.31.0rc1",
+        Family(__name__ + ":EXACT_SPLIT", fence=">=0.20.0rc1",
                keeps="upstream's split of each layer's bytes by head-dim ratio, the ratio exact"),
     ),
     selftest=Selftest("npu_shim.selftest.vllm_ascend_kv_split_exact", host_syncs=0),

@@ -65,7 +65,7 @@ PATCH = Patch(
     # fused-infer families replace, in the releases that have the encoder ACL graph.
     replaces=(CLASS_NAME + ".__init__", CLASS_NAME + ".forward_oot"),
     may_replace=(CLASS_NAME + "._forward_capture_fia", CLASS_NAME + "._run_vit_fia"),
-    requires={"vllm-ascend": ">=0.13.0rc1"},
+    requires={"vllm-ascend": ""},
     outside_window={"vllm-ascend": "below the window vllm-ascend had no AscendMMEncoderAttention"},
     needs_npu=True,
     families=(

@@ -37,7 +37,7 @@ PATCH = Patch(
     target="vllm_ascend._310p.ops.mm_encoder_attention",
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".forward_oot",),
-    requires={"vllm-ascend": ">=0.14.0rc1,!=0.15.*,!=0.16.*,!=0.17.*"},
+    requires={"vllm-ascend": ""},
     outside_window={"vllm-ascend": "no 310P MMEncoderAttention class below the window nor in the releases "
                                    "it leaves out"},
     needs_npu=True,

@@ -25,7 +25,8 @@ Window: read in the builds of 0.20.2rc1, 0.22.1rc1 and 0.30.0rc2 and in vllm-asc
   or the patch refuses). Tests run here on the vllm-0.20, latest-vllm (0.26.0rc1) and vllm-0.30
   lanes. 0.18.0's class has
   the same text, and vLLM's MiMo model passes ``v_head_size`` there as well, but no lane below 0.20
-  runs it here: not claimed.
+  runs it here: not claimed. The fence is open-ended: a later release gets the family where the
+  edit's anchors match (status: not read yet), and is refused by structure where they do not.
 Upstream fix: none (vllm-ascend 0.30.0rc2).
 Remove when: ``AscendQKVParallelLinear.__init__`` sizes V with ``v_head_size``.
 """
@@ -70,11 +71,10 @@ PATCH = Patch(
     name="vllm.ascend_qkv_v_head_size",
     target=TARGET,
     replaces=(INIT,),
-    requires={"vllm-ascend": ">=0.20.0rc1,<0.31.0rc1"},
-    outside_window={"vllm-ascend": "below, the same class text (read in one older release) but no lane runs it here; "
-                                   "above, not read"},
+    requires={"vllm-ascend": ""},
+    outside_window={"vllm-ascend": "below, the same class text (read in one older release) but no lane runs it here"},
     families=(
-        Family(__name__ + ":V_HEAD_SIZE", fence=">=0.20.0rc1,<0.31.0rc1",
+        Family(__name__ + ":V_HEAD_SIZE", fence=">=0.20.0rc1",
                keeps="upstream's __init__, parallel op, forward and vLLM's weight loaders; only the V sizes change"),
     ),
     selftest=Selftest("npu_shim.selftest.vllm_ascend_qkv_v_head_size", host_syncs=0),

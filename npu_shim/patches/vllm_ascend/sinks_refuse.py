@@ -66,7 +66,7 @@ class _Refuse:
 
 def _window_end():
     """The release where this patch's window ends (read from its declaration)."""
-    return PATCH.requires["vllm-ascend"].rpartition("<")[2]
+    return PATCH.window["vllm-ascend"][-1].rpartition("<")[2]
 
 
 def _version():
@@ -84,7 +84,7 @@ PATCH = Patch(
     name="vllm.sinks_refuse",
     target=TARGET,
     replaces=(INIT,),
-    requires={"vllm-ascend": ">=0.14.0rc1,<0.15.0rc1"},
+    requires={"vllm-ascend": ""},
     outside_window={"vllm-ascend": "later releases take the sinks and pass them as learnable_sink; the release "
                                    "below has the same shape but is not run here"},
     families=(

@@ -62,7 +62,7 @@ PATCH = Patch(
     name=PATCH_NAME,
     target="vllm.model_executor.models.glm4_1v",
     replaces=(EMBEDDINGS + ".forward", TOWER + ".forward", TOWER + ".compute_attn_mask_seqlen"),
-    requires={"vllm": ">=0.18.0,<0.28.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "releases below the window were not read for this patch; above it vLLM builds "
                             "GLM-4.1V's embedding sizes on the host and copies them non-blocking itself"},
     needs_npu=True,

@@ -53,7 +53,7 @@ PATCH = Patch(
     target="vllm.model_executor.models.glm_ocr",
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".compute_attn_mask_seqlen", CLASS_NAME + ".forward"),
-    requires={"vllm": ">=0.19.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "the releases just below the window have the same forward, but their lanes pin a "
                             "transformers without GLM-OCR's configuration: not run, not claimed; older ones "
                             "have no GLM-OCR"},

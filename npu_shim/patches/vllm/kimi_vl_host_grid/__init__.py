@@ -52,7 +52,7 @@ PATCH = Patch(
     name=PATCH_NAME,
     target="vllm.model_executor.models.kimi_vl",
     replaces=(PROCESSOR + "._get_mm_fields_config", TOWER + ".forward"),
-    requires={"vllm": ">=0.18.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "releases below the window were not read for this patch"},
     needs_npu=True,
     families=(

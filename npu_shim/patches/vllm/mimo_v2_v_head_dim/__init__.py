@@ -46,7 +46,7 @@ PATCH = Patch(
     name="vllm.mimo_v2_v_head_dim",
     target="vllm.model_executor.models.mimo_v2",
     replaces=("MiMoV2Attention.__init__", "MiMoV2Attention.forward"),
-    requires={"vllm": ">=0.21.0,<0.31.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "below, the model lives in mimo_v2_flash (vllm.mimo_v2_flash_v_head_dim); above, not read "
                             "(the lanes pair those releases with an older vllm-ascend whose backend vLLM's "
                             "KV-cache spec calls with arguments it does not take, for every model)"},

@@ -45,7 +45,7 @@ PATCH = Patch(
     target="vllm.model_executor.layers.attention.mm_encoder_attention",
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".maybe_recompute_cu_seqlens",),
-    requires={"vllm": ">=0.18.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "below the window vLLM had no MMEncoderAttention.maybe_recompute_cu_seqlens"},
     needs_npu=True,
     families=(

@@ -48,7 +48,7 @@ PATCH = Patch(
     name=NAME,
     target=TARGET,
     replaces=(FUNCTION,),
-    requires={"vllm": ">=0.20.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "below the window vLLM merges with masked_scatter_ (vLLM #22105), not the "
                             "boolean-mask assignment whose 310P IndexPut kernel fails"},
     needs_npu=True,

@@ -39,7 +39,7 @@ PATCH = Patch(
     target="vllm.model_executor.models.qwen2_5_vl",
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".compute_attn_mask_seqlen",),
-    requires={"vllm": ">=0.18.0,<0.22.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "releases below the window were not read for this patch; from its end on, "
                             "cu_seqlens is copied through maybe_recompute_cu_seqlens (vllm.mm_encoder_host_lengths)"},
     needs_npu=True,

@@ -40,7 +40,7 @@ PATCH = Patch(
     target="vllm.model_executor.models.qwen2_vl",
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".compute_attn_mask_seqlen", CLASS_NAME + ".prepare_encoder_metadata"),
-    requires={"vllm": ">=0.22.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "releases below the window were not read for this patch"},
     needs_npu=True,
     families=(

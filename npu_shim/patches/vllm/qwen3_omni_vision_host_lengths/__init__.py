@@ -46,7 +46,7 @@ PATCH = Patch(
     target="vllm.model_executor.models.qwen3_omni_moe_thinker",
     subject=CLASS_NAME,
     replaces=(CLASS_NAME + ".compute_attn_mask_seqlen", CLASS_NAME + ".forward"),
-    requires={"vllm": ">=0.24.0"},
+    requires={"vllm": ""},
     outside_window={"vllm": "the two releases read below the window do not copy cu_seqlens to the device (it "
                             "stays where grid_thw is); earlier releases were not read for this patch"},
     needs_npu=True,
