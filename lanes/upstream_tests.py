@@ -115,11 +115,11 @@ SUITES = (
     Suite("vllm-ascend:mm_encoder_attention_310p", "vllm-ascend",
           ("tests/ut/_310p/ops/test_mm_encoder_attention_310.py",), ("vllm.mm_encoder_attn_310p",), ">=0.18.0"),
     Suite("vllm-ascend:attention_v1", "vllm-ascend", ("tests/ut/attention/test_attention_v1.py",),
-          ("vllm.ascend_attention_v_head_dim",), ">=0.20.0rc1,<0.21.0rc1 | >=0.27.1rc1"),
+          ("vllm.ascend_attention_v_head_dim",), ">=0.27.1rc1"),
     Suite("vllm-ascend:attention_v1_a2", "vllm-ascend", ("tests/ut/attention/a2/test_attention_v1.py",),
           ("vllm.ascend_attention_v_head_dim",), ">=0.21.0rc1,<0.27.1rc1"),
     Suite("vllm-ascend:attn_utils_v2", "vllm-ascend", ("tests/ut/worker/test_attn_utils_v2.py",),
-          ("vllm.ascend_kv_split_exact",), ">=0.27.1rc1"),
+          ("vllm.ascend_kv_split_exact",), ">=0.30.0rc1"),
     Suite("vllm-ascend:encoder_acl_graph", "vllm-ascend", ("tests/ut/worker/test_encoder_acl_graph.py",),
           ("vllm.encoder_acl_graph_refs",), ">=0.23.0"),
 )
@@ -139,6 +139,17 @@ NO_SUITES = {
         "numba; with numba stood in, vllm_ascend.attention.indexer's scipy), neither of which the lanes install; "
         "calc_split_factor, the patched function, is reached by tests/ut/worker/test_attn_utils_v2.py (0.27.1rc1 "
         "on, suite vllm-ascend:attn_utils_v2)",
+    "vllm-ascend 0.20.2rc1's tests/ut/attention/test_attention_v1.py (vllm.ascend_attention_v_head_dim)":
+        "tried as a suite on lane vllm-0.20: the module does not import (vllm_ascend.compilation.acl_graph reads "
+        "torch.npu.NPUGraph at import; below 0.21.0rc1 the conftest sets no torch.npu stand-in and the emulation "
+        "adds none, as for register_ascend_customop in CONFTEST_STANDINS); the file runs from 0.27.1rc1 (suite "
+        "vllm-ascend:attention_v1) and as tests/ut/attention/a2/test_attention_v1.py in 0.21.0rc1 - 0.26.0rc1",
+    "vllm-ascend 0.27.1rc1 - 0.29.0rc1's tests/ut/worker/test_attn_utils_v2.py (vllm.ascend_kv_split_exact)":
+        "tried as a suite on lanes vllm-0.27 - vllm-0.29: the module does not import in the lanes, without the "
+        "shim as well (0.29.0rc1, run --without-shim: the same collection error; 0.27.1rc1: vLLM 0.27's "
+        "vllm.v1.worker.gpu.attn_utils calls load_lib_module(extra_lib_paths=...), which that vLLM's own "
+        "helper does not take, TypeError; alone, 0.29.0rc1's file meets a circular import of "
+        "vllm_ascend.device.device_op); it runs on 0.30.0rc2 (suite vllm-ascend:attn_utils_v2)",
     "sglang (every sglang.* patch)":
         "the package index has sglang source archives only up to 0.5.10.post1, none for the lanes' releases "
         "0.5.11 - 0.5.23; the archive (like each wheel) holds the python package alone (sglang/, "
@@ -201,6 +212,19 @@ CONFTEST_STANDINS = {
 }
 
 
+# Ops the tests patch by name (``patch("torch_npu.<op>")``, which needs the attribute to exist) but
+# upstream's own stand-in torch_npu module (its tests/ut/conftest.py, 0.21.0rc1 on, when npu-smi is
+# absent) does not define in these releases: window -> names. After collection (the conftest has run,
+# every test module imported) each one missing from that stand-in module is set to a MagicMock named
+# for it (recorded in the report's ``torch_npu_placeholders``); the tests that use it patch it. Without
+# them those tests fail at ``patch`` (AttributeError: <module 'torch_npu'> does not have the attribute
+# ...), with and without the shim, before reaching the attention impl.
+TORCH_NPU_PLACEHOLDERS = {
+    ">=0.21.0rc1,<0.27.1rc1": ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2",
+                               "_npu_paged_attention", "_npu_paged_attention_get_workspace"),
+}
+
+
 class StandInGraphPool:
     """What the stand-in of ``Platform.get_global_graph_pool`` answers: one named object, the
     pool every capture of the process is handed (as NPUPlatform's one global pool)."""
@@ -234,14 +258,14 @@ DIFFERENCES = (
                "lanes/upstream_tests.py run LANE ARCHIVE --without-shim"),
     Difference("vllm-ascend:attn_utils_v2",
                "tests/ut/worker/test_attn_utils_v2.py::test_main_entry_allocates_and_reshapes_kvpp_views[[]mla[]]",
-               ">=0.27.1rc1", "failed",
+               ">=0.30.0rc1", "failed",
                "not a difference of the shim: the MLA case builds its model config through transformers' Qwen2-VL "
                "image processor, which imports torchvision, which the lanes do not install (ModuleNotFoundError, "
                "without the shim as well)",
                "lanes/upstream_tests.py run vllm-0.30 ARCHIVE --without-shim: the same two tests fail, the same error"),
     Difference("vllm-ascend:attn_utils_v2",
                "tests/ut/worker/test_attn_utils_v2.py::test_main_entry_allocates_and_reshapes_kvpp_views[[]sfa-c8[]]",
-               ">=0.27.1rc1", "failed",
+               ">=0.30.0rc1", "failed",
                "not a difference of the shim: as the MLA case, torchvision (ModuleNotFoundError, without the shim "
                "as well)",
                "lanes/upstream_tests.py run vllm-0.30 ARCHIVE --without-shim: the same two tests fail, the same error"),
@@ -445,6 +469,7 @@ def run(lane, archive, env, shim=True):
                                       % (proc.returncode, " | ".join(output.strip().splitlines()[-5:])))
             return report
         report["standins_called"] = results.get("standins_called", {})
+        report["torch_npu_placeholders"] = results.get("torch_npu_placeholders", [])
         report["suites"], problems = judge(suites, version, results, shim)
         report["problems"] += problems
         report["pytest_exit_code"] = proc.returncode
@@ -518,6 +543,7 @@ class Recorder:
     def __init__(self, path):
         self.path = path
         self.tests = {}
+        self.placeholders = []
 
     def pytest_collectreport(self, report):
         if report.failed:
@@ -538,6 +564,20 @@ class Recorder:
                            or str(report.longrepr)[-500:])
             self.tests[report.nodeid] = {"outcome": outcome, "message": str(message)}
 
+    def pytest_collection_finish(self, session):
+        from unittest.mock import MagicMock
+
+        module = sys.modules.get("torch_npu")
+        version = os.environ["NPU_SHIM_UPSTREAM_RELEASE"]
+        if module is None or getattr(module, "__file__", None):  # not upstream's stand-in module
+            return
+        for window, names in TORCH_NPU_PLACEHOLDERS.items():
+            if in_window(version, window):
+                for name in names:
+                    if not hasattr(module, name):
+                        setattr(module, name, MagicMock(name="torch_npu." + name))
+                        self.placeholders.append(name)
+
     def pytest_sessionfinish(self, session):
         stats = {}
         try:
@@ -549,7 +589,7 @@ class Recorder:
             stats = {"error": repr(error)}
         with open(self.path, "w", encoding="utf-8") as handle:
             json.dump({"tests": self.tests, "stats": stats, "standins_called": dict(STANDINS_CALLED),
-                       "reached": dict(REACHED.calls)}, handle)
+                       "reached": dict(REACHED.calls), "torch_npu_placeholders": self.placeholders}, handle)
 
 
 STANDINS_CALLED = collections.Counter()
@@ -731,6 +771,7 @@ def main(argv=None):
                 print("  %-9s %-18s %s" % (test["outcome"], test["verdict"], test["test"]))
         for problem in report["problems"]:
             print("PROBLEM: " + problem)
+        print("stand-ins called: %s; torch_npu placeholders: %s" % (report.get("standins_called"), report.get("torch_npu_placeholders")))
         print("%.1f s" % report.get("seconds", 0))
         return 1 if report["problems"] else 0
     if argv[:1] == ["pin"] and len(argv) == 3:
