@@ -103,12 +103,25 @@ PINS = {
 # The tests/ut files that exercise a class a patch replaces, and the releases (a version
 # specifier over the dist's releases) whose archive ships them. Found by reading every
 # vllm-ascend archive 0.13.0 - 0.30.0rc2 for tests/ut files naming the patched modules
-# (``mm_encoder_attention``, ``MMEncoderAttention``); what has none is in NO_SUITES.
+# (``mm_encoder_attention``, ``MMEncoderAttention``), and the tests of the attention impl, the KV-cache
+# split and the encoder ACL graph (ls of each archive: attention/test_attention_v1.py in 0.18.0 - 0.20.2rc1
+# and from 0.27.1rc1, attention/a2/test_attention_v1.py in 0.21.0rc1 - 0.26.0rc1, worker/test_attn_utils_v2.py
+# from 0.27.1rc1, worker/test_encoder_acl_graph.py from 0.23.0), each within its patch's fence; what has none
+# is in NO_SUITES. A suite reaches its patch when the patch's counters move or, for a patch that edits
+# upstream's function, when a test runs the installed replacement's code (Reach).
 SUITES = (
     Suite("vllm-ascend:mm_encoder_attention", "vllm-ascend", ("tests/ut/ops/test_mm_encoder_attention.py",),
           ("vllm.mm_encoder_attn",), ">=0.23.0"),
     Suite("vllm-ascend:mm_encoder_attention_310p", "vllm-ascend",
           ("tests/ut/_310p/ops/test_mm_encoder_attention_310.py",), ("vllm.mm_encoder_attn_310p",), ">=0.18.0"),
+    Suite("vllm-ascend:attention_v1", "vllm-ascend", ("tests/ut/attention/test_attention_v1.py",),
+          ("vllm.ascend_attention_v_head_dim",), ">=0.27.1rc1"),
+    Suite("vllm-ascend:attention_v1_a2", "vllm-ascend", ("tests/ut/attention/a2/test_attention_v1.py",),
+          ("vllm.ascend_attention_v_head_dim",), ">=0.21.0rc1,<0.27.1rc1"),
+    Suite("vllm-ascend:attn_utils_v2", "vllm-ascend", ("tests/ut/worker/test_attn_utils_v2.py",),
+          ("vllm.ascend_kv_split_exact",), ">=0.30.0rc1"),
+    Suite("vllm-ascend:encoder_acl_graph", "vllm-ascend", ("tests/ut/worker/test_encoder_acl_graph.py",),
+          ("vllm.encoder_acl_graph_refs",), ">=0.23.0"),
 )
 
 # Patched code whose upstream ships no CPU-runnable unit test of it: what -> the evidence.
@@ -119,12 +132,24 @@ NO_SUITES = {
     "vllm-ascend's other tests/ut files naming the class":
         "0.26.0rc1's tests/ut/models/test_kimi_k3.py stubs MMEncoderAttention out of vllm-ascend's own Kimi-K3 "
         "model (no patch touches it)",
-    "vllm-ascend's tests/ut/worker/test_encoder_acl_graph.py (vllm.encoder_acl_graph_refs; 0.23.0 on, "
-    "absent from 0.22.1rc1)":
-        "tried as a suite on lane vllm-0.23: 5 of 7 pass; test_capture_graph_params and "
-        "test_capture_budget_graph_npu fail with and without the shim alike (TypeError: 'NoneType' object is "
-        "not callable, in this CPU setting), so the two tests that reach the patched capture cannot gate it "
-        "until that is understood",
+    "vllm-ascend's tests/ut/worker/test_model_runner_v1.py (vllm.ascend_kv_split_exact; 0.18.0 - 0.20.2rc1, "
+    "0.27.1rc1 on)":
+        "tried as a suite on lane vllm-0.30 (0.30.0rc2): the module does not import in the lanes, without the shim "
+        "as well (vllm_ascend.worker.model_runner_v1 imports vllm_ascend.eplb's FlashLB policy, which imports "
+        "numba; with numba stood in, vllm_ascend.attention.indexer's scipy), neither of which the lanes install; "
+        "calc_split_factor, the patched function, is reached by tests/ut/worker/test_attn_utils_v2.py (0.27.1rc1 "
+        "on, suite vllm-ascend:attn_utils_v2)",
+    "vllm-ascend 0.20.2rc1's tests/ut/attention/test_attention_v1.py (vllm.ascend_attention_v_head_dim)":
+        "tried as a suite on lane vllm-0.20: the module does not import (vllm_ascend.compilation.acl_graph reads "
+        "torch.npu.NPUGraph at import; below 0.21.0rc1 the conftest sets no torch.npu stand-in and the emulation "
+        "adds none, as for register_ascend_customop in CONFTEST_STANDINS); the file runs from 0.27.1rc1 (suite "
+        "vllm-ascend:attention_v1) and as tests/ut/attention/a2/test_attention_v1.py in 0.21.0rc1 - 0.26.0rc1",
+    "vllm-ascend 0.27.1rc1 - 0.29.0rc1's tests/ut/worker/test_attn_utils_v2.py (vllm.ascend_kv_split_exact)":
+        "tried as a suite on lanes vllm-0.27 - vllm-0.29: the module does not import in the lanes, without the "
+        "shim as well (0.29.0rc1, run --without-shim: the same collection error; 0.27.1rc1: vLLM 0.27's "
+        "vllm.v1.worker.gpu.attn_utils calls load_lib_module(extra_lib_paths=...), which that vLLM's own "
+        "helper does not take, TypeError; alone, 0.29.0rc1's file meets a circular import of "
+        "vllm_ascend.device.device_op); it runs on 0.30.0rc2 (suite vllm-ascend:attn_utils_v2)",
     "sglang (every sglang.* patch)":
         "the package index has sglang source archives only up to 0.5.10.post1, none for the lanes' releases "
         "0.5.11 - 0.5.23; the archive (like each wheel) holds the python package alone (sglang/, "
@@ -159,8 +184,11 @@ LANES = {
     "vllm-0.30": ("vllm-ascend", "0.30.0rc2"),
 }
 
-# Upstream's conftest calls replaced by a recorded no-op while the suites of a release in the
-# window run: name -> (window, why).
+# What the suites reach but the lanes cannot run, replaced by a recorded stand-in while the suites
+# of a release in the window run: upstream's conftest calls (a no-op) and what vllm-ascend's
+# platform plugin would answer (off in the lanes, VLLM_PLUGINS=npu_shim): name -> (window, why).
+# A name is ``module.function`` or ``module:Class.method``; the stand-in returns STANDIN_VALUES'
+# value for it (None if none), and counts its calls (the lane report's ``standins_called``).
 CONFTEST_STANDINS = {
     "vllm_ascend.utils.adapt_patch": (
         ">=0.18.0",
@@ -174,7 +202,39 @@ CONFTEST_STANDINS = {
         "read torch.npu at import: AttributeError, without the shim as well (docs/upstream-evidence.md section "
         "3.2); from 0.28.0rc1 it imports vllm_ascend.attention.indexer, which imports scipy, which the lanes do "
         "not install (ModuleNotFoundError, without the shim as well)"),
+    "vllm.platforms.interface:Platform.get_global_graph_pool": (
+        ">=0.23.0",
+        "with the platform plugin off, vLLM's current_platform is UnspecifiedPlatform, whose graph_pool_handle is "
+        "None, so upstream's get_global_graph_pool raises TypeError ('NoneType' object is not callable) in "
+        "EncoderAclGraphManager.__init__, without the shim as well (tests/ut/worker/test_encoder_acl_graph.py's "
+        "two capture tests); the stand-in answers with STANDIN_GRAPH_POOL, as NPUPlatform answers with "
+        "torch.npu's graph pool handle (the tests patch torch.npu.graph / NPUGraph, which receive it)"),
 }
+
+
+# Ops the tests patch by name (``patch("torch_npu.<op>")``, which needs the attribute to exist) but
+# upstream's own stand-in torch_npu module (its tests/ut/conftest.py, 0.21.0rc1 on, when npu-smi is
+# absent) does not define in these releases: window -> names. After collection (the conftest has run,
+# every test module imported) each one missing from that stand-in module is set to a MagicMock named
+# for it (recorded in the report's ``torch_npu_placeholders``); the tests that use it patch it. Without
+# them those tests fail at ``patch`` (AttributeError: <module 'torch_npu'> does not have the attribute
+# ...), with and without the shim, before reaching the attention impl.
+TORCH_NPU_PLACEHOLDERS = {
+    ">=0.21.0rc1,<0.27.1rc1": ("npu_fused_infer_attention_score", "npu_fused_infer_attention_score_v2",
+                               "_npu_paged_attention", "_npu_paged_attention_get_workspace"),
+}
+
+
+class StandInGraphPool:
+    """What the stand-in of ``Platform.get_global_graph_pool`` answers: one named object, the
+    pool every capture of the process is handed (as NPUPlatform's one global pool)."""
+
+    def __repr__(self):
+        return "<npu-shim upstream-tests stand-in graph pool (lanes/upstream_tests.py)>"
+
+
+STANDIN_GRAPH_POOL = StandInGraphPool()
+STANDIN_VALUES = {"vllm.platforms.interface:Platform.get_global_graph_pool": STANDIN_GRAPH_POOL}
 
 GQA_EVIDENCE = ("docs/upstream-evidence.md section 3.2 (GQA): the documented _npu_flash_attention_unpad takes "
                 "K/V with num_kv_heads heads; the emulation rejects upstream's call (K/V repeated to num_heads, "
@@ -196,6 +256,19 @@ DIFFERENCES = (
                "the shim as well (below 0.21.0rc1: no torch.npu; from 0.28.0rc1: no scipy in the lanes)",
                "docs/upstream-evidence.md section 3.2 (the 0.18.0 run by hand: the register test fails both ways); "
                "lanes/upstream_tests.py run LANE ARCHIVE --without-shim"),
+    Difference("vllm-ascend:attn_utils_v2",
+               "tests/ut/worker/test_attn_utils_v2.py::test_main_entry_allocates_and_reshapes_kvpp_views[[]mla[]]",
+               ">=0.30.0rc1", "failed",
+               "not a difference of the shim: the MLA case builds its model config through transformers' Qwen2-VL "
+               "image processor, which imports torchvision, which the lanes do not install (ModuleNotFoundError, "
+               "without the shim as well)",
+               "lanes/upstream_tests.py run vllm-0.30 ARCHIVE --without-shim: the same two tests fail, the same error"),
+    Difference("vllm-ascend:attn_utils_v2",
+               "tests/ut/worker/test_attn_utils_v2.py::test_main_entry_allocates_and_reshapes_kvpp_views[[]sfa-c8[]]",
+               ">=0.30.0rc1", "failed",
+               "not a difference of the shim: as the MLA case, torchvision (ModuleNotFoundError, without the shim "
+               "as well)",
+               "lanes/upstream_tests.py run vllm-0.30 ARCHIVE --without-shim: the same two tests fail, the same error"),
 )
 
 
@@ -373,7 +446,8 @@ def run(lane, archive, env, shim=True):
                 p for p in entries if os.path.abspath(p) not in (os.path.dirname(os.path.dirname(boot)), boot)]
         run_env = dict(env, PYTHONPATH=os.pathsep.join(entries), NPU_SHIM_EMULATE="1",
                        NPU_SHIM_UPSTREAM_RESULTS=results_path, NPU_SHIM_UPSTREAM_RELEASE=version,
-                       VLLM_CONFIGURE_LOGGING="0", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1")
+                       VLLM_CONFIGURE_LOGGING="0", PYTEST_DISABLE_PLUGIN_AUTOLOAD="1",
+                       NPU_SHIM_UPSTREAM_PATCHES=",".join(sorted({p for suite in suites for p in suite.patches})))
         run_env.pop("NPU_SHIM_LANE", None)
         if not shim:
             run_env = {k: v for k, v in run_env.items() if not k.startswith("NPU_SHIM") or k.startswith("NPU_SHIM_UPSTREAM")}
@@ -381,7 +455,7 @@ def run(lane, archive, env, shim=True):
             run_env["VLLM_PLUGINS"] = ""  # not even the shim's vLLM plugin
             run_env["NPU_SHIM"] = "0"  # the emulated torch_npu imports npu_shim, which would install it
         test_files = [name for suite in suites for name in suite.files]
-        command = [sys.executable, os.path.abspath(__file__), "pytest", "--", *test_files, "-q",
+        command = [sys.executable, os.path.abspath(__file__), "pytest", "--", *test_files, "-q", "--continue-on-collection-errors",
                    "-p", "no:cacheprovider", "--rootdir", scratch]
         print("+ (in %s) %s" % (scratch, " ".join(command)), flush=True)
         proc = subprocess.run(command, cwd=scratch, env=run_env, capture_output=True, text=True)
@@ -395,6 +469,7 @@ def run(lane, archive, env, shim=True):
                                       % (proc.returncode, " | ".join(output.strip().splitlines()[-5:])))
             return report
         report["standins_called"] = results.get("standins_called", {})
+        report["torch_npu_placeholders"] = results.get("torch_npu_placeholders", [])
         report["suites"], problems = judge(suites, version, results, shim)
         report["problems"] += problems
         report["pytest_exit_code"] = proc.returncode
@@ -409,6 +484,7 @@ def judge(suites, version, results, shim=True):
     problems: undeclared failures, stale declarations, a patch not applied or never reached."""
     outcomes = results.get("tests", {})
     stats = results.get("stats", {})
+    reached = results.get("reached", {})
     rows, problems = [], []
     for suite in suites:
         mine = {nodeid: value for nodeid, value in outcomes.items()
@@ -444,12 +520,13 @@ def judge(suites, version, results, shim=True):
             if not row or row.get("state") != "applied":
                 problems.append("upstream suite %s: patch %s was %s, so its tests did not test the shim"
                                 % (suite.name, patch, (row or {}).get("state", "absent")))
-            elif not (row.get("calls") or row.get("upstream_calls")):
+            elif not (row.get("calls") or row.get("upstream_calls") or reached.get(patch)):
                 problems.append("upstream suite %s: patch %s applied (%s) but no test reached it"
                                 % (suite.name, patch, row.get("family")))
         rows.append({"suite": suite.name, "files": list(suite.files), "patches": list(suite.patches),
                      "families": {p: (stats.get(p) or {}).get("family") for p in suite.patches},
                      "calls": {p: (stats.get(p) or {}).get("calls", 0) for p in suite.patches},
+                     "reached": {p: reached.get(p, 0) for p in suite.patches},
                      "passed": counts["passed"], "declared": counts["declared-different"],
                      "failed": counts["failed"], "tests": tests})
     return rows, problems
@@ -466,6 +543,7 @@ class Recorder:
     def __init__(self, path):
         self.path = path
         self.tests = {}
+        self.placeholders = []
 
     def pytest_collectreport(self, report):
         if report.failed:
@@ -486,6 +564,20 @@ class Recorder:
                            or str(report.longrepr)[-500:])
             self.tests[report.nodeid] = {"outcome": outcome, "message": str(message)}
 
+    def pytest_collection_finish(self, session):
+        from unittest.mock import MagicMock
+
+        module = sys.modules.get("torch_npu")
+        version = os.environ["NPU_SHIM_UPSTREAM_RELEASE"]
+        if module is None or getattr(module, "__file__", None):  # not upstream's stand-in module
+            return
+        for window, names in TORCH_NPU_PLACEHOLDERS.items():
+            if in_window(version, window):
+                for name in names:
+                    if not hasattr(module, name):
+                        setattr(module, name, MagicMock(name="torch_npu." + name))
+                        self.placeholders.append(name)
+
     def pytest_sessionfinish(self, session):
         stats = {}
         try:
@@ -496,7 +588,8 @@ class Recorder:
         except Exception as error:  # noqa: BLE001 - reported, not raised
             stats = {"error": repr(error)}
         with open(self.path, "w", encoding="utf-8") as handle:
-            json.dump({"tests": self.tests, "stats": stats, "standins_called": dict(STANDINS_CALLED)}, handle)
+            json.dump({"tests": self.tests, "stats": stats, "standins_called": dict(STANDINS_CALLED),
+                       "reached": dict(REACHED.calls), "torch_npu_placeholders": self.placeholders}, handle)
 
 
 STANDINS_CALLED = collections.Counter()
@@ -510,8 +603,14 @@ class _StandIns:
         self.targets = collections.defaultdict(list)
         for dotted, (window, _) in CONFTEST_STANDINS.items():
             if in_window(version, window):
-                module, _, name = dotted.rpartition(".")
-                self.targets[module].append(name)
+                module, name = _standin_target(dotted)
+                self.targets[module].append((dotted, name))
+
+    def install_imported(self):
+        """The targets whose module is already imported (by the shim's start-up) get theirs now."""
+        for module in list(self.targets):
+            if module in sys.modules:
+                _install_standins(sys.modules[module], self.targets.pop(module))
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname not in self.targets:
@@ -528,6 +627,15 @@ class _StandIns:
         return importlib.machinery.PathFinder.find_spec(fullname, path)
 
 
+def _standin_target(dotted):
+    """(module, attribute path inside it) of a CONFTEST_STANDINS name."""
+    if ":" in dotted:
+        module, _, name = dotted.partition(":")
+        return module, name
+    module, _, name = dotted.rpartition(".")
+    return module, name
+
+
 class _Wrapped:
     def __init__(self, loader, names):
         self.loader, self.names = loader, names
@@ -537,23 +645,90 @@ class _Wrapped:
 
     def exec_module(self, module):
         self.loader.exec_module(module)
-        for name in self.names:
-            dotted = "%s.%s" % (module.__name__, name)
-
-            def standin(*args, _dotted=dotted, **kwargs):
-                STANDINS_CALLED[_dotted] += 1
-
-            standin.__name__ = name
-            setattr(module, name, standin)
+        _install_standins(module, self.names)
 
     def __getattr__(self, name):
         return getattr(self.loader, name)
 
 
+def _install_standins(module, names):
+    """Replace each (dotted, attribute path) of ``names`` in ``module`` by its counting stand-in."""
+    for dotted, name in names:
+        owner = module
+        *path, last = name.split(".")
+        for attr in path:
+            owner = getattr(owner, attr)
+        if not callable(getattr(owner, last, None)):
+            raise RuntimeError("stand-in %s: %s has no function %s" % (dotted, owner, last))
+
+        def standin(*args, _dotted=dotted, **kwargs):
+            STANDINS_CALLED[_dotted] += 1
+            return STANDIN_VALUES.get(_dotted)
+
+        standin.__name__ = last
+        setattr(owner, last, standin)
+
+
+class Reach:
+    """Which patches' installed replacements upstream's tests ran: a ``sys.settrace`` hook that
+    looks only at Python function calls (no line events) whose code name is that of a replaced
+    function, and counts a call when the code is the one installed at the patch's path. For the
+    patches that edit upstream's function (their replacement counts nothing itself), this is how
+    the gate knows a suite reached the patched code; a test that mocks the patched method out does
+    not count."""
+
+    def __init__(self, patch_names):
+        from npu_shim import reference
+        from npu_shim.patch import parse_path
+
+        self.watch = collections.defaultdict(list)   # code name -> [(patch, module, attribute path)]
+        for patch, _ in reference.patches():
+            if patch.name in patch_names:
+                for path in tuple(patch.replaces) + tuple(patch.may_replace):
+                    attrs, key = parse_path(path)
+                    if key is None:
+                        self.watch[attrs[-1]].append((patch.name, patch.target, attrs))
+        self.known = {}                               # code -> patch name, or None
+        self.calls = collections.Counter()
+
+    def _installed(self, module, attrs):
+        owner = sys.modules.get(module)
+        for attr in attrs:
+            owner = getattr(owner, attr, None)
+        return getattr(getattr(owner, "__func__", owner), "__code__", None)
+
+    def trace(self, frame, event, arg):
+        if event == "call" and frame.f_code.co_name in self.watch:
+            code = frame.f_code
+            if code not in self.known:
+                self.known[code] = next((patch for patch, module, attrs in self.watch[code.co_name]
+                                         if self._installed(module, attrs) is code), None)
+            if self.known[code]:
+                self.calls[self.known[code]] += 1
+        return None
+
+    def start(self):
+        import threading
+
+        sys.settrace(self.trace)
+        threading.settrace(self.trace)
+
+
+REACHED = Reach.__new__(Reach)
+REACHED.calls = collections.Counter()
+
+
 def pytest_main(args):
     import pytest
 
-    sys.meta_path.insert(0, _StandIns(os.environ["NPU_SHIM_UPSTREAM_RELEASE"]))
+    global REACHED
+    standins = _StandIns(os.environ["NPU_SHIM_UPSTREAM_RELEASE"])
+    sys.meta_path.insert(0, standins)
+    standins.install_imported()
+    patches = [name for name in os.environ.get("NPU_SHIM_UPSTREAM_PATCHES", "").split(",") if name]
+    if patches and not os.environ.get("NPU_SHIM_UPSTREAM_NO_SHIM"):
+        REACHED = Reach(patches)
+        REACHED.start()
     return pytest.main(args, plugins=[Recorder(os.environ["NPU_SHIM_UPSTREAM_RESULTS"])])
 
 
@@ -589,12 +764,14 @@ def main(argv=None):
         # By hand, in a lane's venv: python lanes/upstream_tests.py run LANE ARCHIVE [--without-shim]
         report = run(argv[1], argv[2], dict(os.environ), shim="--without-shim" not in argv)
         for row in report.get("suites", []):
-            print("%s %s %s: %d passed, %d declared-different, %d failed" % (
-                row["suite"], report["dist"], report["release"], row["passed"], row["declared"], row["failed"]))
+            print("%s %s %s: %d passed, %d declared-different, %d failed; patched code reached %s" % (
+                row["suite"], report["dist"], report["release"], row["passed"], row["declared"], row["failed"],
+                row.get("reached")))
             for test in row["tests"]:
                 print("  %-9s %-18s %s" % (test["outcome"], test["verdict"], test["test"]))
         for problem in report["problems"]:
             print("PROBLEM: " + problem)
+        print("stand-ins called: %s; torch_npu placeholders: %s" % (report.get("standins_called"), report.get("torch_npu_placeholders")))
         print("%.1f s" % report.get("seconds", 0))
         return 1 if report["problems"] else 0
     if argv[:1] == ["pin"] and len(argv) == 3:

@@ -132,3 +132,82 @@ def test_extract_refuses_an_archive_that_is_not_the_pinned_one(tmp_path):
     assert chosen == [] and "but PINS pins" in problems[0]
     _, problems = U.extract(path, U.Pin(digest, "5cb98caaadeff42b", "test"), U.SUITES[1:], str(tmp_path / "y"))
     assert "_version.py names commit e18643f8a" in problems[0]
+
+
+def test_a_standin_names_a_module_function_or_a_class_method():
+    assert U._standin_target("vllm_ascend.utils.adapt_patch") == ("vllm_ascend.utils", "adapt_patch")
+    assert U._standin_target("vllm.platforms.interface:Platform.get_global_graph_pool") == (
+        "vllm.platforms.interface", "Platform.get_global_graph_pool")
+
+
+def test_a_class_method_standin_answers_its_declared_value():
+    import types
+
+    class Platform:
+        def get_global_graph_pool(self):
+            return self.graph_pool_handle()    # upstream's: None is not callable on the CPU platform
+
+    module = types.ModuleType("fake_interface")
+    module.Platform = Platform
+    dotted = "fake_interface:Platform.get_global_graph_pool"
+    U.STANDIN_VALUES[dotted] = U.STANDIN_GRAPH_POOL
+    try:
+        U._install_standins(module, [(dotted, "Platform.get_global_graph_pool")])
+        assert Platform().get_global_graph_pool() is U.STANDIN_GRAPH_POOL
+        assert U.STANDINS_CALLED[dotted] == 1
+    finally:
+        U.STANDIN_VALUES.pop(dotted)
+    with pytest.raises(RuntimeError, match="has no function"):
+        U._install_standins(module, [("fake_interface:Platform.gone", "Platform.gone")])
+
+
+def test_the_graph_pool_standin_is_declared_where_the_encoder_suite_runs():
+    name = "vllm.platforms.interface:Platform.get_global_graph_pool"
+    window, why = U.CONFTEST_STANDINS[name]
+    assert name in U.STANDIN_VALUES and why
+    encoder = next(s for s in U.SUITES if s.name == "vllm-ascend:encoder_acl_graph")
+    for dist, version in U.LANES.values():
+        if U.in_window(version, encoder.releases):
+            assert U.in_window(version, window), version
+
+
+def test_an_edited_patch_is_reached_by_its_traced_calls():
+    suite = next(s for s in U.SUITES if s.name == "vllm-ascend:attention_v1")
+    node = suite.files[0] + "::test_x"
+    stats = {"vllm.ascend_attention_v_head_dim": {"state": "applied", "family": "value-head-dim", "calls": 0}}
+    rows, problems = U.judge([suite], "0.30.0rc2", {"tests": {node: {"outcome": "passed"}}, "stats": stats})
+    assert any("no test reached it" in problem for problem in problems)
+    rows, problems = U.judge([suite], "0.30.0rc2", {"tests": {node: {"outcome": "passed"}}, "stats": stats,
+                                                     "reached": {"vllm.ascend_attention_v_head_dim": 3}})
+    assert problems == [] and rows[0]["reached"] == {"vllm.ascend_attention_v_head_dim": 3}
+
+
+def test_reach_counts_only_the_installed_replacements_code():
+    import sys
+    import types
+
+    module = types.ModuleType("npu_shim_fake_target")
+
+    def calc_split_factor(x):
+        return x
+
+    module.calc_split_factor = calc_split_factor
+    reach = U.Reach.__new__(U.Reach)
+    reach.watch = {"calc_split_factor": [("fake.patch", module.__name__, ("calc_split_factor",))]}
+    reach.known, reach.calls = {}, __import__("collections").Counter()
+    sys.modules[module.__name__] = module
+    try:
+        def other():
+            def calc_split_factor(x):   # same name, another code object
+                return x
+            return calc_split_factor
+
+        sys.settrace(reach.trace)
+        try:
+            module.calc_split_factor(1)
+            other()(1)
+        finally:
+            sys.settrace(None)
+    finally:
+        del sys.modules[module.__name__]
+    assert reach.calls == {"fake.patch": 1}
