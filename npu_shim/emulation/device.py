@@ -60,7 +60,7 @@ import threading
 import weakref
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten
 
 __all__ = ["MEMORY_ENV", "NpuTensor", "TransferCounter", "UnsupportedOpError", "activate", "count_transfers",
            "is_active", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats", "total_memory"]
@@ -81,11 +81,13 @@ _owners = {}  # data_ptr of a held CPU storage -> nbytes
 
 
 def total_memory():
-    """Bytes of the emulated device (``NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB``, default 64 GiB)."""
-    from npu_shim._config import env_positive_number
+    """Bytes of the emulated device (``NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB``, default 64 GiB), read
+    when first asked."""
+    if "total" not in _memory:
+        from npu_shim._config import env_positive_number
 
-    mib = env_positive_number(MEMORY_ENV, DEFAULT_MEMORY_MIB, os.environ)
-    return int(mib * 1024 * 1024)
+        _memory["total"] = int(env_positive_number(MEMORY_ENV, DEFAULT_MEMORY_MIB, os.environ) * 1024 * 1024)
+    return _memory["total"]
 
 
 def _release(ptr):
@@ -293,40 +295,42 @@ class NpuTensor(torch.Tensor):
         kind = _is_read(func, args, kwargs)
         if kind is not None:
             _record(kind, str(func))
-        if func not in _MIXED_OK:
-            flat, _ = tree_flatten((args, kwargs))
-            for x in flat:
-                if isinstance(x, torch.Tensor) and not isinstance(x, NpuTensor) and x.dim() > 0 \
-                        and x.device.type != "meta":
-                    raise RuntimeError(
-                        "npu-shim emulated device: %s got a tensor on npu:0 and a tensor on %s "
-                        "(expected all tensors to be on the same device)" % (func, x.device))
-        raw_args, raw_kwargs = tree_map(_unwrap, (args, kwargs))
-        if "device" in raw_kwargs and raw_kwargs["device"] is not None and \
-                torch.device(raw_kwargs["device"]).type == "npu":
+        inputs = {}  # id(held CPU tensor) -> its wrapper: a result that is one (in-place, out=) is that wrapper
+        check = func not in _MIXED_OK
+
+        def unwrap(x):
+            if isinstance(x, NpuTensor):
+                inputs[id(x._raw)] = x
+                return x._raw
+            if isinstance(x, (list, tuple)):
+                return type(x)(unwrap(y) for y in x)
+            if check and isinstance(x, torch.Tensor) and x.dim() > 0 and x.device.type != "meta":
+                raise RuntimeError(
+                    "npu-shim emulated device: %s got a tensor on npu:0 and a tensor on %s "
+                    "(expected all tensors to be on the same device)" % (func, x.device))
+            return x
+
+        raw_args = unwrap(args)
+        raw_kwargs = {key: unwrap(value) for key, value in kwargs.items()}
+        device = raw_kwargs.get("device")
+        if device is not None and torch.device(device).type == "npu":
             raw_kwargs["device"] = "cpu"
-            to_device = True
-        else:
-            to_device = kind is None or func not in (_aten._to_copy.default,)
         try:
             out = func(*raw_args, **raw_kwargs)
         except NotImplementedError as error:
             raise UnsupportedOpError("npu-shim emulated device cannot run %s: %s" % (func, error)) from error
-        if func is _aten._to_copy.default and not to_device:
-            return out
-        if func is _aten.copy_.default and not isinstance(args[0], NpuTensor):
-            return args[0]
-        # results aliasing an input (in-place, out=) are that input
-        inputs = {id(x._raw): x for x in tree_flatten((args, kwargs))[0] if isinstance(x, NpuTensor)}
+        if kind == "copy":  # to the host: the host tensor itself
+            return args[0] if func is _aten.copy_.default else out
 
         def rewrap(x):
-            if not isinstance(x, torch.Tensor):
-                return x
-            if id(x) in inputs:
-                return inputs[id(x)]
-            return _wrap(x)
+            if isinstance(x, torch.Tensor):
+                held = inputs.get(id(x))
+                return held if held is not None else _wrap(x)
+            if isinstance(x, (list, tuple)):
+                return type(x)(rewrap(y) for y in x)
+            return x
 
-        return tree_map(rewrap, out)
+        return rewrap(out)
 
     def tolist(self):
         """PyTorch refuses ``tolist`` of a subclass: the host copy's list (one read, kind ``tolist``)."""
