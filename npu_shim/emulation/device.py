@@ -48,8 +48,9 @@ What it cannot model: time (ops complete before they return; streams and events 
 synchronous no-ops, ``Event.elapsed_time`` raises); asynchronous copies (``non_blocking``
 is a synchronous copy, and is still counted); Ascend's private formats (every tensor is
 ND); graph capture (``NPUGraph`` stays a placeholder that raises: engines run eager);
-collectives beyond one rank (``hccl`` is gloo on one process); ``data_ptr()`` of a device
-tensor (the wrapper has no storage of its own; ``untyped_storage()`` / ``data_ptr()`` raise);
+collectives beyond one rank (``hccl`` is gloo on one process); a device tensor's storage
+(the wrapper has none of its own: ``untyped_storage()`` raises; ``data_ptr()`` is the held host
+data's address, unique and shared by views as a device pointer is);
 the memory a real allocator would reserve or fragment (``memory_reserved`` equals
 ``memory_allocated``); ops mixing a device tensor with a non-scalar host tensor are refused
 as a device refuses them (indexing with a host index and copies excepted).
@@ -214,6 +215,17 @@ _SCALAR_OPS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default, _ate
                _aten.item.default}
 
 
+def _target_device(func, args, kwargs):
+    """The device a ``_to_copy`` / ``aten.to`` call copies to, or None (it stays)."""
+    device = kwargs.get("device")
+    if device is None and func.overloadpacket is _aten.to and len(args) > 1:
+        if isinstance(args[1], torch.Tensor):
+            device = args[1].device
+        elif isinstance(args[1], (torch.device, str)):
+            device = args[1]
+    return None if device is None else torch.device(device)
+
+
 def _is_read(func, args, kwargs):
     """The aten-level kind of a device->host transfer ``func`` makes, or None."""
     if func in _SCALAR_OPS:
@@ -231,9 +243,10 @@ def _is_read(func, args, kwargs):
         if any(isinstance(i, NpuTensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()):
             return "shape" if func is _aten.index.Tensor else None
         return None
-    if func is _aten._to_copy.default:
-        device = kwargs.get("device")
-        return "copy" if device is not None and torch.device(device).type != "npu" else None
+    if func is _aten._to_copy.default or func.overloadpacket is _aten.to:
+        # under inference_mode the dispatcher shows the composite aten.to itself
+        device = _target_device(func, args, kwargs)
+        return "copy" if device is not None and device.type != "npu" else None
     if func is _aten.copy_.default:
         dst, src = args[0], args[1]
         return "copy" if isinstance(src, NpuTensor) and not isinstance(dst, NpuTensor) else None
@@ -315,17 +328,31 @@ class NpuTensor(torch.Tensor):
         device = raw_kwargs.get("device")
         if device is not None and torch.device(device).type == "npu":
             raw_kwargs["device"] = "cpu"
+        elif func.overloadpacket is _aten.to and len(raw_args) > 1 and \
+                isinstance(raw_args[1], (torch.device, str)) and torch.device(raw_args[1]).type == "npu":
+            raw_args = (raw_args[0], "cpu") + tuple(raw_args[2:])
         try:
             out = func(*raw_args, **raw_kwargs)
         except NotImplementedError as error:
             raise UnsupportedOpError("npu-shim emulated device cannot run %s: %s" % (func, error)) from error
-        if kind == "copy":  # to the host: the host tensor itself
-            return args[0] if func is _aten.copy_.default else out
+        if kind == "copy":  # to the host: the host tensor itself (a new one, as a copy from a device is)
+            if func is _aten.copy_.default:
+                return args[0]
+            return out.clone() if any(out is raw for raw in (getattr(a, "_raw", None) for a in args)) else out
+
+        # a view of a normal tensor made in inference mode is a normal tensor (as on any device)
+        normal_view = func.is_view and torch.is_inference_mode_enabled() and \
+            any(not w.is_inference() for w in inputs.values())
 
         def rewrap(x):
             if isinstance(x, torch.Tensor):
                 held = inputs.get(id(x))
-                return held if held is not None else _wrap(x)
+                if held is not None:
+                    return held
+                if normal_view:
+                    with torch.inference_mode(False):
+                        return _wrap(x)
+                return _wrap(x)
             if isinstance(x, (list, tuple)):
                 return type(x)(rewrap(y) for y in x)
             return x
@@ -353,8 +380,9 @@ class NpuTensor(torch.Tensor):
                                  "device has no storage of its own)")
 
     def data_ptr(self):
-        raise UnsupportedOpError("npu-shim emulated device: data_ptr() of an npu tensor (the emulated "
-                                 "device has no storage of its own)")
+        """The held host data's address: unique among live tensors, shared by views of one
+        storage, as a device pointer is (code keys caches and checks aliasing on it)."""
+        return self._raw.data_ptr()
 
 
 # --------------------------------------------------------------------------- PrivateUse1 kernels
