@@ -87,7 +87,7 @@ def main(argv=None):
 
     argv = sys.argv[1:] if argv is None else argv
     stack = census.setup()
-    names = argv or [n for n in census.CENSUS if n in stack.modules]
+    names = argv or [n for n in census.CENSUS if n in census._MODULES]
     for name in names:
         for device_class in sorted(stack.attention):
             try:
