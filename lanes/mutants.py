@@ -145,6 +145,11 @@ MUTANTS = (
            "vllm-0.30", "FAILED tests/lanes/test_encoder_acl_graph_gqa.py",
            ("npu_shim/patches/vllm_ascend/mm_encoder/fia.py",
             '"_run_vit_fia": (ReplaceExpression(KV_HEADS, "key.shape[1]"),),', '"_run_vit_fia": (),')),
+    mutant("device-tolist", "the emulated device's transfer counter misses .tolist() (the list is read from the held "
+                            "host copy, below the dispatch it counts at)",
+           "base", "assert {} == {'tolist': 1}",
+           ("npu_shim/emulation/device.py", "                return _T.cpu(self).tolist()",
+            "                return self._raw.tolist()")),
 )
 
 

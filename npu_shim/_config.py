@@ -111,6 +111,14 @@ VARIABLES = (
      "fails); checked only where NPU_SHIM_EMULATE=1", ""),
     ("NPU_SHIM_EMULATE_MEMORY_MIB", "finite number > 0, default 256",
      "bound on the emulated ops' temporary memory per call (MiB); checked only where NPU_SHIM_EMULATE=1", ""),
+    ("NPU_SHIM_EMULATE_DEVICE", "boolean, default 0",
+     "with NPU_SHIM_EMULATE=1: importing the emulated torch_npu also makes `npu` a device of this process, "
+     "backed by host memory (npu_shim.emulation.device: torch.npu.is_available() True, one device, streams, "
+     "memory answers, hccl as one-rank gloo, every device->host transfer counted); without it torch.npu "
+     "has no device; checked only where NPU_SHIM_EMULATE=1", ""),
+    ("NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB", "finite number > 0, default 65536",
+     "memory of the emulated device (MiB): torch.npu.mem_get_info() and the out-of-memory bound; "
+     "checked only where NPU_SHIM_EMULATE=1", ""),
 )
 
 
@@ -212,6 +220,8 @@ def check_emulation(environ=None):
         raise ConfigError("%s=%r is not a CANN version; use the form torch_npu reports, e.g. 8.5.0, "
                           "8.3.RC1 or 9.0.0" % (CANN_ENV, environ[CANN_ENV]))
     env_positive_number("NPU_SHIM_EMULATE_MEMORY_MIB", None, environ)
+    env_flag("NPU_SHIM_EMULATE_DEVICE", False, environ)
+    env_positive_number("NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB", None, environ)
     from npu_shim.emulation import defects
 
     try:

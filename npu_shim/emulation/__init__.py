@@ -23,6 +23,12 @@ the emulated SoC (``NPU_SHIM_EMULATE_SOC``) and no-op streams/events
 placeholders (``placeholders``) for names upstream reads at import time only. It does
 not create ``torch.npu`` by itself (see the package docstring for why):
 :func:`register_device_module` does, for code that needs it (vllm-ascend).
+
+An emulated device (``npu`` as a device type backed by host memory, ``torch.npu`` a one-device
+machine, hccl as one-rank gloo, device->host transfers counted at dispatch) is a second switch:
+``NPU_SHIM_EMULATE_DEVICE=1`` with ``NPU_SHIM_EMULATE=1`` activates it when the emulated torch_npu
+is imported (:mod:`npu_shim.emulation.device`; mechanism, cost and limits in its docstring and
+docs/validation.md). Without it nothing changes.
 """
 import importlib.util
 import os

@@ -12,7 +12,9 @@ emulation must not make it move models to a device that does not exist.
 ``torch_npu.npu.is_available()`` is False for the same reason. sglang (0.5.23's
 ``is_npu()``) even raises when ``torch.npu`` exists but is not available. Code that
 needs ``torch.npu`` to exist, as vllm-ascend does (the real torch_npu registers it),
-calls ``npu_shim.emulation.register_device_module()``.
+calls ``npu_shim.emulation.register_device_module()``. With ``NPU_SHIM_EMULATE_DEVICE=1``
+importing this package makes ``npu`` a device (``npu_shim.emulation.device``), and
+``torch.npu`` a one-device machine with ``is_available()`` True.
 """
 import torch  # noqa: F401  (the ops need it; importing torch_npu imports torch, as the real one does)
 
@@ -43,6 +45,16 @@ from npu_shim.emulation.placeholders import DtypePlaceholder as _DtypePlaceholde
 float4_e2m1fn_x2 = _DtypePlaceholder("torch_npu.float4_e2m1fn_x2")
 float8_e8m0fnu = _DtypePlaceholder("torch_npu.float8_e8m0fnu")
 hifloat8 = _DtypePlaceholder("torch_npu.hifloat8")
+
+# NPU_SHIM_EMULATE_DEVICE=1: ``npu`` becomes a device of this process (npu_shim.emulation.device),
+# as importing the real torch_npu makes it one.
+from npu_shim._config import env_flag as _env_flag  # noqa: E402
+import os as _os  # noqa: E402
+
+if _env_flag("NPU_SHIM_EMULATE_DEVICE", False, _os.environ):
+    from npu_shim.emulation import device as _device
+
+    _device.activate()
 
 __all__ = [
     "npu_fusion_attention", "npu_prompt_flash_attention", "npu_fused_infer_attention_score",

@@ -1,7 +1,11 @@
-"""Device API of the emulated torch_npu: the SoC is emulated, a device is not.
+"""Device API of the emulated torch_npu: the SoC is emulated, a device only on request.
 
 ``is_available()`` is False and ``device_count()`` 0, so frameworks keep tensors
-on CPU/CUDA; ``get_soc_version()`` / ``get_device_name()`` report the emulated
+on CPU/CUDA; with the emulated device (``npu_shim.emulation.device``, switched on by
+``NPU_SHIM_EMULATE_DEVICE=1``) it is a one-device machine: ``is_available()`` True,
+``device_count()`` 1, ``set_device``/``current_device``, and the memory answers
+(``mem_get_info``, ``memory_allocated`` ...) of its host-backed memory. Without the
+device those memory answers raise, naming the switch; ``get_soc_version()`` / ``get_device_name()`` report the emulated
 SoC (``NPU_SHIM_EMULATE_SOC``, default Ascend910B1) so kernels can choose their
 path by device capability; ``utils.get_cann_version()`` the emulated CANN release
 (``NPU_SHIM_EMULATE_CANN``). Streams and events are synchronous no-ops (see
@@ -23,7 +27,9 @@ from npu_shim.emulation.placeholders import placeholder_class as _placeholder_cl
 from torch_npu.npu import streams, utils
 from torch_npu.npu.streams import Event, Stream
 
-__all__ = ["Event", "ExternalEvent", "NPUGraph", "Stream", "streams", "utils", "is_available", "device_count", "get_soc_version",
+__all__ = ["current_device", "set_device", "mem_get_info", "memory_allocated", "max_memory_allocated",
+           "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "empty_cache", "get_device_properties",
+           "is_initialized", "manual_seed", "manual_seed_all", "Event", "ExternalEvent", "NPUGraph", "Stream", "streams", "utils", "is_available", "device_count", "get_soc_version",
            "get_device_name", "current_stream", "default_stream", "synchronize", "stream", "config"]
 
 NPUGraph = _placeholder_class("torch.npu.NPUGraph")
@@ -39,12 +45,108 @@ class _Config:
 config = _Config()
 
 
+_device_mode = False
+
+
+def _set_device_mode(on):
+    global _device_mode
+    _device_mode = bool(on)
+
+
 def is_available():
-    return False
+    return _device_mode
 
 
 def device_count():
+    return 1 if _device_mode else 0
+
+
+def _device():
+    if not _device_mode:
+        raise RuntimeError("torch_npu emulation: no emulated device (set NPU_SHIM_EMULATE_DEVICE=1 "
+                           "with NPU_SHIM_EMULATE=1, or call npu_shim.emulation.device.activate())")
+    from npu_shim.emulation import device
+
+    return device
+
+
+def _index(device):
+    if device is None:
+        return 0
+    if isinstance(device, int):
+        return device
+    import torch
+
+    device = torch.device(device)
+    if device.type != "npu":
+        raise ValueError("torch_npu emulation: expected an npu device, got %r" % (device,))
+    return 0 if device.index is None else device.index
+
+
+def set_device(device):
+    if _index(device) != 0:
+        raise RuntimeError("torch_npu emulation: invalid device %r (the emulated machine has one NPU, 0)" % (device,))
+    _device()
+
+
+def current_device():
+    _device()
     return 0
+
+
+def is_initialized():
+    return _device_mode
+
+
+def _is_in_bad_fork():
+    return False
+
+
+def manual_seed(seed):
+    import torch
+
+    torch.manual_seed(seed)
+
+
+manual_seed_all = manual_seed
+
+
+def mem_get_info(device=None):
+    return _device().mem_get_info(device)
+
+
+def memory_allocated(device=None):
+    return _device().memory_allocated(device)
+
+
+def max_memory_allocated(device=None):
+    return _device().max_memory_allocated(device)
+
+
+memory_reserved = memory_allocated
+max_memory_reserved = max_memory_allocated
+
+
+def reset_peak_memory_stats(device=None):
+    _device().reset_peak_memory_stats(device)
+
+
+def empty_cache():
+    """Nothing is cached: freed device tensors return their host memory at once."""
+    _device()
+
+
+class _Properties:
+    def __init__(self, name, total_memory):
+        self.name = name
+        self.total_memory = total_memory
+
+    def __repr__(self):
+        return "_NPUDeviceProperties(name=%r, total_memory=%dMB)" % (self.name, self.total_memory >> 20)
+
+
+def get_device_properties(device=None):
+    return _Properties(get_device_name(device), _device().total_memory())
 
 
 def get_soc_version():

@@ -1,0 +1,526 @@
+"""An emulated Ascend device: ``npu`` as a real device type, backed by host memory.
+
+For tests and development only; the production path never imports it (only
+:func:`npu_shim.emulation.install` at start-up, under ``NPU_SHIM_EMULATE=1`` and
+``NPU_SHIM_EMULATE_DEVICE=1``, and tests do).
+
+Switch: ``NPU_SHIM_EMULATE=1 NPU_SHIM_EMULATE_DEVICE=1 <the command run on the NPU box>``.
+``NPU_SHIM_EMULATE=1`` alone keeps today's emulation (``torch.npu.is_available()`` False,
+no device), which the existing tests rely on. ``NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB`` sets the
+device's memory (default 65536, a 64 GiB Atlas A2 card).
+
+Mechanism (why this one)
+------------------------
+PyTorch's PrivateUse1 key renamed ``npu`` with
+``torch.utils.backend_registration._setup_privateuseone_for_python_backend`` (the route of
+PyTorch's ``test/test_privateuseone_python_backend.py``), and every device tensor an
+:class:`NpuTensor`: a ``__torch_dispatch__`` wrapper subclass whose ``.device`` is
+``npu:0`` and which holds a plain CPU tensor (``_raw``). Each aten op that reaches a
+wrapper is run on the held CPU tensors and its tensor results are wrapped again, so a
+result of an op on the device is always on the device. Factories with ``device="npu"``
+reach the PrivateUse1 key; ``empty.memory_format`` / ``empty_strided`` / ``arange``
+are registered there (everything else there is built from those by PyTorch's composite
+kernels), and a PrivateUse1 fallback refuses any other op by name.
+
+Why not OpenReg: ``torch_openreg`` is a C++ extension (allocator, guard, hooks) that
+must be compiled against the exact torch, which a pure-Python shim cannot ship; the older
+Python-first ``pytorch_openreg`` runs every op in a second process (a "driver"), paying an
+IPC round trip per op. The wrapper keeps data in this process and each op one Python call.
+Why not today's counted ``cpu:0`` stand-ins: upstream code that allocates on ``npu``,
+asks ``torch.npu`` for memory or opens ``hccl`` cannot run on them.
+
+Counted at dispatch: every device->host transfer (:func:`count_transfers`): a scalar
+read (``_local_scalar_dense``: ``.item()``, ``bool()``/``int()``/``float()``, ``.tolist()``),
+a copy to the host (``_to_copy``/``copy_`` to ``cpu``: ``.cpu()``, ``.to("cpu")``), a
+bool computed on the device (``equal``, ``is_nonzero``), and ops whose output shape depends
+on device data (``nonzero``, ``masked_select``, ``unique*``, ``repeat_interleave`` with
+tensor repeats and no ``output_size``, boolean-mask indexing). The kind is the Python call
+that made it when the wrapper's ``__torch_function__`` saw one (``item``, ``tolist``,
+``cpu``, ``to``, ``bool`` ...), else the aten op's. Inside an emulated torch_npu op the
+count is silent (the body stands in for a kernel), except for its host-only arguments
+(``_registry.HOST_ARGS``): a device tensor there is one ``host_arg`` transfer, as in
+:mod:`npu_shim.testing.syncs`.
+
+Cost per op: ``benchmarks/bench_emulated_device.py`` (one Python ``__torch_dispatch__``
+round trip per aten op; see docs/validation.md for the figures).
+
+What it cannot model: time (ops complete before they return; streams and events are
+synchronous no-ops, ``Event.elapsed_time`` raises); asynchronous copies (``non_blocking``
+is a synchronous copy, and is still counted); Ascend's private formats (every tensor is
+ND); graph capture (``NPUGraph`` stays a placeholder that raises: engines run eager);
+collectives beyond one rank (``hccl`` is gloo on one process); a device tensor's storage
+(the wrapper has none of its own: ``untyped_storage()`` raises; ``data_ptr()`` is the held host
+data's address, unique and shared by views as a device pointer is);
+the memory a real allocator would reserve or fragment (``memory_reserved`` equals
+``memory_allocated``); ops mixing a device tensor with a non-scalar host tensor are refused
+as a device refuses them (indexing with a host index and copies excepted).
+"""
+import contextlib
+import os
+import threading
+import weakref
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["MEMORY_ENV", "NpuTensor", "TransferCounter", "UnsupportedOpError", "activate", "count_transfers",
+           "is_active", "memory_allocated", "max_memory_allocated", "reset_peak_memory_stats", "total_memory"]
+
+MEMORY_ENV = "NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB"
+DEFAULT_MEMORY_MIB = 65536
+_aten = torch.ops.aten
+
+
+class UnsupportedOpError(NotImplementedError):
+    """An op the emulated device cannot run; the message names the op."""
+
+
+# --------------------------------------------------------------------------- memory
+
+_memory = {"allocated": 0, "peak": 0}
+_owners = {}  # data_ptr of a held CPU storage -> nbytes
+
+
+def total_memory():
+    """Bytes of the emulated device (``NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB``, default 64 GiB), read
+    when first asked."""
+    if "total" not in _memory:
+        from npu_shim._config import env_positive_number
+
+        _memory["total"] = int(env_positive_number(MEMORY_ENV, DEFAULT_MEMORY_MIB, os.environ) * 1024 * 1024)
+    return _memory["total"]
+
+
+def _release(ptr):
+    nbytes = _owners.pop(ptr, 0)
+    _memory["allocated"] -= nbytes
+
+
+def _check_room(nbytes):
+    total = total_memory()
+    if _memory["allocated"] + nbytes > total:
+        raise torch.OutOfMemoryError(
+            "NPU out of memory (npu-shim emulated device): tried to allocate %d bytes; %d of %d bytes "
+            "allocated (%s)" % (nbytes, _memory["allocated"], total, MEMORY_ENV))
+
+
+def _account(raw):
+    """Count ``raw``'s storage once, while any CPU tensor holding it lives."""
+    if raw._base is not None:
+        return
+    storage = raw.untyped_storage()
+    ptr, nbytes = storage.data_ptr(), storage.nbytes()
+    if nbytes == 0 or ptr in _owners:
+        return
+    _check_room(nbytes)
+    _owners[ptr] = nbytes
+    _memory["allocated"] += nbytes
+    _memory["peak"] = max(_memory["peak"], _memory["allocated"])
+    weakref.finalize(raw, _release, ptr)
+
+
+def memory_allocated(device=None):
+    return _memory["allocated"]
+
+
+def max_memory_allocated(device=None):
+    return _memory["peak"]
+
+
+def reset_peak_memory_stats(device=None):
+    _memory["peak"] = _memory["allocated"]
+
+
+def mem_get_info(device=None):
+    total = total_memory()
+    return total - _memory["allocated"], total
+
+
+# --------------------------------------------------------------------------- transfers
+
+class TransferCounter:
+    """Device->host transfers seen at dispatch inside :func:`count_transfers`.
+
+    ``events``: ``(kind, op)`` in order; ``count``; ``by_kind()``: a dict kind -> count."""
+
+    def __init__(self):
+        self.events = []
+
+    @property
+    def count(self):
+        return len(self.events)
+
+    def by_kind(self):
+        out = {}
+        for kind, _ in self.events:
+            out[kind] = out.get(kind, 0) + 1
+        return out
+
+    def __repr__(self):
+        return "TransferCounter(count=%d, %r)" % (self.count, self.by_kind())
+
+
+_state = threading.local()
+
+
+def _stack(name):
+    value = getattr(_state, name, None)
+    if value is None:
+        value = []
+        setattr(_state, name, value)
+    return value
+
+
+@contextlib.contextmanager
+def count_transfers():
+    """Count device->host transfers in the block; yields a :class:`TransferCounter`."""
+    counter = TransferCounter()
+    counters = _stack("counters")
+    counters.append(counter)
+    try:
+        yield counter
+    finally:
+        counters.remove(counter)
+
+
+def _record(kind, op):
+    if _stack("silent"):
+        return
+    named = _stack("named")
+    if named and named[-1][1] == 0:
+        kind = named[-1][0]
+        named[-1][1] = 1
+    for counter in _stack("counters"):
+        counter.events.append((kind, op))
+
+
+_T = torch.Tensor
+# Python-level calls that read the device: their name is the transfer's kind.
+_NAMED_READS = {
+    _T.item: "item", _T.tolist: "tolist", _T.cpu: "cpu", _T.to: "to", _T.__bool__: "bool",
+    _T.__int__: "int", _T.__float__: "float", _T.__index__: "index", _T.numpy: "numpy", _T.__array__: "numpy",
+    _T.copy_: "copy_", torch.nonzero: "nonzero", _T.nonzero: "nonzero", torch.masked_select: "masked_select",
+    _T.masked_select: "masked_select", torch.unique: "unique", _T.unique: "unique",
+    torch.unique_consecutive: "unique_consecutive", _T.unique_consecutive: "unique_consecutive",
+    torch.repeat_interleave: "repeat_interleave", _T.repeat_interleave: "repeat_interleave",
+    _T.__getitem__: "getitem", torch.equal: "equal", _T.equal: "equal",
+}
+# aten ops whose output shape depends on device data (a read before the output exists).
+_SHAPE_OPS = {
+    _aten.nonzero.default, _aten.masked_select.default, _aten._unique2.default, _aten._unique.default,
+    _aten.unique_dim.default, _aten.unique_consecutive.default, _aten.unique_dim_consecutive.default,
+    _aten.argwhere.default,
+}
+_SCALAR_OPS = {_aten._local_scalar_dense.default, _aten.is_nonzero.default, _aten.equal.default,
+               _aten.item.default}
+
+
+def _target_device(func, args, kwargs):
+    """The device a ``_to_copy`` / ``aten.to`` call copies to, or None (it stays)."""
+    device = kwargs.get("device")
+    if device is None and func.overloadpacket is _aten.to and len(args) > 1:
+        if isinstance(args[1], torch.Tensor):
+            device = args[1].device
+        elif isinstance(args[1], (torch.device, str)):
+            device = args[1]
+    return None if device is None else torch.device(device)
+
+
+def _is_read(func, args, kwargs):
+    """The aten-level kind of a device->host transfer ``func`` makes, or None."""
+    if func in _SCALAR_OPS:
+        return "scalar"
+    if func in _SHAPE_OPS:
+        return "shape"
+    if func is _aten.repeat_interleave.Tensor:
+        return "shape" if kwargs.get("output_size") is None else None
+    if func is _aten.repeat_interleave.self_Tensor:
+        out_size = kwargs.get("output_size", args[3] if len(args) > 3 else None)
+        return "shape" if out_size is None else None
+    if func in (_aten.index.Tensor, _aten.index_put_.default, _aten.index_put.default,
+                _aten._index_put_impl_.default):
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        if any(isinstance(i, NpuTensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ()):
+            return "shape" if func is _aten.index.Tensor else None
+        return None
+    if func is _aten._to_copy.default or func.overloadpacket is _aten.to:
+        # under inference_mode the dispatcher shows the composite aten.to itself
+        device = _target_device(func, args, kwargs)
+        return "copy" if device is not None and device.type != "npu" else None
+    if func is _aten.copy_.default:
+        dst, src = args[0], args[1]
+        return "copy" if isinstance(src, NpuTensor) and not isinstance(dst, NpuTensor) else None
+    return None
+
+
+# --------------------------------------------------------------------------- the tensor
+
+_DEVICE = None  # torch.device("npu", 0) once activated
+
+
+def _wrap(raw):
+    _account(raw)
+    return NpuTensor(raw)
+
+
+def _unwrap(x):
+    return x._raw if isinstance(x, NpuTensor) else x
+
+
+# Ops that may take a non-scalar host tensor alongside a device tensor (as CUDA allows).
+_MIXED_OK = {_aten.copy_.default, _aten._to_copy.default, _aten.index.Tensor, _aten.index_put_.default,
+             _aten.index_put.default, _aten._index_put_impl_.default, _aten.set_.source_Tensor}
+
+
+class NpuTensor(torch.Tensor):
+    """A tensor on the emulated ``npu:0``: metadata of its own, data in a held CPU tensor."""
+
+    __slots__ = ("_raw",)
+
+    @staticmethod
+    def __new__(cls, raw):
+        self = torch.Tensor._make_wrapper_subclass(
+            cls, raw.shape, strides=raw.stride(), storage_offset=raw.storage_offset(), dtype=raw.dtype,
+            layout=raw.layout, device=_DEVICE, requires_grad=raw.requires_grad)
+        self._raw = raw
+        return self
+
+    def __repr__(self, *, tensor_contents=None):
+        return "NpuTensor(%s, device='npu:0')" % (self._raw.detach(),)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kind = _NAMED_READS.get(func)
+        if kind is None:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        named = _stack("named")
+        named.append([kind, 0])
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        finally:
+            named.pop()
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        kind = _is_read(func, args, kwargs)
+        if kind is not None:
+            _record(kind, str(func))
+        inputs = {}  # id(held CPU tensor) -> its wrapper: a result that is one (in-place, out=) is that wrapper
+        check = func not in _MIXED_OK
+
+        def unwrap(x):
+            if isinstance(x, NpuTensor):
+                inputs[id(x._raw)] = x
+                return x._raw
+            if isinstance(x, (list, tuple)):
+                return type(x)(unwrap(y) for y in x)
+            if check and isinstance(x, torch.Tensor) and x.dim() > 0 and x.device.type != "meta":
+                raise RuntimeError(
+                    "npu-shim emulated device: %s got a tensor on npu:0 and a tensor on %s "
+                    "(expected all tensors to be on the same device)" % (func, x.device))
+            return x
+
+        raw_args = unwrap(args)
+        raw_kwargs = {key: unwrap(value) for key, value in kwargs.items()}
+        device = raw_kwargs.get("device")
+        if device is not None and torch.device(device).type == "npu":
+            raw_kwargs["device"] = "cpu"
+        elif func.overloadpacket is _aten.to and len(raw_args) > 1 and \
+                isinstance(raw_args[1], (torch.device, str)) and torch.device(raw_args[1]).type == "npu":
+            raw_args = (raw_args[0], "cpu") + tuple(raw_args[2:])
+        try:
+            out = func(*raw_args, **raw_kwargs)
+        except NotImplementedError as error:
+            raise UnsupportedOpError("npu-shim emulated device cannot run %s: %s" % (func, error)) from error
+        if kind == "copy":  # to the host: the host tensor itself (a new one, as a copy from a device is)
+            if func is _aten.copy_.default:
+                return args[0]
+            return out.clone() if any(out is raw for raw in (getattr(a, "_raw", None) for a in args)) else out
+
+        # a view of a normal tensor made in inference mode is a normal tensor (as on any device)
+        normal_view = func.is_view and torch.is_inference_mode_enabled() and \
+            any(not w.is_inference() for w in inputs.values())
+
+        def rewrap(x):
+            if isinstance(x, torch.Tensor):
+                held = inputs.get(id(x))
+                if held is not None:
+                    return held
+                if normal_view:
+                    with torch.inference_mode(False):
+                        return _wrap(x)
+                return _wrap(x)
+            if isinstance(x, (list, tuple)):
+                return type(x)(rewrap(y) for y in x)
+            return x
+
+        return rewrap(out)
+
+    def tolist(self):
+        """PyTorch refuses ``tolist`` of a subclass: the host copy's list (one read, kind ``tolist``)."""
+        named = _stack("named")
+        named.append(["tolist", 0])
+        try:
+            with torch._C.DisableTorchFunctionSubclass():
+                return _T.cpu(self).tolist()
+        finally:
+            named.pop()
+
+    def numpy(self, *, force=False):
+        raise TypeError("can't convert npu:0 device type tensor to numpy. Use Tensor.cpu() to copy the "
+                        "tensor to host memory first.")
+
+    __array__ = numpy
+
+    def untyped_storage(self):
+        raise UnsupportedOpError("npu-shim emulated device: untyped_storage() of an npu tensor (the emulated "
+                                 "device has no storage of its own)")
+
+    def data_ptr(self):
+        """The held host data's address: unique among live tensors, shared by views of one
+        storage, as a device pointer is (code keys caches and checks aliasing on it)."""
+        return self._raw.data_ptr()
+
+
+# --------------------------------------------------------------------------- PrivateUse1 kernels
+
+def _cpu_kwargs(kwargs):
+    kwargs = dict(kwargs)
+    kwargs["device"] = "cpu"
+    kwargs.pop("pin_memory", None)
+    return kwargs
+
+
+def _factory(op):
+    def kernel(*args, **kwargs):
+        if op in (_aten.empty.memory_format, _aten.empty_strided.default):  # refuse before the host allocates
+            numel = 1
+            for n in args[0]:
+                numel *= int(n)
+            _check_room(numel * torch.empty((), dtype=kwargs.get("dtype") or torch.get_default_dtype()).element_size())
+        return _wrap(op(*args, **_cpu_kwargs(kwargs)))
+    return kernel
+
+
+def _below_python(op):
+    """A kernel for calls that reach PrivateUse1 with the Python key excluded (PyTorch's own
+    C++, e.g. ``torch.tensor(data, device=...)``): the wrapper's dispatch."""
+    def kernel(*args, **kwargs):
+        return NpuTensor.__torch_dispatch__(op, (), args, kwargs)
+    return kernel
+
+
+def _fallback(op, *args, **kwargs):
+    if any(isinstance(x, NpuTensor) for x in tree_flatten((args, kwargs))[0]):
+        return NpuTensor.__torch_dispatch__(op, (), args, kwargs)
+    raise UnsupportedOpError("npu-shim emulated device has no kernel for %s with these arguments "
+                             "(no npu tensor to run it on; a device-only factory?)" % (op,))
+
+
+# --------------------------------------------------------------------------- torch.npu
+
+class _Hook(torch._C._acc.PrivateUse1Hooks):
+    def is_available(self):
+        return True
+
+    def has_primary_context(self, dev_id):
+        return True
+
+    def is_built(self):
+        return True
+
+
+class _Guard(torch._C._acc.DeviceGuard):
+    """One device, index 0 (the method names are those PyTorch's Python device guard calls)."""
+
+    def type_(self):
+        return torch._C._autograd.DeviceType.PrivateUse1
+
+    def exchangeDevice(self, index):  # noqa: N802 (PyTorch's names)
+        return 0
+
+    def getDevice(self):  # noqa: N802
+        return 0
+
+    def setDevice(self, index):  # noqa: N802
+        return None
+
+    def uncheckedSetDevice(self, index):  # noqa: N802
+        return None
+
+    def deviceCount(self):  # noqa: N802
+        return 1
+
+
+_libraries = []
+_active = False
+
+
+def is_active():
+    return _active
+
+
+def _hccl_to_gloo(store, rank, size, timeout):
+    return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
+
+
+def activate():
+    """Make ``npu`` a device in this process (idempotent; cannot be undone: PyTorch renames
+    PrivateUse1 once per process). Installs the emulated torch_npu first. Returns ``torch.npu``."""
+    global _active, _DEVICE
+    if _active:
+        return torch.npu
+    import npu_shim.emulation as emulation
+
+    if not emulation.install():
+        raise RuntimeError("npu_shim.emulation.device.activate: torch_npu is not the emulation "
+                           "(a real torch_npu brings a real device)")
+    import torch_npu
+    from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+    from npu_shim.emulation import _registry
+
+    npu = torch_npu.npu
+    npu._set_device_mode(True)
+    _setup_privateuseone_for_python_backend(rename="npu", backend_module=npu, hook=_Hook(), device_guard=_Guard())
+    _DEVICE = torch.device("npu", 0)
+    lib = torch.library.Library("aten", "IMPL")
+    for name, op in (("empty.memory_format", _aten.empty.memory_format), ("empty_strided", _aten.empty_strided.default),
+                     ("arange", _aten.arange.default), ("arange.start", _aten.arange.start),
+                     ("arange.start_step", _aten.arange.start_step)):
+        lib.impl(name, _factory(op), "PrivateUse1")
+    for name, op in (("copy_", _aten.copy_.default), ("_copy_from", _aten._copy_from.default),
+                     ("_to_copy", _aten._to_copy.default)):
+        lib.impl(name, _below_python(op), "PrivateUse1")
+    fallback = torch.library.Library("_", "IMPL")
+    fallback.fallback(_fallback, "PrivateUse1")
+    _libraries.extend([lib, fallback])
+    _registry.set_body_hook(_op_body)
+    import torch.distributed as dist
+
+    if dist.is_available() and "hccl" not in dist.Backend.backend_list:
+        dist.Backend.register_backend("hccl", _hccl_to_gloo, devices=["npu", "cpu"])
+    _active = True
+    return torch.npu
+
+
+@contextlib.contextmanager
+def _op_body(name, args, kwargs):
+    """Around each emulated torch_npu op body: its host-only arguments that are device
+    tensors are transfers (kind ``host_arg``); reads inside the body are not."""
+    from npu_shim.emulation._registry import host_arguments
+
+    for arg, value in host_arguments(name, args, kwargs):
+        values = value if isinstance(value, (list, tuple)) else [value]
+        for item in values:
+            if isinstance(item, NpuTensor):
+                _record("host_arg", "%s(%s=)" % (name, arg))
+    silent = _stack("silent")
+    silent.append(name)
+    try:
+        yield
+    finally:
+        silent.pop()

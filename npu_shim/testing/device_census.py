@@ -1,0 +1,102 @@
+"""The census towers on the emulated device: device->host reads counted at dispatch
+(:func:`npu_shim.emulation.device.count_transfers`) against today's counter
+(:func:`npu_shim.testing.count_host_syncs` on CPU stand-ins), shim on and off.
+
+For a tower of :mod:`npu_shim.testing.census` and a device class, each forward runs four times
+with the same weights and inputs: the shim's tower and upstream's (vllm-ascend's untouched class,
+vLLM's own tower code: the shim off for this tower), each once as today (CPU stand-ins watched by
+today's counter, :func:`census.call`) and once moved to ``npu`` (``tower.to("npu")``, the input
+and the grid tensors vLLM keeps on the device moved with ``.to("npu")``) with the dispatch
+counter. A row: ``(tower, device class, forward, side, today's count, dispatch count, outputs
+equal)``. Needs the emulated device (``NPU_SHIM_EMULATE=1 NPU_SHIM_EMULATE_DEVICE=1``).
+
+    NPU_SHIM_EMULATE=1 NPU_SHIM_EMULATE_DEVICE=1 python -m npu_shim.testing.device_census [TOWER ...]
+
+prints one JSON row per line.
+"""
+import json
+import sys
+
+__all__ = ["cross_check", "main"]
+
+
+def _on_npu(name, tower, attention_class, x, grid):
+    import torch
+
+    from npu_shim.emulation import device
+    from npu_shim.testing import census, towers
+
+    spec = census.CENSUS[name]
+    arg = spec.grid_arg(grid)
+    placed = {id(t) for t in census.device_args(name, arg)}
+
+    def move(a):
+        if isinstance(a, torch.Tensor):
+            return a.to("npu") if id(a) in placed else a
+        if isinstance(a, tuple):
+            return tuple(move(b) for b in a)
+        if isinstance(a, list):
+            return [move(b) for b in a]
+        return a
+
+    tower.to("npu")
+    try:
+        with torch.inference_mode(), towers.registered(attention_class):
+            with device.count_transfers() as counter:
+                out = spec.call(tower, x.to("npu"), move(arg))
+        return out.cpu(), counter
+    finally:
+        tower.to("cpu")
+
+
+def cross_check(stack, name, device_class="A2", forwards=2):
+    """Rows (dicts) of the four runs of each forward of tower ``name`` (see the module docstring)."""
+    import torch
+
+    from npu_shim.testing import census, towers
+
+    attention, untouched = stack.attention[device_class], stack.upstream[device_class]
+    dtype = towers.hardware_dtype(device_class)
+    rows = []
+    for side, attention_class in (("shim", attention), ("upstream", untouched)):
+        tower = census.build(stack, name, attention_class, dtype=dtype)
+        for forward in range(forwards):
+            grid = census.grids(forward, name)
+            x = census.pixel_values(name, tower, grid, seed=forward)
+            context = towers.upstream_methods(census._MODULES[name]) if side == "upstream" else _null()
+            with context:
+                out, today = census.call(name, tower, attention_class, x, grid)
+                npu_out, dispatch = _on_npu(name, tower, attention_class, x, grid)
+            rows.append({"tower": name, "device_class": device_class, "forward": forward, "side": side,
+                         "today": today.count, "dispatch": dispatch.count, "dispatch_kinds": dispatch.by_kind(),
+                         "today_kinds": sorted(str(e) for e in today.events),
+                         "equal": bool(torch.equal(out, npu_out))})
+    return rows
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv=None):
+    from npu_shim.testing import census
+
+    argv = sys.argv[1:] if argv is None else argv
+    stack = census.setup()
+    names = argv or [n for n in census.CENSUS if n in census._MODULES]
+    for name in names:
+        for device_class in sorted(stack.attention):
+            try:
+                for row in cross_check(stack, name, device_class):
+                    print(json.dumps(row), flush=True)
+            except Exception as error:  # a tower the device cannot run: say which and why
+                print(json.dumps({"tower": name, "device_class": device_class,
+                                  "error": "%s: %s" % (type(error).__name__, str(error)[:300])}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
