@@ -57,6 +57,28 @@ def test_gating_sigmoid_groups_bias_and_scaling(torch_npu):
                                                                dtype=torch.float64), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("norm_type", [0, 1])
+def test_c_ascend_gating_renorm_and_scaling(torch_npu, norm_type):
+    """vllm-ascend's own kernel, called as BaseDeviceAdaptor.moe_gating_top_k calls it
+    (keywords; renorm = int(renormalize)): renorm=1 divides the chosen weights by their sum
+    (+ eps), then routed_scaling_factor multiplies them; out_flag returns normOut."""
+    torch.manual_seed(5)
+    x = torch.randn(4, 8)
+    y, idx, out = torch.ops._C_ascend.moe_gating_top_k(
+        x, k=3, k_group=1, group_count=1, group_select_mode=1, renorm=1, norm_type=norm_type,
+        out_flag=True, routed_scaling_factor=1.5, eps=1e-20, bias_opt=None)
+    assert idx.dtype == torch.int32 and out.shape == (4, 8) and out.dtype == torch.float32
+    for t in range(4):
+        row = [float(v) for v in x[t]]
+        norm = _softmax_row(row) if norm_type == 0 else [1 / (1 + math.exp(-v)) for v in row]
+        best = sorted(range(8), key=lambda e: -norm[e])[:3]
+        assert idx[t].tolist() == best
+        total = sum(norm[e] for e in best)
+        torch.testing.assert_close(y[t].double(), torch.tensor([norm[e] / total * 1.5 for e in best],
+                                                               dtype=torch.float64), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(out[t].double(), torch.tensor(norm, dtype=torch.float64), rtol=1e-6, atol=1e-7)
+
+
 def test_init_routing_v2_sorts_rows_by_expert(torch_npu):
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     expert_idx = torch.tensor([[1, 2], [0, 1], [0, 2]], dtype=torch.int32)
@@ -110,10 +132,10 @@ def test_the_chain_vllm_ascend_runs_equals_a_float64_moe(torch_npu):
     logits = torch.randn(tokens, experts)
     w13 = torch.randn(experts, hidden, 2 * inter) * 0.5     # (E, K, N), as apply_gmm1 passes it
     w2 = torch.randn(experts, inter, hidden) * 0.5
-    weights, ids, _ = torch_npu.npu_moe_gating_top_k(logits, k=top_k, k_group=1, group_count=1,
-                                                    group_select_mode=1, renorm=0, norm_type=0,
-                                                    routed_scaling_factor=1.0, eps=1e-20)
-    weights = weights / weights.sum(dim=-1, keepdim=True)   # vllm-ascend's renorm for softmax
+    # BaseDeviceAdaptor.moe_gating_top_k (A2/A3) with a softmax router and renormalize=True
+    weights, ids, _ = torch.ops._C_ascend.moe_gating_top_k(
+        logits, k=top_k, k_group=1, group_count=1, group_select_mode=1, renorm=1, norm_type=0,
+        out_flag=False, routed_scaling_factor=1.0, eps=1e-20, bias_opt=None)
     sorted_x, row_idx, counts, _ = torch_npu.npu_moe_init_routing_v2(
         x, ids, scale=None, active_num=tokens * top_k, expert_num=experts, expert_tokens_num_type=1,
         expert_tokens_num_flag=True, active_expert_range=[0, experts], quant_mode=-1)
@@ -139,6 +161,10 @@ def test_the_chain_vllm_ascend_runs_equals_a_float64_moe(torch_npu):
 @pytest.mark.parametrize("call, error, message", [
     (lambda t: t.npu_moe_gating_top_k(torch.randn(2, 8), k=9), ValueError, "k=9"),
     (lambda t: t.npu_moe_gating_top_k(torch.randn(2, 8), k=2, renorm=1), NotImplementedError, "renorm"),
+    (lambda t: torch.ops._C_ascend.moe_gating_top_k(torch.randn(2, 8), 2, 1, 1, 0, 2, 0, False, 1.0, 1e-20),
+     ValueError, "renorm must be 0 or 1"),
+    (lambda t: torch.ops._C_ascend.moe_gating_top_k(torch.randn(2, 8), 2, 3, 2, 0, 0, 0, False, 1.0, 1e-20),
+     ValueError, "k_group"),
     (lambda t: t.npu_moe_init_routing_v2(torch.randn(2, 4), torch.tensor([[0], [5]], dtype=torch.int32),
                                          active_num=2, expert_num=6, active_expert_range=[0, 3], quant_mode=-1),
      NotImplementedError, "outside active_expert_range"),

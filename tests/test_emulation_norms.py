@@ -59,13 +59,10 @@ def test_add_rms_norm_and_the_c_ascend_bias_op(torch_npu):
         torch.testing.assert_close(y.double(), ref_y, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(rstd.double(), ref_rstd, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(total.double(), x1.double() + x2.double(), rtol=1e-7, atol=1e-7)
-    from npu_shim.emulation.dtypes import float32_not_on_hardware
-
-    with float32_not_on_hardware():   # the vllm-ascend kernel serves float16/bfloat16 only
-        for b, ref in ((None, ref_y), (beta, ref_y + beta.double())):
-            y, _, total = torch.ops._C_ascend.npu_add_rms_norm_bias(x1, x2, gamma, b, 1e-6)
-            torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6)
-            torch.testing.assert_close(total.double(), x1.double() + x2.double(), rtol=1e-7, atol=1e-7)
+    for b, ref in ((None, ref_y), (beta, ref_y + beta.double())):
+        y, _, total = torch.ops._C_ascend.npu_add_rms_norm_bias(x1, x2, gamma, b, 1e-6)
+        torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(total.double(), x1.double() + x2.double(), rtol=1e-7, atol=1e-7)
 
 
 @pytest.mark.parametrize("call, message", [
@@ -73,8 +70,10 @@ def test_add_rms_norm_and_the_c_ascend_bias_op(torch_npu):
     (lambda t: t.npu_rms_norm(torch.randn(2, 8), torch.randn(8).half()), "must match"),
     (lambda t: t.npu_rms_norm(torch.randn(2, 8).double(), torch.randn(8).double()), "dtype float64"),
     (lambda t: t.npu_add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8)), "one shape"),
+    (lambda t: torch.ops._C_ascend.npu_add_rms_norm_bias(torch.randn(2, 8).double(), torch.randn(2, 8).double(),
+                                                          torch.randn(8).double(), None, 1e-6), "float64"),
     (lambda t: torch.ops._C_ascend.npu_add_rms_norm_bias(torch.randn(2, 8), torch.randn(2, 8),
-                                                          torch.randn(8), None, 1e-6), "float32"),
+                                                          torch.randn(8), torch.randn(4), 1e-6), "beta"),
 ])
 def test_bad_input_is_refused_with_the_reason(torch_npu, call, message):
     with pytest.raises(ValueError, match=message):

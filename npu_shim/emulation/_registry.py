@@ -266,8 +266,14 @@ def _body(name, impl):
 C_ASCEND_SCHEMAS = {
     "npu_add_rms_norm_bias": (
         norms.npu_add_rms_norm_bias,
-        "npu_add_rms_norm_bias(Tensor x, Tensor residual, Tensor gamma, Tensor? beta=None, "
+        "npu_add_rms_norm_bias(Tensor x1, Tensor x2, Tensor gamma, Tensor? beta=None, "
         "float epsilon=1e-06) -> (Tensor, Tensor, Tensor)",
+    ),
+    "moe_gating_top_k": (
+        moe.moe_gating_top_k,
+        "moe_gating_top_k(Tensor x, int k, int k_group, int group_count, int group_select_mode, "
+        "int renorm, int norm_type, bool out_flag, float routed_scaling_factor, float eps, "
+        "Tensor? bias_opt=None) -> (Tensor, Tensor, Tensor)",
     ),
 }
 

@@ -75,18 +75,21 @@ SUPPORTED = {
     # "Atlas 推理系列产品:数据类型支持float32、float16、bool". float32 is real here.
     # The ops vllm-ascend's text/VL/MoE layers run (norms, activation, rotary, MoE); see
     # docs/emulation-ops.md for where each is called. float32 is a real input type for all of
-    # them (their pages list it), so float32 tests need no float32_not_on_hardware() here
-    # except for npu_add_rms_norm_bias.
+    # them (their pages list it), so float32 tests need no float32_not_on_hardware() here.
     # CANN aclnnRmsNorm, x: "Atlas 推理系列产品:数据类型支持FLOAT32、FLOAT16。 Atlas A2训练系列
     # 产品/Atlas 800I A2推理产品:数据类型支持FLOAT32、FLOAT16、BFLOAT16".
     "npu_rms_norm": {"A2": (F32, F16, BF16), "310P": (F32, F16)},
     # x1, x2. Taken as aclnnRmsNorm's list; aclnnAddRmsNorm's own page was not read
     # (unverified).
     "npu_add_rms_norm": {"A2": (F32, F16, BF16), "310P": (F32, F16)},
-    # x, residual. vllm-ascend's own kernel (csrc add_rms_norm_bias), registered as
-    # torch.ops._C_ascend; it is built for A2/A3 only (vllm-ascend's 310P layernorm calls
-    # npu_add_rms_norm instead), and serves the half-precision models: float16, bfloat16.
-    "npu_add_rms_norm_bias": {"A2": (F16, BF16), "310P": ()},
+    # x1, x2. vllm-ascend's own kernel (torch.ops._C_ascend), csrc add_rms_norm_bias_def.cpp:
+    # x1/x2 ".DataType({ge::DT_FLOAT16, ge::DT_FLOAT, ge::DT_BF16})", AddConfig "ascend910b",
+    # "ascend910_93" only (vllm-ascend's 310P layernorm calls npu_add_rms_norm instead).
+    "npu_add_rms_norm_bias": {"A2": (F16, F32, BF16), "310P": ()},
+    # x. vllm-ascend's own kernel (torch.ops._C_ascend), csrc moe_gating_top_k_proto.h:
+    # "REG_OP(MoeGatingTopK) .INPUT(x, TensorType({DT_FLOAT, DT_FLOAT16, DT_BF16}))"; not
+    # built for 310P (whose router calls npu_moe_gating_top_k_softmax).
+    "moe_gating_top_k": {"A2": (F32, F16, BF16), "310P": ()},
     # self. Unverified: the torch_npu.npu_swiglu page was not read; the list is the norms'
     # (vllm-ascend's 310P activation calls it, so 310P is not empty).
     "npu_swiglu": {"A2": (F32, F16, BF16), "310P": (F32, F16)},

@@ -12,16 +12,20 @@ Documented behaviour implemented:
 
 * ``npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_select_mode=0,
   renorm=0, norm_type=1, out_flag=False, routed_scaling_factor=1.0, eps=1e-20)
-  -> (y, expert_idx, out)`` (torch_npu.npu_moe_gating_top_k; CANN aclnnMoeGatingTopK):
-  ``normOut = softmax(x)`` (norm_type 0) or ``sigmoid(x)`` (1); the selection value is
-  ``normOut + bias``; with ``group_count > 1`` the experts are split into groups, each
-  scored by its max (group_select_mode 0) or the sum of its top two (1), and all but the
-  best ``k_group`` groups are masked to -inf; ``expert_idx`` = top-k of the selection value;
-  ``y`` = ``normOut`` at those experts. For sigmoid, ``y = y / (sum(y) + eps) *
-  routed_scaling_factor``. For softmax the page gives no further step, and vllm-ascend
-  renormalises itself (it passes renorm=0 and divides when it wants renorm): ``y`` is the
-  softmax values; ``routed_scaling_factor != 1`` with softmax, ``renorm != 0`` and
-  ``out_flag`` (the normOut output) are refused as not emulated. ``expert_idx`` is int32.
+  -> (y, expert_idx, out)`` (torch_npu.npu_moe_gating_top_k; CANN aclnnMoeGatingTopK), and
+  vllm-ascend's own ``torch.ops._C_ascend.moe_gating_top_k(x, k, k_group, group_count,
+  group_select_mode, renorm, norm_type, out_flag, routed_scaling_factor, eps, bias_opt=None)``
+  (csrc moe_gating_top_k; what ``BaseDeviceAdaptor.moe_gating_top_k`` calls on A2/A3, with
+  ``renorm = int(renormalize)``): ``normOut = softmax(x)`` (norm_type 0) or ``sigmoid(x)`` (1);
+  the selection value is ``normOut + bias``; with ``group_count > 1`` the experts are split into
+  groups, each scored by its max (group_select_mode 0) or the sum of its top two (1), and all
+  but the best ``k_group`` groups are masked to -inf; ``expert_idx`` (int32) = top-k of the
+  selection value; ``y`` = ``normOut`` at those experts, divided by ``sum(y) + eps`` for
+  sigmoid or renorm=1 (L1), then times ``routed_scaling_factor``; ``out`` = normOut (float32)
+  when ``out_flag``. The renorm=1 and softmax steps are those of the kernel's reference in
+  vllm-ascend's op test (``moe_gating_top_k_numpy_ref``); torch_npu's page documents renorm=0
+  and the scaling for sigmoid only, so its spelling refuses renorm=1 and a scaling factor
+  with softmax.
 * ``npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,
   expert_capacity=-1, expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0,
   expert_tokens_num_flag=False, quant_mode=0, active_expert_range=[], row_idx_type=0)
@@ -50,6 +54,7 @@ from npu_shim.emulation import dtypes
 from npu_shim.emulation._common import not_implemented
 
 GATING = "npu_moe_gating_top_k"
+C_GATING = "moe_gating_top_k"
 INIT_ROUTING = "npu_moe_init_routing_v2"
 GMM = "npu_grouped_matmul"
 UNPERMUTE = "npu_moe_token_unpermute"
@@ -59,30 +64,25 @@ def _dt(x):
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_select_mode=0,
-                         renorm=0, norm_type=1, out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
-    dtypes.check(GATING, x=x)
+def _gating(op, x, k, bias, k_group, group_count, group_select_mode, renorm, norm_type, out_flag,
+            routed_scaling_factor, eps):
+    dtypes.check(op, x=x)
     if x.dim() != 2:
-        raise ValueError("%s: x must be 2-D (tokens, experts), got %s" % (GATING, tuple(x.shape)))
+        raise ValueError("%s: x must be 2-D (tokens, experts), got %s" % (op, tuple(x.shape)))
     experts = x.shape[-1]
     k, k_group, group_count = int(k), int(k_group), int(group_count)
     if group_count < 1 or experts % group_count or not 1 <= k_group <= group_count:
         raise ValueError("%s: group_count %d must divide %d experts and 1 <= k_group (%d) <= group_count"
-                         % (GATING, group_count, experts, k_group))
+                         % (op, group_count, experts, k_group))
     if not 1 <= k <= experts // group_count * k_group:
         raise ValueError("%s: k=%d must be in [1, experts / group_count * k_group = %d]"
-                         % (GATING, k, experts // group_count * k_group))
+                         % (op, k, experts // group_count * k_group))
     if norm_type not in (0, 1):
-        raise ValueError("%s: norm_type must be 0 (softmax) or 1 (sigmoid), got %r" % (GATING, norm_type))
+        raise ValueError("%s: norm_type must be 0 (softmax) or 1 (sigmoid), got %r" % (op, norm_type))
     if group_select_mode not in (0, 1):
-        raise ValueError("%s: group_select_mode must be 0 or 1, got %r" % (GATING, group_select_mode))
-    if renorm != 0:
-        raise not_implemented(GATING, "renorm", "renorm=%r" % renorm)
-    if out_flag:
-        raise not_implemented(GATING, "out_flag", "the normOut output")
-    if norm_type == 0 and routed_scaling_factor != 1.0:
-        raise not_implemented(GATING, "routed_scaling_factor",
-                        "%r with softmax (the page gives no scaling step for it)" % routed_scaling_factor)
+        raise ValueError("%s: group_select_mode must be 0 or 1, got %r" % (op, group_select_mode))
+    if renorm not in (0, 1):
+        raise ValueError("%s: renorm must be 0 or 1, got %r" % (op, renorm))
     dt = _dt(x)
     xs = x.to(dt)
     norm = torch.softmax(xs, dim=-1) if norm_type == 0 else torch.sigmoid(xs)
@@ -90,7 +90,7 @@ def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_sel
     if bias is not None:
         if bias.shape != (experts,) or bias.dtype != x.dtype:
             raise ValueError("%s: bias must be (%d,) of x's dtype %s, got %s %s"
-                             % (GATING, experts, x.dtype, tuple(bias.shape), bias.dtype))
+                             % (op, experts, x.dtype, tuple(bias.shape), bias.dtype))
         value = norm + bias.to(dt)
     if group_count > 1:
         grouped = value.reshape(x.shape[0], group_count, -1)
@@ -103,9 +103,28 @@ def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_sel
         value = grouped.masked_fill(~keep[..., None], float("-inf")).reshape(x.shape)
     expert_idx = value.topk(k, dim=-1).indices
     y = norm.gather(1, expert_idx)
-    if norm_type == 1:
-        y = y / (y.sum(dim=-1, keepdim=True) + eps) * routed_scaling_factor
-    return y.to(x.dtype), expert_idx.to(torch.int32), torch.empty(0, dtype=torch.float32, device=x.device)
+    if norm_type == 1 or renorm == 1:
+        y = y / (y.sum(dim=-1, keepdim=True) + eps)
+    y = y * routed_scaling_factor
+    out = norm.to(torch.float32) if out_flag else torch.empty(0, dtype=torch.float32, device=x.device)
+    return y.to(x.dtype), expert_idx.to(torch.int32), out
+
+
+def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_select_mode=0,
+                         renorm=0, norm_type=1, out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
+    if renorm != 0:
+        raise not_implemented(GATING, "renorm", "renorm=%r; the page documents 0" % renorm)
+    if norm_type == 0 and routed_scaling_factor != 1.0:
+        raise not_implemented(GATING, "routed_scaling_factor",
+                              "%r with softmax (the page gives no scaling step for it)" % routed_scaling_factor)
+    return _gating(GATING, x, k, bias, k_group, group_count, group_select_mode, renorm, norm_type,
+                   out_flag, routed_scaling_factor, eps)
+
+
+def moe_gating_top_k(x, k, k_group, group_count, group_select_mode, renorm, norm_type, out_flag,
+                     routed_scaling_factor, eps, bias_opt=None):
+    return _gating(C_GATING, x, k, bias_opt, k_group, group_count, group_select_mode, renorm, norm_type,
+                   out_flag, routed_scaling_factor, eps)
 
 
 def npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,

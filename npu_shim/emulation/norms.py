@@ -17,8 +17,8 @@ Documented behaviour implemented:
   ("rstdOut … 数据类型支持FLOAT32 … shape与x前几维保持一致").
 * ``npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6) -> (y, rstd, x)`` (CANN aclnnAddRmsNorm):
   ``x = x1 + x2``, then RmsNorm of ``x`` as above; ``x`` is returned in the input dtype.
-* ``_C_ascend.npu_add_rms_norm_bias(x, residual, gamma, beta=None, epsilon=1e-6)
-  -> (y, rstd, x)`` (vllm-ascend csrc ``add_rms_norm_bias``): npu_add_rms_norm with
+* ``_C_ascend.npu_add_rms_norm_bias(x1, x2, gamma, beta=None, epsilon=1e-6)
+  -> (y, rstd, x)`` (vllm-ascend csrc ``add_rms_norm_bias``, its torch binding's schema): npu_add_rms_norm with
   ``beta`` (shape of ``gamma``) added to ``y`` when given.
 
 The kernels accumulate in float32 and round ``y`` and ``x`` to the input dtype once; the
@@ -79,11 +79,11 @@ def npu_add_rms_norm(x1, x2, gamma, epsilon=1e-6):
     return y.to(x1.dtype), rstd, total.to(x1.dtype)
 
 
-def npu_add_rms_norm_bias(x, residual, gamma, beta=None, epsilon=1e-6):
-    total = _add(ADD_RMS_BIAS, x, residual)
-    _check_gamma(ADD_RMS_BIAS, x, gamma)
+def npu_add_rms_norm_bias(x1, x2, gamma, beta=None, epsilon=1e-6):
+    total = _add(ADD_RMS_BIAS, x1, x2)
+    _check_gamma(ADD_RMS_BIAS, x1, gamma)
     y, rstd = _rms(total, gamma, epsilon)
     if beta is not None:
-        _check_gamma(ADD_RMS_BIAS, x, beta, "beta")
+        _check_gamma(ADD_RMS_BIAS, x1, beta, "beta")
         y = y + beta.to(y.dtype)
-    return y.to(x.dtype), rstd, total.to(x.dtype)
+    return y.to(x1.dtype), rstd, total.to(x1.dtype)
