@@ -15,6 +15,11 @@ to -- is called on CPU tensors:
   wraps) and ``forward_oot`` with ``key=None``, both reaching ``npu_mrope`` with 1-D positions.
 * ``AscendMRotaryEmbedding`` (Qwen2.5-VL's M-RoPE, section [16, 24, 24]): ``npu_mrope``.
 * ``AscendApplyRotaryEmb`` (the vision towers' rotary): ``npu_rotary_mul``.
+* MoE routing: ``AscendFusedTopKRouter`` -> ``_C_ascend.moe_gating_top_k``,
+  ``TokenDispatcherWithAllGather`` -> ``npu_moe_init_routing_v2`` / ``npu_moe_token_unpermute``
+  (the experts between them are a stand-in, see the test; ``npu_grouped_matmul`` and
+  ``npu_swiglu`` are chained as ``apply_gmm1``/``apply_gmm2`` pass them in the base lane's
+  tests/test_emulation_moe.py).
 
 The reference never reads the layer's cos/sin cache: angles are position * base^(-2i/R) in
 float64. Every emulated call is recorded, so a layer that took another path fails.
@@ -144,3 +149,47 @@ def test_apply_rotary_emb_vision_path(ops):
     assert [c.name for c in calls] == ["npu_rotary_mul"]
     expected = _rope_f64(x[0].reshape(s, n * d), n, d, d, theta.tolist()).reshape(1, s, n, d)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_moe_router_dispatch_and_combine(ops):
+    """vllm-ascend's MoE routing around the experts, on the A2/A3 adaptor: ``AscendFusedTopKRouter``
+    (softmax, renormalize -> ``_C_ascend.moe_gating_top_k`` with renorm=1),
+    ``TokenDispatcherWithAllGather.token_dispatch`` (``npu_moe_init_routing_v2``) and
+    ``token_combine`` (``npu_moe_token_unpermute``). Stand-in: the experts between dispatch and
+    combine are a per-expert scale (row r of group e times e + 1), applied with the dispatcher's
+    own group_list; building ``AscendUnquantizedFusedMoEMethod`` needs vLLM's platform to be the
+    Ascend one (out of tree), which this lane keeps off. Expected, from the definitions in
+    float64: out_t = sum_j w_tj (e_tj + 1) x_t, with w the renormalised top-k softmax."""
+    from vllm_ascend.ops.fused_moe.dataclass.fused_experts import build_fused_experts_input
+    from vllm_ascend.ops.fused_moe.dataclass.token_dispatcher import build_token_dispatch_input
+    from vllm_ascend.ops.fused_moe.router.fused_topk_router import AscendFusedTopKRouter
+    from vllm_ascend.ops.fused_moe.routed_experts import QuantType
+    from vllm_ascend.ops.fused_moe.token_dispatcher import TokenDispatcherWithAllGather
+
+    torch.manual_seed(5)
+    tokens, hidden, experts, top_k = 6, 16, 8, 2
+    x, logits = torch.randn(tokens, hidden), torch.randn(tokens, experts)
+    router = AscendFusedTopKRouter(top_k=top_k, global_num_experts=experts, renormalize=True,
+                                   scoring_func="softmax")
+    dispatcher = TokenDispatcherWithAllGather(top_k=top_k, num_experts=experts, num_local_experts=experts)
+    with record_npu_calls() as calls:
+        weights, ids = router._compute_routing(x, logits, None)
+        fused_input = build_fused_experts_input(hidden_states=x, topk_weights=weights, topk_ids=ids,
+                                                quant_type=QuantType.NONE, dynamic_eplb=False)
+        dispatched = dispatcher.token_dispatch(token_dispatch_input=build_token_dispatch_input(
+            fused_experts_input=fused_input))
+        assert dispatched.group_list_type == 1   # counts
+        scale = torch.repeat_interleave(torch.arange(1, experts + 1, dtype=x.dtype), dispatched.group_list)
+        out = dispatcher.token_combine(hidden_states=dispatched.hidden_states * scale[:, None],
+                                       combine_metadata=dispatched.combine_metadata)
+    assert [c.name for c in calls] == ["moe_gating_top_k", "npu_moe_init_routing_v2", "npu_moe_token_unpermute"]
+    for t in range(tokens):
+        row = [float(v) for v in logits[t]]
+        top = max(row)
+        probs = [math.exp(v - top) for v in row]
+        probs = [p / sum(probs) for p in probs]
+        best = sorted(range(experts), key=lambda e: -probs[e])[:top_k]
+        assert sorted(ids[t].tolist()) == sorted(best)
+        norm = sum(probs[e] for e in best)
+        expected = sum(probs[e] / norm * (e + 1) for e in best) * x[t].double()
+        torch.testing.assert_close(out[t].double(), expected, rtol=1e-5, atol=1e-5)
