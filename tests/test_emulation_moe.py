@@ -79,6 +79,16 @@ def test_c_ascend_gating_renorm_and_scaling(torch_npu, norm_type):
         torch.testing.assert_close(out[t].double(), torch.tensor(norm, dtype=torch.float64), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("mode, group", [(0, 0), (1, 1)])
+def test_gating_group_select_mode(torch_npu, mode, group):
+    """Group 0 has the single best expert, group 1 the best pair: mode 0 (max) keeps group 0,
+    mode 1 (sum of the top two) keeps group 1."""
+    x = torch.tensor([[3.0, -5.0, -5.0, -5.0, 1.5, 1.5, -5.0, -5.0]])
+    _, idx, _ = torch_npu.npu_moe_gating_top_k(x, k=2, k_group=1, group_count=2, group_select_mode=mode,
+                                               norm_type=1)
+    assert all(e // 4 == group for e in idx[0].tolist()), idx
+
+
 def test_init_routing_v2_sorts_rows_by_expert(torch_npu):
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     expert_idx = torch.tensor([[1, 2], [0, 1], [0, 2]], dtype=torch.int32)

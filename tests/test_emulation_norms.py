@@ -41,6 +41,16 @@ def test_rms_norm_both_spellings(torch_npu):
         torch.testing.assert_close(rstd.double(), ref_rstd, rtol=1e-6, atol=1e-6)
 
 
+def test_rms_norm_epsilon_counts(torch_npu):
+    """Small inputs and a large epsilon, where leaving epsilon out would show."""
+    torch.manual_seed(3)
+    x, gamma = torch.randn(3, 8) * 0.05, torch.randn(8)
+    y, rstd = torch_npu.npu_rms_norm(x, gamma, epsilon=0.01)
+    ref_y, ref_rstd = _rms_f64(x, gamma, 0.01)
+    torch.testing.assert_close(y.double(), ref_y, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(rstd.double(), ref_rstd, rtol=1e-6, atol=1e-7)
+
+
 def test_rms_norm_half_rounds_once(torch_npu):
     torch.manual_seed(1)
     x, gamma = torch.randn(5, 32).bfloat16(), torch.randn(32).bfloat16()
