@@ -93,6 +93,24 @@ def test_mrope_three_rows_take_their_sections(torch_npu):
                 torch.testing.assert_close(out[i, h * d:(h + 1) * d].double(), ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("neox, mode", [(True, "half"), (False, "interleave")])
+def test_rotary_embedding_in_place(torch_npu, neox, mode):
+    """vllm-ascend 0.18's in-place rotary: every head of query and key, in place."""
+    torch.manual_seed(3)
+    t, d, nq, nk = 4, 8, 3, 1
+    cache, angles = _cache(16, d)
+    positions = torch.tensor([0, 9, 2, 15])
+    q, k = torch.randn(t, nq * d), torch.randn(t, nk * d)
+    for op in (torch_npu._npu_rotary_embedding, torch.ops.npu._npu_rotary_embedding):
+        qi, ki = q.clone(), k.clone()
+        assert op(positions, qi, ki, d, cache.float(), neox) is None
+        for x, out, n in ((q, qi, nq), (k, ki, nk)):
+            for i in range(t):
+                for h in range(n):
+                    ref = _rotate_f64(x[i, h * d:(h + 1) * d].double(), angles[int(positions[i])], mode, d)
+                    torch.testing.assert_close(out[i, h * d:(h + 1) * d].double(), ref, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("call, error, message", [
     (lambda t: t.npu_rotary_mul(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4),
                                 rotary_mode="interleaved"), ValueError, "rotary_mode"),

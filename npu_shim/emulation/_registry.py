@@ -157,6 +157,11 @@ SCHEMAS = {
         "int[]? mrope_section=None, str rotary_mode=\"half\", str cache_mode=\"default\") "
         "-> (Tensor, Tensor)",
     ),
+    "_npu_rotary_embedding": (
+        rotary._npu_rotary_embedding,
+        "_npu_rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, "
+        "Tensor cos_sin_cache, bool is_neox_style) -> ()",
+    ),
     "npu_moe_gating_top_k": (
         moe.npu_moe_gating_top_k,
         "npu_moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, int k_group=1, int group_count=1, "

@@ -99,6 +99,9 @@ SUPPORTED = {
     # query, key, cos_sin_cache. CANN RopeWithSinCosCache (npu_mrope) README, 产品支持情况:
     # "Atlas inference products ×"; the dtype list is unverified (page's table not read).
     "npu_mrope": {"A2": (F32, F16, BF16), "310P": ()},
+    # query, key, cos_sin_cache. Unverified (no page read): the norms' list; vllm-ascend's 310P
+    # rotary calls it too.
+    "_npu_rotary_embedding": {"A2": (F32, F16, BF16), "310P": (F32, F16)},
     # x. torch_npu.npu_moe_gating_top_k (7.0.0): "x … 数据类型支持float16、bfloat16、float32";
     # CANN aclnnMoeGatingTopK 产品支持情况: "Atlas 推理系列产品 ×".
     "npu_moe_gating_top_k": {"A2": (F32, F16, BF16), "310P": ()},

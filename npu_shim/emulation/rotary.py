@@ -26,6 +26,13 @@ Documented behaviour implemented:
   "interleave" and ``cache_mode`` "default" or "interleave"; the emulation implements
   ``cache_mode="default"`` and refuses the interleaved M-RoPE cache layout (not emulated).
 
+* ``_npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style)``
+  (vllm-ascend 0.18's ``rope_forward_oot``; the in-place rotary of vLLM's ``rotary_embedding``
+  kernel, which it replaces): ``query`` (T, Nq * head_size) and ``key`` (T, Nk * head_size) are
+  rotated in place, every head by ``cos, sin = cos_sin_cache[positions].chunk(2, -1)``, neox
+  pairs when ``is_neox_style`` else adjacent pairs; ``cos_sin_cache.shape[-1]`` is the rotary
+  dim (the caller passes the rotary slice with ``head_size = rotary_dim`` for partial rotary).
+
 Computed in float32 (float64 in a test) and rounded to the input dtype once.
 """
 import torch
@@ -34,6 +41,7 @@ from npu_shim.emulation import dtypes
 
 ROTARY_MUL = "npu_rotary_mul"
 MROPE = "npu_mrope"
+ROTARY_EMBEDDING = "_npu_rotary_embedding"
 MODES = ("half", "interleave")
 
 
@@ -130,3 +138,22 @@ def npu_mrope(positions, query, key, cos_sin_cache, head_size, *, mrope_section=
     cos, sin = _mrope_cos_sin(positions, cos_sin_cache.to(_dt(query)), mrope_section)
     return (_apply(query, head_size, cos, sin, rotary_mode).to(query.dtype),
             _apply(key, head_size, cos, sin, rotary_mode).to(key.dtype))
+
+
+def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox_style):
+    dtypes.check(ROTARY_EMBEDDING, query=query, key=key, cos_sin_cache=cos_sin_cache)
+    if positions.dtype not in (torch.int32, torch.int64) or positions.dim() != 1:
+        raise ValueError("%s: positions must be 1-D int32/int64, got %s %s"
+                         % (ROTARY_EMBEDDING, tuple(positions.shape), positions.dtype))
+    tokens, head_size = positions.shape[0], int(head_size)
+    for name, x in (("query", query), ("key", key)):
+        if x.dim() != 2 or x.shape[0] != tokens or x.shape[1] % head_size:
+            raise ValueError("%s: %s must be (T=%d, heads * head_size=%d), got %s"
+                             % (ROTARY_EMBEDDING, name, tokens, head_size, tuple(x.shape)))
+    if cos_sin_cache.dim() != 2 or cos_sin_cache.shape[-1] % 2 or cos_sin_cache.shape[-1] > head_size:
+        raise ValueError("%s: cos_sin_cache must be (max_position, rotary_dim <= head_size), rotary_dim "
+                         "even; got %s" % (ROTARY_EMBEDDING, tuple(cos_sin_cache.shape)))
+    mode = "half" if is_neox_style else "interleave"
+    cos, sin = _mrope_cos_sin(positions, cos_sin_cache.to(_dt(query)), None)
+    query.copy_(_apply(query, head_size, cos, sin, mode))
+    key.copy_(_apply(key, head_size, cos, sin, mode))

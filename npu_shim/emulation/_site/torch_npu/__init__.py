@@ -39,6 +39,7 @@ npu_add_rms_norm = _registry.PUBLIC["npu_add_rms_norm"]
 npu_swiglu = _registry.PUBLIC["npu_swiglu"]
 npu_rotary_mul = _registry.PUBLIC["npu_rotary_mul"]
 npu_mrope = _registry.PUBLIC["npu_mrope"]
+_npu_rotary_embedding = _registry.PUBLIC["_npu_rotary_embedding"]
 npu_moe_gating_top_k = _registry.PUBLIC["npu_moe_gating_top_k"]
 npu_moe_init_routing_v2 = _registry.PUBLIC["npu_moe_init_routing_v2"]
 npu_grouped_matmul = _registry.PUBLIC["npu_grouped_matmul"]
@@ -64,6 +65,7 @@ __all__ = [
     "npu_swiglu",
     "npu_rotary_mul",
     "npu_mrope",
+    "_npu_rotary_embedding",
     "npu_moe_gating_top_k",
     "npu_moe_init_routing_v2",
     "npu_grouped_matmul",
