@@ -1,4 +1,4 @@
-"""Pure-PyTorch emulation of the torch_npu attention ops, for machines without an NPU.
+"""Pure-PyTorch emulation of the torch_npu ops (attention, KV cache, layer ops), for machines without an NPU.
 
 ``install()`` appends the directory holding the emulated ``torch_npu`` package
 to the *end* of ``sys.path``, and only when no real torch_npu can be found, so a
@@ -15,8 +15,12 @@ What the emulated package provides (details in each op module's docstring):
 ``npu_fused_infer_attention_score``, ``npu_incre_flash_attention``,
 ``_npu_flash_attention_unpad``, ``_npu_reshape_and_cache``, ``npu_scatter_nd_update_``,
 and the decoder ops (``decoder_attention``): ``_npu_paged_attention``,
-``npu_fused_infer_attention_score_v2``, ``npu_scatter_pa_kv_cache`` as ``torch_npu.X``
-and ``torch.ops.npu.X``; ``torch_npu.npu`` with ``is_available() == False``,
+``npu_fused_infer_attention_score_v2``, ``npu_scatter_pa_kv_cache``; the layer ops vllm-ascend's
+registered layers call (docs/emulation-ops.md): ``npu_rms_norm``, ``npu_add_rms_norm`` (``norms``),
+``npu_swiglu`` (``activation``), ``npu_rotary_mul``, ``npu_mrope``, ``_npu_rotary_embedding`` (``rotary``),
+``npu_moe_gating_top_k``, ``npu_moe_init_routing_v2``, ``npu_grouped_matmul``,
+``npu_moe_token_unpermute`` (``moe``), all as ``torch_npu.X`` and ``torch.ops.npu.X``; vllm-ascend's
+own ``torch.ops._C_ascend.npu_add_rms_norm_bias`` and ``torch.ops._C_ascend.moe_gating_top_k``; ``torch_npu.npu`` with ``is_available() == False``,
 the emulated SoC (``NPU_SHIM_EMULATE_SOC``) and no-op streams/events
 (``torch_npu.npu.streams``); ``torch_npu._C._npu_get_soc_version`` and
 ``torch_npu._C._weak_ref_tensor`` (a tensor that does not own its memory, see ``weak_ref``); import

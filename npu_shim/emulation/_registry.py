@@ -19,7 +19,9 @@ import torch
 from torch.overrides import handle_torch_function, has_torch_function
 from torch.utils._pytree import tree_flatten
 
-from npu_shim.emulation import decoder_attention, defects, fusion_attention, prompt_flash_attention, unpad
+from npu_shim.emulation import (
+    activation, decoder_attention, defects, fusion_attention, moe, norms, prompt_flash_attention, rotary,
+    unpad)
 from npu_shim.emulation._common import INT_MAX
 from npu_shim.emulation.fused_infer_attention import (
     FIA_HOST_ARGS, IFA_HOST_ARGS, npu_fused_infer_attention_score, npu_incre_flash_attention)
@@ -131,6 +133,62 @@ SCHEMAS = {
         "int? dequant_scale_key_dtype=None, int? dequant_scale_value_dtype=None, "
         "int? dequant_scale_key_rope_dtype=None) -> (Tensor, Tensor)" % (INT_MAX, INT_MAX),
     ),
+    # The engine's layer ops (norms, activation, rotary, MoE): see docs/emulation-ops.md.
+    "npu_rms_norm": (
+        norms.npu_rms_norm,
+        "npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)",
+    ),
+    "npu_add_rms_norm": (
+        norms.npu_add_rms_norm,
+        "npu_add_rms_norm(Tensor x1, Tensor x2, Tensor gamma, float epsilon=1e-06) "
+        "-> (Tensor, Tensor, Tensor)",
+    ),
+    "npu_swiglu": (
+        activation.npu_swiglu,
+        "npu_swiglu(Tensor self, int dim=-1) -> Tensor",
+    ),
+    "npu_rotary_mul": (
+        rotary.npu_rotary_mul,
+        "npu_rotary_mul(Tensor self, Tensor r1, Tensor r2, str rotary_mode=\"half\") -> Tensor",
+    ),
+    "npu_mrope": (
+        rotary.npu_mrope,
+        "npu_mrope(Tensor positions, Tensor query, Tensor key, Tensor cos_sin_cache, int head_size, *, "
+        "int[]? mrope_section=None, str rotary_mode=\"half\", str cache_mode=\"default\") "
+        "-> (Tensor, Tensor)",
+    ),
+    "_npu_rotary_embedding": (
+        rotary._npu_rotary_embedding,
+        "_npu_rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, "
+        "Tensor cos_sin_cache, bool is_neox_style) -> ()",
+    ),
+    "npu_moe_gating_top_k": (
+        moe.npu_moe_gating_top_k,
+        "npu_moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, int k_group=1, int group_count=1, "
+        "int group_select_mode=0, int renorm=0, int norm_type=1, bool out_flag=False, "
+        "float routed_scaling_factor=1.0, float eps=1e-20) -> (Tensor, Tensor, Tensor)",
+    ),
+    "npu_moe_init_routing_v2": (
+        moe.npu_moe_init_routing_v2,
+        "npu_moe_init_routing_v2(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
+        "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
+        "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=0, "
+        "int[] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)",
+    ),
+    "npu_grouped_matmul": (
+        moe.npu_grouped_matmul,
+        "npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, Tensor[]? bias=None, Tensor[]? scale=None, "
+        "Tensor[]? offset=None, Tensor[]? antiquant_scale=None, Tensor[]? antiquant_offset=None, "
+        "Tensor[]? per_token_scale=None, Tensor? group_list=None, Tensor[]? activation_input=None, "
+        "Tensor[]? activation_quant_scale=None, Tensor[]? activation_quant_offset=None, "
+        "int split_item=0, int? group_type=None, int group_list_type=0, int act_type=0, "
+        "ScalarType? output_dtype=None, int[]? tuning_config=None) -> Tensor[]",
+    ),
+    "npu_moe_token_unpermute": (
+        moe.npu_moe_token_unpermute,
+        "npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs=None, "
+        "bool padded_mode=False, int[]? restore_shape=None) -> Tensor",
+    ),
     "npu_scatter_nd_update_": (
         npu_scatter_nd_update_,
         "npu_scatter_nd_update_(Tensor(a!) input, Tensor indices, Tensor updates) -> Tensor(a!)",
@@ -208,19 +266,40 @@ def _body(name, impl):
     return body
 
 
+# vllm-ascend's own compiled ops (``vllm_ascend_C``), which upstream calls as
+# ``torch.ops._C_ascend.<op>``: registered in that namespace, never under torch_npu.
+C_ASCEND_SCHEMAS = {
+    "npu_add_rms_norm_bias": (
+        norms.npu_add_rms_norm_bias,
+        "npu_add_rms_norm_bias(Tensor x1, Tensor x2, Tensor gamma, Tensor? beta=None, "
+        "float epsilon=1e-06) -> (Tensor, Tensor, Tensor)",
+    ),
+    "moe_gating_top_k": (
+        moe.moe_gating_top_k,
+        "moe_gating_top_k(Tensor x, int k, int k_group, int group_count, int group_select_mode, "
+        "int renorm, int norm_type, bool out_flag, float routed_scaling_factor, float eps, "
+        "Tensor? bias_opt=None) -> (Tensor, Tensor, Tensor)",
+    ),
+}
+
 _library = None
+_c_ascend_library = None
 
 
 def register_ops():
-    """Define the ops under ``torch.ops.npu`` once per process."""
-    global _library
+    """Define the ops under ``torch.ops.npu`` (and ``torch.ops._C_ascend``) once per process."""
+    global _library, _c_ascend_library
     if _library is not None:
         return
     lib = torch.library.Library("npu", "FRAGMENT")
     for name, (impl, schema) in SCHEMAS.items():
         lib.define(schema)
         lib.impl(name, _body(name, impl), "CompositeExplicitAutograd")
-    _library = lib
+    c_lib = torch.library.Library("_C_ascend", "FRAGMENT")
+    for name, (impl, schema) in C_ASCEND_SCHEMAS.items():
+        c_lib.define(schema)
+        c_lib.impl(name, _body(name, impl), "CompositeExplicitAutograd")
+    _library, _c_ascend_library = lib, c_lib
 
 
 def _torch_function_aware(name, impl):

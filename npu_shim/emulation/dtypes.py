@@ -73,6 +73,48 @@ SUPPORTED = {
     # input, updates. op-plugin 7.3.0 docs, torch_npu.npu_scatter_nd_update_: "Atlas A2 训练系列
     # 产品/Atlas A2 推理系列产品:数据类型支持float32、float16、bool、bfloat16、int64、int8";
     # "Atlas 推理系列产品:数据类型支持float32、float16、bool". float32 is real here.
+    # The ops vllm-ascend's text/VL/MoE layers run (norms, activation, rotary, MoE); see
+    # docs/emulation-ops.md for where each is called. float32 is a real input type for all of
+    # them (their pages list it), so float32 tests need no float32_not_on_hardware() here.
+    # CANN aclnnRmsNorm, x: "Atlas 推理系列产品:数据类型支持FLOAT32、FLOAT16。 Atlas A2训练系列
+    # 产品/Atlas 800I A2推理产品:数据类型支持FLOAT32、FLOAT16、BFLOAT16".
+    "npu_rms_norm": {"A2": (F32, F16, BF16), "310P": (F32, F16)},
+    # x1, x2. Taken as aclnnRmsNorm's list; aclnnAddRmsNorm's own page was not read
+    # (unverified).
+    "npu_add_rms_norm": {"A2": (F32, F16, BF16), "310P": (F32, F16)},
+    # x1, x2. vllm-ascend's own kernel (torch.ops._C_ascend), csrc add_rms_norm_bias_def.cpp:
+    # x1/x2 ".DataType({ge::DT_FLOAT16, ge::DT_FLOAT, ge::DT_BF16})", AddConfig "ascend910b",
+    # "ascend910_93" only (vllm-ascend's 310P layernorm calls npu_add_rms_norm instead).
+    "npu_add_rms_norm_bias": {"A2": (F16, F32, BF16), "310P": ()},
+    # x. vllm-ascend's own kernel (torch.ops._C_ascend), csrc moe_gating_top_k_proto.h:
+    # "REG_OP(MoeGatingTopK) .INPUT(x, TensorType({DT_FLOAT, DT_FLOAT16, DT_BF16}))"; not
+    # built for 310P (whose router calls npu_moe_gating_top_k_softmax).
+    "moe_gating_top_k": {"A2": (F32, F16, BF16), "310P": ()},
+    # self. Unverified: the torch_npu.npu_swiglu page was not read; the list is the norms'
+    # (vllm-ascend's 310P activation calls it, so 310P is not empty).
+    "npu_swiglu": {"A2": (F32, F16, BF16), "310P": (F32, F16)},
+    # input, r1, r2. Unverified: the torch_npu.npu_rotary_mul page was not read; the list is
+    # the norms'.
+    "npu_rotary_mul": {"A2": (F32, F16, BF16), "310P": (F32, F16)},
+    # query, key, cos_sin_cache. CANN RopeWithSinCosCache (npu_mrope) README, 产品支持情况:
+    # "Atlas inference products ×"; the dtype list is unverified (page's table not read).
+    "npu_mrope": {"A2": (F32, F16, BF16), "310P": ()},
+    # query, key, cos_sin_cache. Unverified (no page read): the norms' list; vllm-ascend's 310P
+    # rotary calls it too.
+    "_npu_rotary_embedding": {"A2": (F32, F16, BF16), "310P": (F32, F16)},
+    # x. torch_npu.npu_moe_gating_top_k (7.0.0): "x … 数据类型支持float16、bfloat16、float32";
+    # CANN aclnnMoeGatingTopK 产品支持情况: "Atlas 推理系列产品 ×".
+    "npu_moe_gating_top_k": {"A2": (F32, F16, BF16), "310P": ()},
+    # x. torch_npu.npu_moe_init_routing_v2 (7.0.0): "x … 数据类型支持float16、bfloat16、float32、
+    # int8" (int8 only with quantisation, not emulated); CANN aclnnMoeInitRoutingV2 lists A2.
+    # vllm-ascend's 310P MoE calls it too, for float16.
+    "npu_moe_init_routing_v2": {"A2": (F32, F16, BF16), "310P": (F16,)},
+    # x, weight. Unverified: the torch_npu.npu_grouped_matmul page was not read; 310P lists
+    # float16, which vllm-ascend's 310P MoE runs.
+    "npu_grouped_matmul": {"A2": (F32, F16, BF16), "310P": (F16,)},
+    # permuted_tokens. CANN aclnnMoeTokenUnpermute 产品支持情况: "Atlas 推理系列产品 ×"; the
+    # dtype list is unverified (the parameter table was not read).
+    "npu_moe_token_unpermute": {"A2": (F32, F16, BF16), "310P": ()},
     "npu_scatter_nd_update_": {
         "A2": (F32, F16, torch.bool, BF16, torch.int64, torch.int8),
         "310P": (F32, F16, torch.bool),

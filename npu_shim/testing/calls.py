@@ -1,7 +1,8 @@
 """Record the torch_npu ops a piece of code calls (to check the NPU dispatch path).
 
 Works with the emulation (its ops honour ``__torch_function__``) for both
-spellings, ``torch_npu.X(...)`` and ``torch.ops.npu.X(...)``. The recorded
+spellings, ``torch_npu.X(...)`` and ``torch.ops.npu.X(...)``, and for vllm-ascend's own
+``torch.ops._C_ascend.X(...)`` (spelling "torch.ops._C_ascend"). The recorded
 arguments are the objects passed, so a test can assert e.g. "one
 npu_fusion_attention call per layer, input_layout='TND', no atten_mask, lengths
 as Python ints".
@@ -39,8 +40,8 @@ def _npu_op_name(func):
         namespace, _, name = qualified.partition("::")
     else:
         name = func._opname if hasattr(func, "_opname") else func.__name__.split(".")[0]
-    if namespace == "npu":
-        return name, "torch.ops.npu"
+    if namespace in ("npu", "_C_ascend"):
+        return name, "torch.ops." + namespace
     return None, None
 
 

@@ -35,6 +35,17 @@ npu_scatter_nd_update_ = _registry.PUBLIC["npu_scatter_nd_update_"]
 npu_scatter_pa_kv_cache = _registry.PUBLIC["npu_scatter_pa_kv_cache"]
 _npu_paged_attention = _registry.PUBLIC["_npu_paged_attention"]
 npu_fused_infer_attention_score_v2 = _registry.PUBLIC["npu_fused_infer_attention_score_v2"]
+# The engine's layer ops (npu_shim/emulation: norms, activation, rotary, moe).
+npu_rms_norm = _registry.PUBLIC["npu_rms_norm"]
+npu_add_rms_norm = _registry.PUBLIC["npu_add_rms_norm"]
+npu_swiglu = _registry.PUBLIC["npu_swiglu"]
+npu_rotary_mul = _registry.PUBLIC["npu_rotary_mul"]
+npu_mrope = _registry.PUBLIC["npu_mrope"]
+_npu_rotary_embedding = _registry.PUBLIC["_npu_rotary_embedding"]
+npu_moe_gating_top_k = _registry.PUBLIC["npu_moe_gating_top_k"]
+npu_moe_init_routing_v2 = _registry.PUBLIC["npu_moe_init_routing_v2"]
+npu_grouped_matmul = _registry.PUBLIC["npu_grouped_matmul"]
+npu_moe_token_unpermute = _registry.PUBLIC["npu_moe_token_unpermute"]
 
 from torch_npu import _C, npu  # noqa: E402  (submodules after the ops exist)
 
@@ -61,4 +72,14 @@ __all__ = [
     "npu_incre_flash_attention", "_npu_flash_attention_unpad", "_npu_reshape_and_cache",
     "npu_scatter_nd_update_", "npu_scatter_pa_kv_cache", "_npu_paged_attention",
     "npu_fused_infer_attention_score_v2", "npu", "_C",
+    "npu_rms_norm",
+    "npu_add_rms_norm",
+    "npu_swiglu",
+    "npu_rotary_mul",
+    "npu_mrope",
+    "_npu_rotary_embedding",
+    "npu_moe_gating_top_k",
+    "npu_moe_init_routing_v2",
+    "npu_grouped_matmul",
+    "npu_moe_token_unpermute",
 ]
