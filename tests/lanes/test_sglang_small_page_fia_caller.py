@@ -24,6 +24,7 @@ NAME = "sglang.small_page_fia"
 pytestmark = [pytest.mark.claimed(NAME), pytest.mark.patch(NAME)]
 
 from sglang_support import prefill_case  # noqa: E402  (tests/lanes/conftest.py)
+from sglang_support.published import published  # noqa: E402
 
 from npu_shim.testing import cp_case  # noqa: E402
 
@@ -37,21 +38,6 @@ SPECS = [
     cp_case.Spec(extend_lens=(45, 30), prefix_lens=(64, 3), page_size=64, num_heads=8, num_kv_heads=1,
                  qk_head_dim=128, v_head_dim=128, seed=12),
 ]
-
-
-def _published(backend, forward_batch):
-    """The backend published as ``ModelRunner._forward_raw`` publishes it for each forward: in a
-    ``ForwardContext`` where the release has one (``RadixAttention`` then asks it for the backend),
-    else on the batch only (``forward_batch.attn_backend``, set by the caller)."""
-    import contextlib
-
-    try:
-        context = importlib.import_module("sglang.srt.model_executor.forward_context")
-    except ImportError:
-        return contextlib.nullcontext()
-    if not hasattr(context, "ForwardContext"):
-        return contextlib.nullcontext()
-    return context.forward_context(context.ForwardContext(attn_backend=backend), forward_batch=forward_batch)
 
 
 @pytest.fixture(scope="module")
@@ -80,8 +66,7 @@ def test_radix_attention_forward_takes_the_fia_prefill(modules, spec):
     batch = cp_case.make_batch(spec)
     backend, layer, forward_batch, q, k, v = prefill_case.prefill_inputs(*modules, batch)
     assert type(layer).__name__ == "RadixAttention" and forward_batch.forward_mode.is_extend()
-    forward_batch.attn_backend = backend
-    with _published(backend, forward_batch), unemulated_op(torch_npu, QLENS), record_npu_calls() as calls:
+    with published(backend, forward_batch), unemulated_op(torch_npu, QLENS), record_npu_calls() as calls:
         out = layer(q, k, v, forward_batch, save_kv_cache=False)
     assert [c.name for c in calls] == [FIA], [c.name for c in calls]
     assert calls[0].kwargs["block_size"] == spec.page_size and calls[0].kwargs["input_layout"] == "TND"
