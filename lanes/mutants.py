@@ -145,6 +145,13 @@ MUTANTS = (
            "vllm-0.30", "FAILED tests/lanes/test_encoder_acl_graph_gqa.py",
            ("npu_shim/patches/vllm_ascend/mm_encoder/fia.py",
             '"_run_vit_fia": (ReplaceExpression(KV_HEADS, "key.shape[1]"),),', '"_run_vit_fia": (),')),
+    mutant("retire", "upstream ships PaddleOCR-VL's host-lengths fix (simulated: where the retirement guard puts "
+                     "upstream's objects back, upstream's slot holds the patch's edited function) and the window "
+                     "stays open", "vllm-0.30",
+           "upstream fixed PaddleOCR-VL's tower reads back the cu_seqlens it copied from the host in vllm",
+           ("npu_shim/engine/registry.py", "        revert(record.undo)\n    try:\n        yield record",
+            "        revert([done for done in record.undo if name != \"vllm.paddleocr_vl_host_lengths\"])\n"
+            "    try:\n        yield record")),
 )
 
 

@@ -29,7 +29,7 @@ Upstream fix: none (0.5.23). (vLLM fixed its own copy of this code in 0.28.0, ho
 Remove when: sglang's GLM-4V embeddings take host lengths as host data.
 """
 
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
@@ -115,5 +115,6 @@ PATCH = Patch(
             "non-blocking: 0 reads and 0 blocking host->device copies per forward (upstream: 2 reads per "
             "image and 1 copy)",
     # 0: what this patch is for; a read is the defect back.
+    defect=Defect("sglang's GLM-4V vision embeddings read their lengths back from the device", shows="reads"),
     selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "GLM-4V"}),
 )

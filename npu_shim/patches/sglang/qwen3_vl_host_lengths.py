@@ -33,7 +33,7 @@ Upstream fix: 0.5.16 (the metadata takes the host ``cu_seqlens``; its own reads 
 Remove when: the pinned sglang is 0.5.16 or later.
 """
 
-from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.host_data import host_grid
 from npu_shim.patches._shared.source_edit import Replace, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
@@ -123,5 +123,6 @@ PATCH = Patch(
             "copy its attention reads back: 0 reads per forward (upstream: 1 per layer; "
             "sglang.vision_device_lengths alone: 1)",
     # 0: what this patch is for; a read is the defect back.
+    defect=Defect("sglang's Qwen3-VL tower reads back the lengths it built on the host", shows="reads"),
     selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "Qwen3-VL"}),
 )

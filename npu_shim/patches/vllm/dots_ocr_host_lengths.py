@@ -35,7 +35,7 @@ Remove when: dots.ocr's tower builds ``cu_seqlens`` on the host and copies it th
   ``maybe_recompute_cu_seqlens``, or vllm-ascend's attention takes host lengths from vLLM.
 """
 
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 from npu_shim.patches._shared import host_data, host_record
 from npu_shim.patches._shared.source_edit import InsertAfter, InsertBefore, Replace, ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
@@ -134,6 +134,8 @@ PATCH = Patch(
     summary="dots.ocr's tower builds cu_seqlens from the host grid list and copies it, the grid and its rotary "
             "ids non-blocking: 0 reads and 0 blocking copies per forward (with the other patches: 2 and 2)",
     # 0 host synchronisations (reads and blocking copies) over a whole tower forward.
+    defect=Defect("dots.ocr's vision tower reads back the lengths of the grid it was handed on the host",
+                  shows="reads"),
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run_synchronisations", host_syncs=0,
                       arguments={"tower": "dots.ocr"}),
 )

@@ -23,7 +23,7 @@ Window: read in the builds of 0.20.2rc1 to 0.30.0rc2 (one body of ``calc_split_f
 Upstream fix: none (vllm-ascend 0.30.0rc2).
 Remove when: ``calc_split_factor`` (or its callers) split the bytes exactly.
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of
 
@@ -70,6 +70,8 @@ PATCH = Patch(
         Family(__name__ + ":EXACT_SPLIT", fence=">=0.20.0rc1,<0.31.0rc1",
                keeps="upstream's split of each layer's bytes by head-dim ratio, the ratio exact"),
     ),
+    defect=Defect("vllm-ascend's K/V split of a layer's KV-cache bytes off when their head dims differ",
+                  shows="error"),
     selftest=Selftest("npu_shim.selftest.vllm_ascend_kv_split_exact", host_syncs=0),
     summary="vllm-ascend's runner splits a layer's KV-cache bytes into K and V exactly when their head dims differ "
             "(K 192 / V 128: float ratios fell one byte short and KV-cache set-up asserted)",

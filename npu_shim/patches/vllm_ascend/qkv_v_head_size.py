@@ -31,7 +31,7 @@ Remove when: ``AscendQKVParallelLinear.__init__`` sizes V with ``v_head_size``.
 """
 import inspect
 
-from npu_shim.patch import Family, NotNeeded, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, NotNeeded, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.source_edit import Replace, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function
 
@@ -77,6 +77,8 @@ PATCH = Patch(
         Family(__name__ + ":V_HEAD_SIZE", fence=">=0.20.0rc1,<0.31.0rc1",
                keeps="upstream's __init__, parallel op, forward and vLLM's weight loaders; only the V sizes change"),
     ),
+    defect=Defect("vllm-ascend's QKV projection sizes V's slice K-wide",
+                  shows="raises", says="sized [768, 384, 384], not [768, 384, 256]"),
     selftest=Selftest("npu_shim.selftest.vllm_ascend_qkv_v_head_size", host_syncs=0),
     summary="vllm-ascend's QKV projection is v_head_size wide for V (MiMo-V2-Flash: K 192 / V 128 built a "
             "too-wide qkv whose split raised at the first forward)",
