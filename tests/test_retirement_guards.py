@@ -48,6 +48,16 @@ def test_upstream_shows_the_defect_the_declared_way():
     assert "not 'ValueError: ascend_fa'" in raises.shown_by(_run(raised=KeyError("x")))
     assert "without raising" in raises.shown_by(_run())
 
+    # a release with a second defect the patch fixes: either way shows it, neither is named
+    both = Defect("upstream reads back, or crashes on two images", shows=("reads", "raises"), says="TND")
+    assert both.shown_by(_run(host_syncs=7)) == ""
+    assert both.shown_by(_run(raised=ValueError("TND lengths must be non-decreasing"))) == ""
+    assert "made 0 device->host reads" in both.shown_by(_run()) and "without raising" in both.shown_by(_run())
+    alternatives = Defect("upstream picks a backend the platform cannot run", shows="raises",
+                          says=("FlashAttention version not detected", "object has no attribute"))
+    assert alternatives.shown_by(_run(raised=AttributeError("'M' object has no attribute 'x'"))) == ""
+    assert "not 'FlashAttention version not detected' or" in alternatives.shown_by(_run(raised=KeyError("k")))
+
 
 def test_status_says_upstream_fixed_where_the_window_ends_at_the_fix():
     from npu_shim.engine import guards, registry
