@@ -100,6 +100,6 @@ PATCH = Patch(
     summary="refuse --enable-prefill-cp on NPU at start-up (the NPU KV gather is a stub)",
     # None: argument resolution touches no tensor.
     defect=Defect("sglang starts NPU prefill context parallelism where it cannot run",
-                  shows="raises", says="was not refused"),
+                  shows="raises", says="was not refused", fixed_at="sglang"),
     selftest=Selftest("npu_shim.selftest.sglang_cp_npu_refuse", host_syncs=0),
 )
