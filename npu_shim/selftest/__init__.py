@@ -180,12 +180,12 @@ def retirement(patch_name, device="cpu"):
     patch = _startup.engine().patch_named(patch_name)
     if patch.defect is None:
         raise LookupError("%s declares no defect (Patch.defect): it has no retirement guard" % patch_name)
-    row = next(r for r in status() if r["name"] == patch_name)
+    rows = {r["name"]: r for r in status()}
+    row = rows[patch_name]
     family = next((f for f in patch.families if f.name == row["family"]), patch.families[0])
     dist = patch.family_dist(family) if (family.dist or patch.requires) else ""
     release = "%s %s" % (dist, row["versions"].get(dist)) if dist else "this release"
     fence = family.fence or ", ".join("%s %s" % kv for kv in patch.requires.items()) or "none"
-    rows = {r["name"]: r for r in status()}
     hidden = next((why for where, why in patch.defect.hidden.items()
                    if rows.get(where.partition(":")[0], {}).get("family") == where.partition(":")[2]), "")
     result = run_upstream(patch_name, device)
@@ -203,8 +203,8 @@ def retirement(patch_name, device="cpu"):
     if other:
         return ("%s's retirement guard: upstream's code in %s no longer shows %s the declared way (%s: %s); "
                 "%s: read what upstream changed, then close the window (family %s, fence %s) or declare "
-                "how the defect shows now" % (patch_name, release, patch.defect.what, " or ".join(patch.defect.ways), other,
-                                              result["verdict"], family.name, fence), result)
+                "how the defect shows now" % (patch_name, release, patch.defect.what, " or ".join(patch.defect.ways),
+                                              other, result["verdict"], family.name, fence), result)
     return "", result
 
 
