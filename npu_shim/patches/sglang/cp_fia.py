@@ -196,7 +196,7 @@ PATCH = Patch(
                      keeps="torch.ops.npu.npu_fused_infer_attention_score, input_layout TND, paged"),),
     summary="split Q at total_q_prev_tokens; per-sequence CP lengths (bs >= 1, GQA, diff-KV)",
     # None: every length the patched method hands the op is a host list.
+    selftest=Selftest("npu_shim.selftest.sglang_cp_fia", host_syncs=0),
     defect=Defect("sglang's context-parallel FIA attention reads the scalar CP lengths PR 23269 removed",
                   shows="raises", says="AttributeError"),
-    selftest=Selftest("npu_shim.selftest.sglang_cp_fia", host_syncs=0),
 )

@@ -210,6 +210,6 @@ PATCH = Patch(
                keeps="torch_npu.npu_fused_infer_attention_score, input_layout TND, upstream's arguments"),),
     summary="CP prefill FIA closure reads the zigzag metadata's host lists: 0 device->host syncs per layer",
     # None: the lengths come from the metadata's host lists, not its device tensors.
-    defect=Defect("sglang's CP prefill FIA reads its lengths back from the device", shows="reads"),
     selftest=Selftest("npu_shim.selftest.sglang_cp_fia_host_lengths", host_syncs=0),
+    defect=Defect("sglang's CP prefill FIA reads its lengths back from the device", shows="reads"),
 )

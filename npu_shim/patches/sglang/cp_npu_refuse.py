@@ -99,7 +99,7 @@ PATCH = Patch(
     families=(Family(__name__, id="platform-validation", keeps="upstream's validate_prefill_cp_platform for every other case"),),
     summary="refuse --enable-prefill-cp on NPU at start-up (the NPU KV gather is a stub)",
     # None: argument resolution touches no tensor.
+    selftest=Selftest("npu_shim.selftest.sglang_cp_npu_refuse", host_syncs=0),
     defect=Defect("sglang starts NPU prefill context parallelism where it cannot run",
                   shows="raises", says="was not refused", fixed_at="sglang"),
-    selftest=Selftest("npu_shim.selftest.sglang_cp_npu_refuse", host_syncs=0),
 )

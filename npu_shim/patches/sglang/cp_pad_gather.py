@@ -165,7 +165,7 @@ PATCH = Patch(
                keeps="upstream's cp_all_gather_rerange_kv_cache and do_cp_attn_fia (npu_fused_infer_attention_score TND)"),),
     summary="NPU CP KV gather keeps each rank's real rows; pad rows never reach FIA",
     # None: the lengths of the real rows come from the metadata's host lists.
+    selftest=Selftest("npu_shim.selftest.sglang_cp_pad_gather", host_syncs=0),
     defect=Defect("sglang's CP-v2 prefill on Ascend hands FIA lengths short of its padded queries",
                   shows="raises", says="actual_seq_lengths must end at the query's token count"),
-    selftest=Selftest("npu_shim.selftest.sglang_cp_pad_gather", host_syncs=0),
 )

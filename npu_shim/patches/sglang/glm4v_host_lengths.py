@@ -115,6 +115,6 @@ PATCH = Patch(
             "non-blocking: 0 reads and 0 blocking host->device copies per forward (upstream: 2 reads per "
             "image and 1 copy)",
     # 0: what this patch is for; a read is the defect back.
-    defect=Defect("sglang's GLM-4V vision embeddings read their lengths back from the device", shows="reads"),
     selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "GLM-4V"}),
+    defect=Defect("sglang's GLM-4V vision embeddings read their lengths back from the device", shows="reads"),
 )

@@ -67,8 +67,8 @@ PATCH = Patch(
     needs_npu=True,
     families=(Family(__name__ + ":CPU_COPIES", fence=">=0.5.14", keeps=KEEPS),),
     summary="the NPU MHA pool's get_cpu_copy/load_cpu_copy view V with the pool's v_head_dim",
-    defect=Defect("sglang's NPU MHA pool's CPU offload copies view V with K's head dim",
-                  shows="raises", says="read back (4, 2, 192), wrote (4, 2, 128)"),
     selftest=Selftest("npu_shim.selftest.sglang_v_head_dim:run", host_syncs=4,
                       arguments={"round_trip": "cpu_copy"}),
+    defect=Defect("sglang's NPU MHA pool's CPU offload copies view V with K's head dim",
+                  shows="raises", says="read back (4, 2, 192), wrote (4, 2, 128)"),
 )

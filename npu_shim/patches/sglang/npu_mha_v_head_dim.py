@@ -159,9 +159,9 @@ PATCH = Patch(
     families=(Family(__name__ + ":ASCEND_MHA_BUILDER", fence=">=0.5.16", keeps=KEEPS),),
     summary="the NPU MHA KV pool gets the model's v_head_dim (K 192 / V 128 models); a model whose layer "
             "kinds need different per-rank KV heads is refused at pool construction, naming the way out",
+    selftest=Selftest("npu_shim.selftest.sglang_v_head_dim:run", host_syncs=0,
+                      arguments={"round_trip": "set_kv_buffer"}),
     defect=Defect("sglang's NPU MHA KV pool is built with V K-wide",
                   shows="raises",
                   says="cache heads/dims (2, 192) / (2, 192) do not match key/value (2, 192) / (2, 128)"),
-    selftest=Selftest("npu_shim.selftest.sglang_v_head_dim:run", host_syncs=0,
-                      arguments={"round_trip": "set_kv_buffer"}),
 )

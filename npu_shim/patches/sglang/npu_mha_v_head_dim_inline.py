@@ -43,9 +43,9 @@ PATCH = Patch(
     families=(Family(__name__ + ":INIT_POOLS_INLINE", fence=">=0.5.14,<0.5.16", keeps=KEEPS),),
     summary="the NPU MHA KV pool built inline in _init_pools gets the model's v_head_dim; a model whose layer "
             "kinds need different per-rank KV heads is refused at pool construction, naming the way out",
+    selftest=Selftest("npu_shim.selftest.sglang_v_head_dim:run", host_syncs=0,
+                      arguments={"round_trip": "set_kv_buffer"}),
     defect=Defect("sglang's NPU MHA KV pool is built with V K-wide (inline build)",
                   shows="raises",
                   says="cache heads/dims (2, 192) / (2, 192) do not match key/value (2, 192) / (2, 128)"),
-    selftest=Selftest("npu_shim.selftest.sglang_v_head_dim:run", host_syncs=0,
-                      arguments={"round_trip": "set_kv_buffer"}),
 )

@@ -126,7 +126,7 @@ PATCH = Patch(
     summary="Qwen2.5-VL's tower builds its window and image bounds on the host and copies its window index "
             "non-blocking: 0 reads and 0 blocking host->device copies per forward (upstream: 3 and 4)",
     # 0: what this patch is for; a read is the defect back.
+    selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "Qwen2.5-VL"}),
     defect=Defect("sglang's Qwen2.5-VL tower reads its window and image bounds back from the device",
                   shows="reads"),
-    selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "Qwen2.5-VL"}),
 )

@@ -97,8 +97,8 @@ PATCH = Patch(
             "indexing the device rotary table: 0 blocking host->device copies there (upstream: 1 per forward)",
     # 0 host synchronisations (reads and blocking copies) over a whole tower forward: a blocking
     # copy of the ids is the defect back.
-    defect=Defect("sglang's Qwen2.5-VL tower copies its rotary position ids to the device blocking",
-                  shows="reads"),
     selftest=Selftest("npu_shim.selftest.sglang_tower:run_synchronisations", host_syncs=0,
                       arguments={"tower": "Qwen2.5-VL"}),
+    defect=Defect("sglang's Qwen2.5-VL tower copies its rotary position ids to the device blocking",
+                  shows="reads"),
 )

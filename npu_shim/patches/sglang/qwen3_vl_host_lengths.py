@@ -123,7 +123,7 @@ PATCH = Patch(
             "copy its attention reads back: 0 reads per forward (upstream: 1 per layer; "
             "sglang.vision_device_lengths alone: 1)",
     # 0: what this patch is for; a read is the defect back.
+    selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "Qwen3-VL"}),
     defect=Defect("sglang's Qwen3-VL tower reads back the lengths it built on the host",
                   shows="reads", fixed_at="sglang"),
-    selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "Qwen3-VL"}),
 )

@@ -317,7 +317,7 @@ PATCH = Patch(
             "FIA path, not the legacy qlens op (silently wrong at page sizes 16, 32, 64 on 910C / A3: sglang "
             "issue #38196, PR #39905)",
     # None: forward_extend's FIA route takes its lengths from the metadata's host lists.
+    selftest=Selftest("npu_shim.selftest.sglang_small_page_fia", host_syncs=0),
     defect=Defect("sglang's prefill with KV pages smaller than 128 calls _npu_flash_attention_qlens, which needs 128",
                   shows="raises", says="_npu_flash_attention_qlens"),
-    selftest=Selftest("npu_shim.selftest.sglang_small_page_fia", host_syncs=0),
 )

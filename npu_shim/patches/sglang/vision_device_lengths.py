@@ -141,6 +141,6 @@ PATCH = Patch(
     ),
     summary="VisionAscendAttention before the metadata: a device cu_seqlens is read back "
             "once per tower forward, not once per layer (Qwen3-VL: 1 read per forward)",
-    defect=Defect("sglang's vision attention reads a device cu_seqlens back once per layer", shows="reads"),
     selftest=Selftest("npu_shim.selftest.sglang_vision_device_lengths", host_syncs=1),
+    defect=Defect("sglang's vision attention reads a device cu_seqlens back once per layer", shows="reads"),
 )

@@ -237,7 +237,7 @@ PATCH = Patch(
     ),
     summary="VisionAscendAttention with 64 < head dim < 128: q/k/v padded to 128 for FIA's TND call and the "
             "output sliced back (CANN's TND takes 64/128/192), decided by the installed CANN release",
+    selftest=Selftest("npu_shim.selftest.sglang_vision_head_pad", host_syncs=0),
     defect=Defect("sglang's vision attention hands FIA's TND call head dims between 64 and 128, which it rejects",
                   shows="raises", says="When layout is TND, queryD(72)"),
-    selftest=Selftest("npu_shim.selftest.sglang_vision_head_pad", host_syncs=0),
 )

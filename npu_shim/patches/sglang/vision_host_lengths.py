@@ -321,7 +321,7 @@ PATCH = Patch(
     ),
     summary="vision attention metadata keeps the tower's host cu_seqlens; VisionAscendAttention takes them: "
             "0 reads per tower forward; family seq-lens passes FIA cumulative lengths (two or more images work)",
+    selftest=Selftest("npu_shim.selftest.sglang_vision_host_lengths", host_syncs=0),
     defect=Defect("sglang's vision attention on Ascend reads cu_seqlens back per layer, or hands FIA's TND call per-image lengths",
                   shows=("reads", "raises"), says="TND actual_seq_lengths must be non-decreasing"),
-    selftest=Selftest("npu_shim.selftest.sglang_vision_host_lengths", host_syncs=0),
 )

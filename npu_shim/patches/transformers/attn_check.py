@@ -119,8 +119,8 @@ PATCH = Patch(
     summary="accept attn_implementation='ascend_fa' for vLLM's MoonViT while vllm.moonvit_attn serves it",
     # One: MoonViT's single read of cu_seqlens per forward, whatever the depth; none where
     # nothing dispatches ascend_fa and the selftest checks only that it stays rejected.
-    defect=Defect("transformers refuses attn_implementation='ascend_fa' for MoonViT",
-                  shows="raises", says="is not supported. The only possible arguments are"),
     selftest=Selftest("npu_shim.selftest.transformers_attn_check",
                       host_syncs={"ascend_fa forward": 1, "vllm.moonvit_attn not applied": 0}),
+    defect=Defect("transformers refuses attn_implementation='ascend_fa' for MoonViT",
+                  shows="raises", says="is not supported. The only possible arguments are"),
 )

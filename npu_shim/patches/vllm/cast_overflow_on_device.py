@@ -106,7 +106,7 @@ PATCH = Patch(
             "on the device with torch.where instead of reading isinf().any() and isnan().any() back: "
             "2 -> 0 reads per call",
     # 0: what this patch is for; a read is the defect back.
+    selftest=Selftest("npu_shim.selftest.vllm_cast_overflow_on_device", host_syncs=0),
     defect=Defect("the float16 overflow clamp reads two flags back to the host",
                   shows="reads", fixed_at="vllm"),
-    selftest=Selftest("npu_shim.selftest.vllm_cast_overflow_on_device", host_syncs=0),
 )

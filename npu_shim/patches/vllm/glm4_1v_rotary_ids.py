@@ -87,8 +87,8 @@ PATCH = Patch(
             "there (upstream: 2 per forward)",
     # 0 host synchronisations (reads and blocking copies) over a whole tower forward: a blocking
     # copy of the ids is the defect back.
-    defect=Defect("GLM-4.1V's tower copies its rotary position ids to the device blocking",
-                  shows="reads", fixed_at="vllm"),
     selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_host_lengths:run_synchronisations", host_syncs=0,
                       arguments={"tower": "GLM-4.1V"}),
+    defect=Defect("GLM-4.1V's tower copies its rotary position ids to the device blocking",
+                  shows="reads", fixed_at="vllm"),
 )

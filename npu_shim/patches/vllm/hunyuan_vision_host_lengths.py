@@ -102,8 +102,8 @@ PATCH = Patch(
     summary="HunYuan-Vision's tower splits its output by the host cu_seqlens it built instead of reading its "
             "device copy back: 0 reads per forward (upstream: 1)",
     # 0: what this patch is for; a read is the defect back.
-    defect=Defect("HunYuan-Vision's tower splits its output by lengths read back from the device",
-                  shows="reads"),
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run", host_syncs=0,
                       arguments={"tower": "HunYuan-Vision"}),
+    defect=Defect("HunYuan-Vision's tower splits its output by lengths read back from the device",
+                  shows="reads"),
 )

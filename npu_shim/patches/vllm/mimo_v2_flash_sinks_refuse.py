@@ -108,9 +108,9 @@ PATCH = Patch(
         Family(__name__ + ":REFUSE", fence=">=0.15.0,<0.20.0",
                keeps="upstream's layer build and vllm-ascend's op calls for every layer without sinks"),
     ),
+    selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": "mimo_v2_flash"}),
     defect=Defect("vLLM builds MiMo-V2-Flash's sink layers with V padded, which the backend serves wrong",
                   shows="raises", says="was built with V padded to 192"),
-    selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": "mimo_v2_flash"}),
     summary="MiMo-V2-Flash's sliding-window layers (learnable sinks, V padded to 192 by the model) refused at "
             "build on Ascend instead of failing at the first forward (the op's page does not take that FIA v2 "
             "call); its full layers untouched; NPU_SHIM_VLLM_MIMO_PAD_SINKS=1 builds them anyway",

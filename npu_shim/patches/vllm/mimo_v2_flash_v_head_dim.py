@@ -29,9 +29,9 @@ PATCH = Patch(
                keeps="vllm-ascend's own attention backend and op calls (served by vllm.ascend_attention_v_head_dim); "
                      "V padded only with NPU_SHIM_VLLM_MIMO_PAD_V=1"),
     ),
+    selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": "mimo_v2_flash"}),
     defect=Defect("MiMo-V2-Flash's attention picks vLLM's DiffKV (FlashAttention) backend on Ascend",
                   shows="raises", says="AssertionError: FlashAttention version not detected"),
-    selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": "mimo_v2_flash"}),
     summary="MiMo-V2-Flash (mimo_v2_flash) builds and serves on Ascend: no DiffKV backend, the platform's backend "
             "with separate K 192 / V 128 caches; NPU_SHIM_VLLM_MIMO_PAD_V=1 pads V instead",
 )

@@ -190,7 +190,7 @@ PATCH = Patch(
                keeps="none upstream (sdpa with an S x S mask); adds torch_npu.npu_fusion_attention TND"),),
     summary="register ascend_fa (one fused varlen call per layer, no S x S mask) and select it on NPU",
     # One: the attention path's single read of cu_seqlens per forward, whatever the depth.
+    selftest=Selftest("npu_shim.selftest.vllm_moonvit_attn", host_syncs=1),
     defect=Defect("MoonViT's vision attention has no fused NPU call (upstream's layers run sdpa)",
                   shows="raises", says="the tower's layers do not use ascend_fa"),
-    selftest=Selftest("npu_shim.selftest.vllm_moonvit_attn", host_syncs=1),
 )

@@ -118,6 +118,6 @@ PATCH = Patch(
     summary="RADIO's packed cu_seqlens keeps the host lengths it was built from; vllm.mm_encoder_attn takes "
             "them instead of reading back: 0 reads per forward (without it: 1; vllm-ascend alone: 1 per layer)",
     # 0: what this patch is for; a read is the defect back.
-    defect=Defect("RADIO's packed cu_seqlens is read back from the device", shows="reads"),
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run", host_syncs=0, arguments={"tower": "RADIO"}),
+    defect=Defect("RADIO's packed cu_seqlens is read back from the device", shows="reads"),
 )

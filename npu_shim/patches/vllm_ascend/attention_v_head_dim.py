@@ -153,9 +153,9 @@ PATCH = Patch(
                      "as the layer has it) for a layer with V != K, pre_tokens W - 1 for its window; every "
                      "V == K layer's calls unchanged unless NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1"),
     ),
+    selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": None}),
     defect=Defect("vllm-ascend's decoder attention cannot serve a V head dim unlike K's",
                   shows="raises", says="NotImplementedError: MiMoV2Attention layer"),
-    selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": None}),
     summary="vllm-ascend's attention serves a layer whose V head dim differs from K's (MiMo-V2-Flash: K 192, "
             "V 128) through its own FIA v2 call, separate K and V caches, no paged-attention decode",
 )

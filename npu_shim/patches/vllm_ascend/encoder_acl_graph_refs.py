@@ -123,7 +123,7 @@ PATCH = Patch(
             "vLLM's exaone4_5 tower); family weak-encoder-graph-workspaces' release keeps head_size ** -0.5, not the model's "
             "scale, there (equal for every tower that vLLM release can capture)",
     # Capture and replay of a toy encoder read nothing back; what replay writes into must be owned.
+    selftest=Selftest("npu_shim.selftest.vllm_encoder_acl_graph_refs", host_syncs=0),
     defect=Defect("the encoder ACL graph leaves its output buffer and FIA workspaces to weak tensors",
                   shows="raises", says="DeviceMemoryError: emulated ACL error 507011"),
-    selftest=Selftest("npu_shim.selftest.vllm_encoder_acl_graph_refs", host_syncs=0),
 )

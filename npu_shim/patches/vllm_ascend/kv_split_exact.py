@@ -70,9 +70,9 @@ PATCH = Patch(
         Family(__name__ + ":EXACT_SPLIT", fence=">=0.20.0rc1,<0.31.0rc1",
                keeps="upstream's split of each layer's bytes by head-dim ratio, the ratio exact"),
     ),
+    selftest=Selftest("npu_shim.selftest.vllm_ascend_kv_split_exact", host_syncs=0),
     defect=Defect("vllm-ascend's K/V split of a layer's KV-cache bytes off when their head dims differ",
                   shows="error"),
-    selftest=Selftest("npu_shim.selftest.vllm_ascend_kv_split_exact", host_syncs=0),
     summary="vllm-ascend's runner splits a layer's KV-cache bytes into K and V exactly when their head dims differ "
             "(K 192 / V 128: float ratios fell one byte short and KV-cache set-up asserted)",
 )

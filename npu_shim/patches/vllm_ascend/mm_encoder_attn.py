@@ -93,6 +93,6 @@ PATCH = Patch(
             "workspace and its replay get the repeated K/V's head count, not num_kv_heads (grouped vision "
             "heads, vLLM's exaone4_5 tower: upstream's call does not match its K/V)",
     # One: the single copy of a device cu_seqlens per encoder forward, whatever the depth.
-    defect=Defect("vllm-ascend's encoder attention reads cu_seqlens back once per layer", shows="reads"),
     selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_attn", host_syncs=1),
+    defect=Defect("vllm-ascend's encoder attention reads cu_seqlens back once per layer", shows="reads"),
 )

@@ -53,7 +53,7 @@ PATCH = Patch(
     ),
     summary="310P encoder attention: host seq lens once per encoder forward, honour scale",
     # One: the single copy of a device cu_seqlens per encoder forward, whatever the depth.
+    selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_attn_310p", host_syncs=1),
     defect=Defect("the 310P encoder attention reads cu_seqlens back per layer and ignores scale",
                   shows="reads"),
-    selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_attn_310p", host_syncs=1),
 )

@@ -77,9 +77,9 @@ PATCH = Patch(
         Family(__name__ + ":V_HEAD_SIZE", fence=">=0.20.0rc1,<0.31.0rc1",
                keeps="upstream's __init__, parallel op, forward and vLLM's weight loaders; only the V sizes change"),
     ),
+    selftest=Selftest("npu_shim.selftest.vllm_ascend_qkv_v_head_size", host_syncs=0),
     defect=Defect("vllm-ascend's QKV projection sizes V's slice K-wide",
                   shows="raises", says="sized [768, 384, 384], not [768, 384, 256]"),
-    selftest=Selftest("npu_shim.selftest.vllm_ascend_qkv_v_head_size", host_syncs=0),
     summary="vllm-ascend's QKV projection is v_head_size wide for V (MiMo-V2-Flash: K 192 / V 128 built a "
             "too-wide qkv whose split raised at the first forward)",
 )

@@ -91,9 +91,9 @@ PATCH = Patch(
         Family(__name__ + ":REFUSE", fence=">=0.14.0rc1,<0.15.0rc1",
                keeps="upstream's __init__ and op calls for every layer without sinks"),
     ),
+    selftest=Selftest("npu_shim.selftest.vllm_sinks_refuse", host_syncs=0),
     defect=Defect("vllm-ascend's attention builds a layer with learnable sinks it would drop",
                   shows="raises", says="was not refused", fixed_at="vllm-ascend"),
-    selftest=Selftest("npu_shim.selftest.vllm_sinks_refuse", host_syncs=0),
     summary="a layer with learnable sinks is refused at model build on the vllm-ascend that drops them "
             "(MiMo-V2-Flash, gpt-oss), never served silently wrong",
 )

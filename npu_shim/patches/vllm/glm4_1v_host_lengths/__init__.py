@@ -78,7 +78,7 @@ PATCH = Patch(
     summary="GLM-4.1V's vision embeddings take lengths and shapes from the host and copy non-blocking; "
             "the tower's own cu_seqlens copy keeps its host array: 0 reads per tower forward",
     # None: what this patch is for; a read per layer or per forward is the defect back.
+    selftest=Selftest("npu_shim.selftest.vllm_glm4_1v_host_lengths", host_syncs=0),
     defect=Defect("GLM-4.1V's vision tower reads back lengths it has on the host",
                   shows="reads", fixed_at="vllm"),
-    selftest=Selftest("npu_shim.selftest.vllm_glm4_1v_host_lengths", host_syncs=0),
 )

@@ -67,6 +67,6 @@ PATCH = Patch(
     summary="GLM-OCR's vision tower: its own cu_seqlens copy gets the host lengths of its host grid; "
             "vllm.mm_encoder_attn takes them instead of reading back (0 reads)",
     # None: what this patch is for; a read per layer or per forward is the defect back.
-    defect=Defect("GLM-OCR's vision tower reads back the cu_seqlens it copied from the host", shows="reads"),
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run", host_syncs=0, arguments={"tower": "GLM-OCR"}),
+    defect=Defect("GLM-OCR's vision tower reads back the cu_seqlens it copied from the host", shows="reads"),
 )

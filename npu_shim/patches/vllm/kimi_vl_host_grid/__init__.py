@@ -67,6 +67,6 @@ PATCH = Patch(
     summary="Kimi-VL's image_grid_hws kept on the host (vLLM's later keep_on_cpu) and the host cu_seqlens "
             "kept on MoonViT's device cu_seqlens: 0 reads per MoonViT forward",
     # None: what this patch is for; a read per layer or per forward is the defect back.
-    defect=Defect("Kimi-VL's image_grid_hws moved to the device and read back", shows="reads"),
     selftest=Selftest("npu_shim.selftest.vllm_kimi_vl_host_grid", host_syncs=0),
+    defect=Defect("Kimi-VL's image_grid_hws moved to the device and read back", shows="reads"),
 )

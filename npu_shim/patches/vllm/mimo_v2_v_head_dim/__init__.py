@@ -56,10 +56,10 @@ PATCH = Patch(
                keeps="vllm-ascend's own attention backend and op calls (served by vllm.ascend_attention_v_head_dim); "
                      "V padded only with NPU_SHIM_VLLM_MIMO_PAD_V=1"),
     ),
+    selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": "mimo_v2"}),
     defect=Defect("MiMo-V2's attention picks vLLM's DiffKV backend, not the platform's, on Ascend",
                   shows="raises",
                   says=("FlashAttention version not detected", "'AscendMetadata' object has no attribute")),
-    selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": "mimo_v2"}),
     summary="MiMo-V2-Flash builds and serves on Ascend: no DiffKV backend (which crashes there), the platform's "
             "backend with separate K 192 / V 128 caches (vllm.ascend_attention_v_head_dim serves them); "
             "NPU_SHIM_VLLM_MIMO_PAD_V=1 pads V to 192 instead (6/5 the KV bytes; sink layers then refused)",

@@ -57,11 +57,11 @@ PATCH = Patch(
     summary="the host cu_seqlens vLLM copies to the device is kept on the device tensor; "
             "vllm.mm_encoder_attn takes it instead of reading the tensor back (0 reads)",
     # None: what this patch is for; a read per layer or per forward is the defect back.
+    selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_host_lengths", host_syncs=0),
     defect=Defect("the encoder attention reads back the cu_seqlens vLLM copied from the host",
                   shows="reads",
                   hidden={
                       "vllm.mm_encoder_attn:" + family: "the selftest's Qwen3-VL tower hands vllm-ascend's "
                       "attention its host sequence_lengths, so no cu_seqlens is read back, with or without the patch"
                       for family in ("fusion-attention-tnd", "device-operator-fa", "fia-tnd-sequence-lengths")}),
-    selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_host_lengths", host_syncs=0),
 )

@@ -52,11 +52,11 @@ PATCH = Patch(
     outside_window={"vllm": "below the window vLLM merges with masked_scatter_ (vLLM #22105), not the "
                             "boolean-mask assignment whose 310P IndexPut kernel fails"},
     needs_npu=True,
+    selftest=Selftest("npu_shim.selftest.vllm_mm_merge_310p", host_syncs={"310P": 0, "A2/A3": 0}),
     defect=Defect("vLLM merges image embeddings with a boolean-mask assignment, which 310P's aicpu IndexPut fails",
                   shows="raises",
                   says="ValueError: Error during index put operation",
                   on={"NPU_SHIM_EMULATE_SOC": "Ascend310P3"}),
-    selftest=Selftest("npu_shim.selftest.vllm_mm_merge_310p", host_syncs={"310P": 0, "A2/A3": 0}),
     families=(
         Family("npu_shim.patches.vllm.mm_merge_310p.families:BOOLEAN_MASK_ASSIGNMENT", fence=">=0.20.0",
                keeps="upstream's function on every device class but 310P; on 310P "

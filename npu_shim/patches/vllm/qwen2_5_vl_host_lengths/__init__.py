@@ -52,7 +52,7 @@ PATCH = Patch(
     summary="Qwen2.5-VL's own non-blocking cu_seqlens copies keep the host arrays on the device "
             "tensors; vllm.mm_encoder_attn takes them instead of reading back (0 reads)",
     # None: what this patch is for; a read per layer or per forward is the defect back.
+    selftest=Selftest("npu_shim.selftest.vllm_qwen2_5_vl_host_lengths", host_syncs=0),
     defect=Defect("Qwen2.5-VL's tower reads back the cu_seqlens it copied from the host",
                   shows="reads", fixed_at="vllm"),
-    selftest=Selftest("npu_shim.selftest.vllm_qwen2_5_vl_host_lengths", host_syncs=0),
 )

@@ -52,6 +52,6 @@ PATCH = Patch(
     summary="Qwen2-VL's own cu_seqlens copy keeps the host array on the device tensor; "
             "vllm.mm_encoder_attn takes it instead of reading back (0 reads)",
     # None: what this patch is for; a read per layer or per forward is the defect back.
-    defect=Defect("Qwen2-VL's tower reads back the cu_seqlens it copied from the host", shows="reads"),
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run", host_syncs=0, arguments={"tower": "Qwen2-VL"}),
+    defect=Defect("Qwen2-VL's tower reads back the cu_seqlens it copied from the host", shows="reads"),
 )

@@ -59,6 +59,6 @@ PATCH = Patch(
     summary="Qwen3-Omni's vision tower: its own cu_seqlens copy gets the host lengths of its host grid; "
             "vllm.mm_encoder_attn takes them instead of reading back (0 reads)",
     # None: what this patch is for; a read per layer or per forward is the defect back.
-    defect=Defect("Qwen3-Omni's vision tower reads back the cu_seqlens it copied from the host", shows="reads"),
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run", host_syncs=0, arguments={"tower": "Qwen3-Omni"}),
+    defect=Defect("Qwen3-Omni's vision tower reads back the cu_seqlens it copied from the host", shows="reads"),
 )
