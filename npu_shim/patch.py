@@ -201,9 +201,8 @@ class Defect:
                upstream fixed the defect (the window's upper bound is that fact; nothing else
                states it): status says "upstream fixed" for a release at or past it. "" while
                upstream has it.
-    ``on``     environment variables set while upstream's run happens: the device class the
-               defect exists on (``{"NPU_SHIM_EMULATE_SOC": "Ascend310P3"}``), where the selftest
-               takes the machine's.
+    ``on``     the device class the defect exists on (``"310P"``), emulated while upstream's run
+               happens, where the selftest takes the machine's; "" = the machine's.
     ``hidden`` ``{"<patch>:<family>": why}``: where that patch applies with that family, the
                selftest's path does not reach the defect (another patch's shape takes the lengths
                from elsewhere, say); there the guard requires upstream's run clean instead, so a
@@ -220,7 +219,7 @@ class Defect:
     shows: str
     says: str = ""
     fixed_at: str = ""
-    on: Mapping[str, str] = field(default_factory=dict)
+    on: str = ""
     hidden: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -232,6 +231,8 @@ class Defect:
         if ("raises" in self.ways) != bool(self.says):
             raise ValueError("Defect: give says (words of upstream's exception) exactly when shows is "
                              "'raises', not %r with shows %r" % (self.says, self.shows))
+        if self.on not in ("", "310P"):
+            raise ValueError("Defect.on: a device class the emulation has (\"310P\"), not %r" % (self.on,))
         if not self.what:
             raise ValueError("Defect.what: name the upstream defect the patch fixes")
 

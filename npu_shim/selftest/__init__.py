@@ -125,6 +125,10 @@ def run_one(patch_name, device="cpu"):
     return result
 
 
+# The emulated SoC of each device class a Defect may name (Defect.on).
+_SOC = {"310P": "Ascend310P3"}
+
+
 @contextlib.contextmanager
 def _environment(variables):
     """``variables`` set in os.environ while the block runs, the previous values put back."""
@@ -154,7 +158,8 @@ def run_upstream(patch_name, device="cpu"):
         raise LookupError("%s declares no selftest" % patch_name)
     arguments = dict(declared.arguments, patch=patch_name) if declared.arguments else {}
     defect = _startup.engine().patch_named(patch_name).defect
-    with registry.upstream_in_place(patch_name), _environment(defect.on if defect is not None else {}):
+    emulated = {"NPU_SHIM_EMULATE_SOC": _SOC[defect.on]} if defect is not None and defect.on else {}
+    with registry.upstream_in_place(patch_name), _environment(emulated):
         _ON_UPSTREAM.append(patch_name)
         try:
             measured = declared.load()(device=device, **arguments)

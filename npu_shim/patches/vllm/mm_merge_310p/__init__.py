@@ -56,7 +56,7 @@ PATCH = Patch(
     defect=Defect("vLLM merges image embeddings with a boolean-mask assignment, which 310P's aicpu IndexPut fails",
                   shows="raises",
                   says="ValueError: Error during index put operation",
-                  on={"NPU_SHIM_EMULATE_SOC": "Ascend310P3"}),
+                  on="310P"),
     families=(
         Family("npu_shim.patches.vllm.mm_merge_310p.families:BOOLEAN_MASK_ASSIGNMENT", fence=">=0.20.0",
                keeps="upstream's function on every device class but 310P; on 310P "
