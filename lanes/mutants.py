@@ -150,6 +150,13 @@ MUTANTS = (
            "base", "assert {} == {'tolist': 1}",
            ("npu_shim/emulation/device.py", "                return _T.cpu(self).tolist()",
             "                return self._raw.tolist()")),
+    mutant("retire", "upstream ships PaddleOCR-VL's host-lengths fix (simulated: where the retirement guard puts "
+                     "upstream's objects back, upstream's slot holds the patch's edited function) and the window "
+                     "stays open", "vllm-0.30",
+           "upstream fixed PaddleOCR-VL's tower reads back the cu_seqlens it copied from the host in vllm",
+           ("npu_shim/engine/registry.py", "        revert(record.undo)\n    try:\n        yield record",
+            "        revert([done for done in record.undo if name != \"vllm.paddleocr_vl_host_lengths\"])\n"
+            "    try:\n        yield record")),
 )
 
 

@@ -180,6 +180,95 @@ class Selftest:
         return "`%s`; device→host reads expected: %s" % (call, reads)
 
 
+_DEFECT_SHOWS = ("reads", "error", "raises")
+
+
+@dataclass(frozen=True)
+class Defect:
+    """The upstream defect a patch fixes, as data: the patch's retirement guard.
+
+    ``what``   the defect in words ("upstream reads cu_seqlens back to the host")
+    ``shows``  how upstream's own code shows it when the patch's selftest runs with upstream's
+               objects back in the patch's slots (:func:`npu_shim.selftest.run_upstream`):
+               ``"reads"``  more device->host reads than the patch declares (measured: upstream's
+                            count, whatever it is on that release, against the patch's);
+               ``"error"``  an error against the float64 reference over the selftest's tolerance;
+               ``"raises"`` an exception, whose ``"TypeName: message"`` contains ``says``
+               (upstream's refusal, an op rejecting the call). A tuple of these: any of them
+               (a release with a second defect the same patch fixes).
+    ``says``   for ``"raises"``: words of upstream's exception (the type's name, a phrase).
+    ``fixed_at``  a distribution of the patch's ``requires`` whose window ends at the release where
+               upstream fixed the defect (the window's upper bound is that fact; nothing else
+               states it): status says "upstream fixed" for a release at or past it. "" while
+               upstream has it.
+    ``on``     the device class the defect exists on (``"310P"``), emulated while upstream's run
+               happens, where the selftest takes the machine's; "" = the machine's.
+    ``hidden`` ``{"<patch>:<family>": why}``: where that patch applies with that family, the
+               selftest's path does not reach the defect (another patch's shape takes the lengths
+               from elsewhere, say); there the guard requires upstream's run clean instead, so a
+               declaration the code no longer bears out fails the lane too.
+    ``says`` may also be a tuple: upstream shows the defect with any of these words (its message
+               differs between releases).
+
+    Every lane runs each applied patch's guard (tests/lanes/test_retirement.py): while the
+    defect is there, upstream's run fails the declared way; once upstream fixes it the lane
+    fails with "upstream fixed <what> in <release>: close the window (family, fence)".
+    """
+
+    what: str
+    shows: str
+    says: str = ""
+    fixed_at: str = ""
+    on: str = ""
+    hidden: Mapping[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if isinstance(self.says, list):
+            object.__setattr__(self, "says", tuple(self.says))
+        if not self.ways or any(way not in _DEFECT_SHOWS for way in self.ways):
+            raise ValueError("Defect.shows must be one of %s (or a tuple of them), not %r"
+                             % (_DEFECT_SHOWS, self.shows))
+        if ("raises" in self.ways) != bool(self.says):
+            raise ValueError("Defect: give says (words of upstream's exception) exactly when shows is "
+                             "'raises', not %r with shows %r" % (self.says, self.shows))
+        if self.on not in ("", "310P"):
+            raise ValueError("Defect.on: a device class the emulation has (\"310P\"), not %r" % (self.on,))
+        if not self.what:
+            raise ValueError("Defect.what: name the upstream defect the patch fixes")
+
+    @property
+    def ways(self):
+        """The ways declared (``shows`` as a tuple)."""
+        return tuple(self.shows) if isinstance(self.shows, (tuple, list)) else (self.shows,)
+
+    def shown_by(self, result) -> str:
+        """"" when ``result`` (:func:`npu_shim.selftest.run_upstream`'s) shows the defect one of
+        the declared ways, else what it showed instead."""
+        others = [self._shown_one(way, result) for way in self.ways]
+        return "" if "" in others else "; ".join(others)
+
+    def _shown_one(self, way, result) -> str:
+        raised = result.get("raised")
+        if way == "raises":
+            if raised is None:
+                return "upstream's code ran without raising (%s)" % result["verdict"]
+            text = "%s: %s" % (type(raised).__name__, raised)
+            says = self.says if isinstance(self.says, tuple) else (self.says,)
+            return "" if any(words in text for words in says) else "upstream raised %s, not %s" % (
+                text, " or ".join(repr(words) for words in says))
+        if raised is not None:
+            return "upstream raised %s: %s" % (type(raised).__name__, raised)
+        if way == "reads":
+            expected = result["expected_host_syncs"]
+            if expected is not None and result["host_syncs"] > expected:
+                return ""
+            return "upstream made %d device->host reads, the patch %s" % (result["host_syncs"], expected)
+        if not result["error"] <= result["tolerance"]:          # NaN shows it too
+            return ""
+        return "upstream's %s %.3g is within tolerance %.3g" % (result["error_measure"], result["error"],
+                                                                result["tolerance"])
+
+
 class FamilyContext:
     """What the engine hands a family's ``check(subject, context)`` and ``build(subject, context)``.
 
@@ -367,6 +456,8 @@ class Patch:
     # The :class:`Selftest` of ``npu-shim selftest`` (what runs, the reads it expects);
     # None where the patch has none.
     selftest: Optional[Selftest] = None
+    # The upstream defect the patch fixes (:class:`Defect`): its retirement guard.
+    defect: Optional[Defect] = None
 
     def __post_init__(self):
         for label, paths in (("replaces", self.replaces), ("may_replace", self.may_replace)):
@@ -389,6 +480,12 @@ class Patch:
         if self.selftest is not None and not isinstance(self.selftest, Selftest):
             raise TypeError("%s: selftest must be a Selftest (what runs and the device->host reads it "
                             "expects), not %r" % (self.name, self.selftest))
+        if self.defect is not None and not isinstance(self.defect, Defect):
+            raise TypeError("%s: defect must be a Defect (the upstream defect and how it shows), not %r"
+                            % (self.name, self.defect))
+        if self.defect is not None and self.defect.fixed_at and self.defect.fixed_at not in self.requires:
+            raise ValueError("%s: Defect.fixed_at names %r, which requires does not"
+                             % (self.name, self.defect.fixed_at))
         if any(family.fence and not family.dist for family in self.families) and not self.requires:
             raise ValueError("%s: a fenced family without dist needs the patch to require a distribution"
                              % self.name)

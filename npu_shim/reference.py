@@ -93,6 +93,12 @@ def render_patches(declared, root):
             "`%s` (%s)" % (name, values) for name, values, _, owner in _config.VARIABLES if owner == patch.name]
         out.append("- switches: %s" % ", ".join(switches))
         out.append("- selftest: %s" % (patch.selftest.describe() if patch.selftest else "none"))
+        if patch.defect is not None:
+            defect = patch.defect
+            says = defect.says if isinstance(defect.says, tuple) else (defect.says,) if defect.says else ()
+            out.append("- retirement guard: %s; upstream's own code shows it as %s%s%s" % (
+                defect.what, " or ".join(defect.ways), " (%s)" % " / ".join("`%s`" % w for w in says) if says else "",
+                "; upstream fixed it where the %s window ends" % defect.fixed_at if defect.fixed_at else ""))
         sections = docstring_sections(module.__doc__)
         for name in SECTIONS:
             if name in sections:

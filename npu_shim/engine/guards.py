@@ -113,8 +113,26 @@ def guard_failure(patch: Patch, versions: dict):
             return "cannot compare %s %s with %r: %s" % (dist, version, patch.window_text(dist), exc)
         if not ok:
             note = patch.outside_window.get(dist)
-            return "%s %s is outside %s%s" % (dist, version, patch.window_text(dist), " (%s)" % note if note else "")
+            fixed = next(filter(None, (upstream_fixed(patch, dist, spec, version)
+                                       for spec in patch.window.get(dist, ("",)))), None)
+            return "%s%s %s is outside %s%s" % ("upstream fixed %s in %s %s: " % (patch.defect.what, dist, fixed)
+                                                if fixed else "", dist, version, patch.window_text(dist),
+                                                " (%s)" % note if note else "")
     return None
+
+
+def upstream_fixed(patch: Patch, dist: str, spec: str, version: str):
+    """The release where upstream fixed the patch's defect, where ``version`` of ``dist`` is at or
+    past it, else None: the upper bound of the window ``spec`` (``<X``), for a patch whose
+    :class:`~npu_shim.patch.Defect` says its ``dist`` window ends there (``fixed_at``)."""
+    defect = getattr(patch, "defect", None)
+    if defect is None or defect.fixed_at != dist:
+        return None
+    bounds = [s.version for s in SpecifierSet(spec) if s.operator == "<"]
+    if not bounds:
+        return None
+    bound = min(bounds, key=Version)
+    return bound if Version(version) >= Version(bound) else None
 
 
 def npu_failure(patch: Patch):

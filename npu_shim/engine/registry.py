@@ -26,6 +26,7 @@ import time
 
 _IMPORT_STARTED = time.perf_counter()
 
+import contextlib
 import importlib
 import logging
 import os
@@ -268,6 +269,25 @@ def _decide_and_apply(record: Record, module) -> None:
             _at_exit()
 
 
+@contextlib.contextmanager
+def upstream_in_place(name: str):
+    """Upstream's own objects back in the slots of the applied patch ``name`` while the block runs,
+    the patch's replacements written back after it (its status stays "applied"): how a retirement
+    guard runs the patch's selftest on upstream's code (:func:`npu_shim.selftest.run_upstream`).
+    Raises LookupError where the patch is not applied in this process."""
+    record = _records.get(name)
+    if record is None or record.undo is None:
+        raise LookupError("%s is not applied here; upstream's code is already in place" % name)
+    with _startup_state.lock:
+        ours = [(slot, slot.read_own()) for slot, _ in record.undo]
+        revert(record.undo)
+    try:
+        yield record
+    finally:
+        with _startup_state.lock:
+            revert(ours)
+
+
 _exit_registered = False
 
 
@@ -347,6 +367,9 @@ def status(import_targets: bool = False) -> list:
                 "release": release,
                 "read_as": guards.read_as(patch, versions),
                 "reason": reason,
+                # the release where upstream fixed the patch's defect, where the installed one is at
+                # or past it (Defect.fixed_at: the window ends there), else None
+                "upstream_fixed": _upstream_fixed(patch, versions),
                 # what the patch decided at run time and why (FamilyContext.note)
                 "notes": counters.notes(patch.name),
                 "requires": dict(patch.requires),
@@ -358,6 +381,20 @@ def status(import_targets: bool = False) -> list:
             }
         )
     return rows
+
+
+def _upstream_fixed(patch: Patch, versions: dict):
+    """"<dist> <release>" where upstream fixed the patch's defect and the installed release is at or
+    past it (:func:`guards.upstream_fixed`), else None."""
+    defect = patch.defect
+    if defect is None or not defect.fixed_at or not versions.get(defect.fixed_at):
+        return None
+    try:
+        fixed = next(filter(None, (guards.upstream_fixed(patch, defect.fixed_at, spec, versions[defect.fixed_at])
+                                   for spec in patch.window.get(defect.fixed_at, ("",)))), None)
+    except Exception:
+        return None
+    return "%s %s" % (defect.fixed_at, fixed) if fixed else None
 
 
 def _import_targets(settings) -> None:

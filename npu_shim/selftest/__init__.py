@@ -40,6 +40,17 @@ ERROR_MEASURES = {
 }
 
 
+# The patch whose selftest runs on upstream's own code (:func:`run_upstream`), or None.
+_ON_UPSTREAM = []
+
+
+def on_upstream(patch_name):
+    """True while :func:`run_upstream` runs ``patch_name``'s selftest with upstream's code in the
+    patch's slots: the selftest's checks that the shim's replacement is in place (and took its
+    path) do not hold then, and are left out; everything it measures is measured as always."""
+    return bool(_ON_UPSTREAM) and _ON_UPSTREAM[-1] == patch_name
+
+
 def applied_target(patch_name):
     """The target module of ``patch_name``, once the shim has applied the patch to it.
 
@@ -112,6 +123,94 @@ def run_one(patch_name, device="cpu"):
     result = judge(declared, measured)
     result.update(seconds=float(measured["seconds"]), detail=measured.get("detail", ""))
     return result
+
+
+# The emulated SoC of each device class a Defect may name (Defect.on).
+_SOC = {"310P": "Ascend310P3"}
+
+
+@contextlib.contextmanager
+def _environment(variables):
+    """``variables`` set in os.environ while the block runs, the previous values put back."""
+    import os
+
+    saved = {name: os.environ.get(name) for name in variables}
+    os.environ.update(variables)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def run_upstream(patch_name, device="cpu"):
+    """Run ``patch_name``'s declared selftest with upstream's own code in the patch's slots
+    (:func:`npu_shim.engine.registry.upstream_in_place`) and judge it as :func:`run_one` does:
+    what upstream shows there, the defect the patch fixes while upstream has it. Adds ``raised``
+    (the exception the run raised, or None; then no other verdict field is measured)."""
+    from npu_shim.engine import registry
+
+    declared = _declared(patch_name)
+    if declared is None:
+        raise LookupError("%s declares no selftest" % patch_name)
+    arguments = dict(declared.arguments, patch=patch_name) if declared.arguments else {}
+    defect = _startup.engine().patch_named(patch_name).defect
+    emulated = {"NPU_SHIM_EMULATE_SOC": _SOC[defect.on]} if defect is not None and defect.on else {}
+    with registry.upstream_in_place(patch_name), _environment(emulated):
+        _ON_UPSTREAM.append(patch_name)
+        try:
+            measured = declared.load()(device=device, **arguments)
+        except Exception as exc:
+            return {"raised": exc, "ok": False, "failed": ["raised"], "host_syncs": None, "error": None,
+                    "verdict": "raised %s: %s" % (type(exc).__name__, exc), "detail": ""}
+        finally:
+            _ON_UPSTREAM.pop()
+    result = judge(declared, measured)
+    result.update(raised=None, seconds=float(measured["seconds"]), detail=measured.get("detail", ""))
+    return result
+
+
+def retirement(patch_name, device="cpu"):
+    """The retirement guard of applied ``patch_name``: ``(message, result)``, ``message`` ""
+    while upstream's own code still shows the patch's :class:`~npu_shim.patch.Defect` the
+    declared way (``result``: :func:`run_upstream`'s). Where upstream's run is clean (the
+    selftest's verdict "ok" on upstream's code), the message is "upstream fixed <what> in
+    <release>: close the window (family <name>, fence <spec>)"; where it fails another way than
+    declared, it says what it showed instead."""
+    from npu_shim import status
+
+    patch = _startup.engine().patch_named(patch_name)
+    if patch.defect is None:
+        raise LookupError("%s declares no defect (Patch.defect): it has no retirement guard" % patch_name)
+    rows = {r["name"]: r for r in status()}
+    row = rows[patch_name]
+    family = next((f for f in patch.families if f.name == row["family"]), patch.families[0])
+    dist = patch.family_dist(family) if (family.dist or patch.requires) else ""
+    release = "%s %s" % (dist, row["versions"].get(dist)) if dist else "this release"
+    fence = family.fence or ", ".join("%s %s" % kv for kv in patch.requires.items()) or "none"
+    hidden = next((why for where, why in patch.defect.hidden.items()
+                   if rows.get(where.partition(":")[0], {}).get("family") == where.partition(":")[2]), "")
+    result = run_upstream(patch_name, device)
+    result["hidden"] = hidden
+    if hidden:
+        if result["ok"]:
+            return "", result
+        return ("%s's retirement guard: declared hidden here (%s), but upstream's run in %s fails: %s; the "
+                "declaration Defect.hidden is stale" % (patch_name, hidden, release, result["verdict"]), result)
+    if result["ok"]:
+        return ("upstream fixed %s in %s: close the window (family %s, fence %s); %s's selftest passes on "
+                "upstream's own code (%s)" % (patch.defect.what, release, family.name, fence, patch_name,
+                                              result["verdict"]), result)
+    other = patch.defect.shown_by(result)
+    if other:
+        return ("%s's retirement guard: upstream's code in %s no longer shows %s the declared way (%s: %s); "
+                "%s: read what upstream changed, then close the window (family %s, fence %s) or declare "
+                "how the defect shows now" % (patch_name, release, patch.defect.what, " or ".join(patch.defect.ways),
+                                              other, result["verdict"], family.name, fence), result)
+    return "", result
 
 
 def _targets_importable(provider):

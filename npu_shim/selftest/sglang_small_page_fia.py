@@ -31,11 +31,11 @@ TOLERANCE = {"float32": 2e-5, "float16": 4e-3}
 
 def _patched_module():
     from npu_shim.patches._shared.structure import replacement_of
-    from npu_shim.selftest import applied_target
+    from npu_shim.selftest import applied_target, on_upstream
 
     module = applied_target(PATCH_NAME)
     # sglang.npu_decode_v_head_dim may wrap this patch's forward_extend (V != K sink prefill)
-    if replacement_of(module.AscendAttnBackend.__dict__["forward_extend"], PATCH_NAME) is None:
+    if not on_upstream(PATCH_NAME) and replacement_of(module.AscendAttnBackend.__dict__["forward_extend"], PATCH_NAME) is None:
         raise RuntimeError("%s reports applied but forward_extend is not the shim's" % PATCH_NAME)
     if os.environ.get("ASCEND_USE_FIA", "").strip():
         raise RuntimeError("ASCEND_USE_FIA is set: the patch leaves that choice alone; unset it to "

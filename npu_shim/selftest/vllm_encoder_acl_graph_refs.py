@@ -30,7 +30,8 @@ def run(device=None):
     module = applied_target(PATCH_NAME)
     family = next(r for r in npu_shim.status() if r["name"] == PATCH_NAME)["family"]
     started = time.perf_counter()
-    with encoder_graph.graph_stand_in() as stand_in, count_host_syncs(cpu_is_device=device == "cpu") as syncs:
+    with encoder_graph.graph_stand_in() as stand_in, encoder_graph.npu_weak_refs(device), \
+            count_host_syncs(cpu_is_device=device == "cpu") as syncs:
         manager, model = encoder_graph.capture(module, BUDGETS, device)
         outputs = {budget: encoder_graph.replay(module, manager, budget) for budget in BUDGETS}
         if device != "cpu":

@@ -60,7 +60,7 @@ def run(device=None, patch=None, model=None):
 
     import npu_shim
     from npu_shim import emulation
-    from npu_shim.selftest import applied_target
+    from npu_shim.selftest import applied_target, on_upstream
     from npu_shim.testing import collect_host_syncs, mimo
 
     device = device or "cpu"
@@ -82,7 +82,7 @@ def run(device=None, patch=None, model=None):
         raise ValueError("%s serves vLLM's %s model module, not %s" % (patch, MODULES.get(patch), model))
     init = module.MiMoV2Attention.__init__
     replaces = next(r["replaces"] for r in npu_shim.status() if r["name"] == patch)
-    if not all(hasattr(getattr(module.MiMoV2Attention, path.rpartition(".")[2]), "__wrapped_upstream__")
+    if not on_upstream(patch) and not all(hasattr(getattr(module.MiMoV2Attention, path.rpartition(".")[2]), "__wrapped_upstream__")
                for path in replaces):
         raise RuntimeError("%s reports applied but MiMoV2Attention is not the shim's" % patch)
     mimo.setup(emulate=emulation.is_emulated())

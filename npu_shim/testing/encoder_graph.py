@@ -109,6 +109,36 @@ def graph_stand_in():
                 setattr(existing, name, value)
 
 
+@contextlib.contextmanager
+def npu_weak_refs(device="cpu"):
+    """vllm-ascend's ``weak_ref_tensor`` acting as it acts on an NPU tensor, while the block runs,
+    where the installed release makes it a no-op off the NPU (0.29.0rc1+: ``device.type == "npu"``)
+    and the ops are the emulation's (its ``_weak_ref_tensor`` keeps no owner, as on the device);
+    elsewhere nothing changes. Without it, on CPU tensors upstream's weak references of those
+    releases keep their tensors alive and no capture, fixed or not, releases anything."""
+    import inspect
+
+    from npu_shim import emulation
+
+    if device != "cpu" or not emulation.is_emulated():
+        yield
+        return
+    import torch
+    import torch_npu
+    import vllm_ascend.utils as ascend_utils
+
+    upstream = ascend_utils.weak_ref_tensor
+    if 'device.type == "npu"' not in inspect.getsource(upstream):
+        yield
+        return
+    ascend_utils.weak_ref_tensor = (lambda t: torch_npu._C._weak_ref_tensor(t)
+                                    if isinstance(t, torch.Tensor) else t)
+    try:
+        yield
+    finally:
+        ascend_utils.weak_ref_tensor = upstream
+
+
 def capture(module, budgets, device="cpu", model=None, dtype=None):
     """Upstream's capture of ``budgets`` by ``module``'s ``EncoderAclGraphManager``, the capture's
     locals collected afterwards; ``(manager, model)``. ``model``: the model whose capture hooks

@@ -52,7 +52,7 @@ comments; no source text is matched):
   (``sglang.srt.layers.utils.cp_utils``; ``sglang.srt.layers.cp.zigzag``
   where the class moved).
 """
-from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
+from npu_shim.patch import Defect, Family, NotNeeded, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.code import code_names
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
@@ -197,4 +197,6 @@ PATCH = Patch(
     summary="split Q at total_q_prev_tokens; per-sequence CP lengths (bs >= 1, GQA, diff-KV)",
     # None: every length the patched method hands the op is a host list.
     selftest=Selftest("npu_shim.selftest.sglang_cp_fia", host_syncs=0),
+    defect=Defect("sglang's context-parallel FIA attention reads the scalar CP lengths PR 23269 removed",
+                  shows="raises", says="AttributeError"),
 )

@@ -44,7 +44,7 @@ metadata's host lists to FIA directly and make no sync there):
 import types
 from itertools import accumulate
 
-from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
+from npu_shim.patch import Defect, Family, NotNeeded, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches._shared.structure import expect_body, found
 
@@ -211,4 +211,5 @@ PATCH = Patch(
     summary="CP prefill FIA closure reads the zigzag metadata's host lists: 0 device->host syncs per layer",
     # None: the lengths come from the metadata's host lists, not its device tensors.
     selftest=Selftest("npu_shim.selftest.sglang_cp_fia_host_lengths", host_syncs=0),
+    defect=Defect("sglang's CP prefill FIA reads its lengths back from the device", shows="reads"),
 )

@@ -21,7 +21,7 @@ How: wrap ``sglang.srt.arg_groups.parallel_hook.validate_prefill_cp_platform``:
 Upstream fix: 0.5.23 runs NPU CP through ``ZigzagCPStrategy`` (its own gather).
 Remove when: no pinned sglang is in 0.5.21-0.5.22 (the window; 0.5.20 refuses by itself).
 """
-from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
+from npu_shim.patch import Defect, Family, NotNeeded, Patch, Selftest, TargetMismatch
 
 TARGET = "sglang.srt.arg_groups.parallel_hook"
 CHECK = "validate_prefill_cp_platform"
@@ -100,4 +100,6 @@ PATCH = Patch(
     summary="refuse --enable-prefill-cp on NPU at start-up (the NPU KV gather is a stub)",
     # None: argument resolution touches no tensor.
     selftest=Selftest("npu_shim.selftest.sglang_cp_npu_refuse", host_syncs=0),
+    defect=Defect("sglang starts NPU prefill context parallelism where it cannot run",
+                  shows="raises", says="was not refused", fixed_at="sglang"),
 )

@@ -44,7 +44,7 @@ tree across 0.5.16-0.5.19):
 * ``do_cp_attn_fia`` splits at ``total_q_prev_tokens`` and calls
   ``npu_fused_infer_attention_score``.
 """
-from npu_shim.patch import NotNeeded, Family, Patch, TargetMismatch, Selftest
+from npu_shim.patch import Defect, Family, NotNeeded, Patch, Selftest, TargetMismatch
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 GATHER = "cp_all_gather_rerange_kv_cache"
@@ -166,4 +166,6 @@ PATCH = Patch(
     summary="NPU CP KV gather keeps each rank's real rows; pad rows never reach FIA",
     # None: the lengths of the real rows come from the metadata's host lists.
     selftest=Selftest("npu_shim.selftest.sglang_cp_pad_gather", host_syncs=0),
+    defect=Defect("sglang's CP-v2 prefill on Ascend hands FIA lengths short of its padded queries",
+                  shows="raises", says="actual_seq_lengths must end at the query's token count"),
 )

@@ -29,7 +29,7 @@ Upstream fix: none (0.5.23). (vLLM fixed its own copy of this code in 0.28.0, ho
 Remove when: sglang's GLM-4V embeddings take host lengths as host data.
 """
 
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
@@ -116,4 +116,5 @@ PATCH = Patch(
             "image and 1 copy)",
     # 0: what this patch is for; a read is the defect back.
     selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "GLM-4V"}),
+    defect=Defect("sglang's GLM-4V vision embeddings read their lengths back from the device", shows="reads"),
 )

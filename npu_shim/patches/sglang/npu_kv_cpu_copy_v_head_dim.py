@@ -12,7 +12,7 @@ Upstream fix: none released (sglang PR #39058, closed unmerged, passed v_head_di
   only).
 Remove when: the pinned sglang views V with ``v_head_dim`` there.
 """
-from npu_shim.patch import Family, NotNeeded, Patch, Selftest
+from npu_shim.patch import Defect, Family, NotNeeded, Patch, Selftest
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
 
@@ -69,4 +69,6 @@ PATCH = Patch(
     summary="the NPU MHA pool's get_cpu_copy/load_cpu_copy view V with the pool's v_head_dim",
     selftest=Selftest("npu_shim.selftest.sglang_v_head_dim:run", host_syncs=4,
                       arguments={"round_trip": "cpu_copy"}),
+    defect=Defect("sglang's NPU MHA pool's CPU offload copies view V with K's head dim",
+                  shows="raises", says="read back (4, 2, 192), wrote (4, 2, 128)"),
 )

@@ -30,7 +30,7 @@ import ast
 import inspect
 import textwrap
 
-from npu_shim.patch import Family, NotNeeded, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, NotNeeded, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.source_edit import AddKeyword, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
 
@@ -161,4 +161,7 @@ PATCH = Patch(
             "kinds need different per-rank KV heads is refused at pool construction, naming the way out",
     selftest=Selftest("npu_shim.selftest.sglang_v_head_dim:run", host_syncs=0,
                       arguments={"round_trip": "set_kv_buffer"}),
+    defect=Defect("sglang's NPU MHA KV pool is built with V K-wide",
+                  shows="raises",
+                  says="cache heads/dims (2, 192) / (2, 192) do not match key/value (2, 192) / (2, 128)"),
 )

@@ -23,7 +23,7 @@ takes no ``v_head_dim``: it allocates K and V as one ``(2, layers, pages, page, 
 head_dim)`` tensor, so no edit of the call can give V its own width (not patched; read in the
 0.5.11 - 0.5.13 wheels).
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 from npu_shim.patches.sglang.npu_mha_v_head_dim import KEEPS, PoolCall
 
 TARGET = "sglang.srt.model_executor.model_runner_kv_cache_mixin"
@@ -45,4 +45,7 @@ PATCH = Patch(
             "kinds need different per-rank KV heads is refused at pool construction, naming the way out",
     selftest=Selftest("npu_shim.selftest.sglang_v_head_dim:run", host_syncs=0,
                       arguments={"round_trip": "set_kv_buffer"}),
+    defect=Defect("sglang's NPU MHA KV pool is built with V K-wide (inline build)",
+                  shows="raises",
+                  says="cache heads/dims (2, 192) / (2, 192) do not match key/value (2, 192) / (2, 128)"),
 )

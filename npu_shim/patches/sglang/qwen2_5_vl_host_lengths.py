@@ -38,7 +38,7 @@ Upstream fix: none (0.5.23).
 Remove when: sglang's Qwen2.5-VL tower keeps its bounds on the host on NPU.
 """
 
-from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.host_data import host_grid_tensor
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
@@ -127,4 +127,6 @@ PATCH = Patch(
             "non-blocking: 0 reads and 0 blocking host->device copies per forward (upstream: 3 and 4)",
     # 0: what this patch is for; a read is the defect back.
     selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "Qwen2.5-VL"}),
+    defect=Defect("sglang's Qwen2.5-VL tower reads its window and image bounds back from the device",
+                  shows="reads"),
 )

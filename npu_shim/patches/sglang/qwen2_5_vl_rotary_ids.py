@@ -27,7 +27,7 @@ Upstream fix: none (0.5.23).
 Remove when: sglang's Qwen2.5-VL tower moves its rotary ids to the device itself without blocking.
 """
 
-from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.host_data import host_grid_tensor
 from npu_shim.patches._shared.source_edit import InsertAfter, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
@@ -99,4 +99,6 @@ PATCH = Patch(
     # copy of the ids is the defect back.
     selftest=Selftest("npu_shim.selftest.sglang_tower:run_synchronisations", host_syncs=0,
                       arguments={"tower": "Qwen2.5-VL"}),
+    defect=Defect("sglang's Qwen2.5-VL tower copies its rotary position ids to the device blocking",
+                  shows="reads"),
 )

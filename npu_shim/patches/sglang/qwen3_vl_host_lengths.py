@@ -33,7 +33,7 @@ Upstream fix: 0.5.16 (the metadata takes the host ``cu_seqlens``; its own reads 
 Remove when: the pinned sglang is 0.5.16 or later.
 """
 
-from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.host_data import host_grid
 from npu_shim.patches._shared.source_edit import Replace, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
@@ -124,4 +124,6 @@ PATCH = Patch(
             "sglang.vision_device_lengths alone: 1)",
     # 0: what this patch is for; a read is the defect back.
     selftest=Selftest("npu_shim.selftest.sglang_tower:run", host_syncs=0, arguments={"tower": "Qwen3-VL"}),
+    defect=Defect("sglang's Qwen3-VL tower reads back the lengths it built on the host",
+                  shows="reads", fixed_at="sglang"),
 )

@@ -77,7 +77,7 @@ import inspect
 import os
 import textwrap
 
-from npu_shim.patch import Family, Patch, TargetMismatch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.code import code_names
 from npu_shim.patches._shared.structure import found
 
@@ -318,4 +318,6 @@ PATCH = Patch(
             "issue #38196, PR #39905)",
     # None: forward_extend's FIA route takes its lengths from the metadata's host lists.
     selftest=Selftest("npu_shim.selftest.sglang_small_page_fia", host_syncs=0),
+    defect=Defect("sglang's prefill with KV pages smaller than 128 calls _npu_flash_attention_qlens, which needs 128",
+                  shows="raises", says="_npu_flash_attention_qlens"),
 )

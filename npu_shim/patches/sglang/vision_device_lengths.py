@@ -31,7 +31,7 @@ import inspect
 import threading
 import weakref
 
-from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.structure import own_function
 from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches._shared.host_data import is_host
@@ -142,4 +142,5 @@ PATCH = Patch(
     summary="VisionAscendAttention before the metadata: a device cu_seqlens is read back "
             "once per tower forward, not once per layer (Qwen3-VL: 1 read per forward)",
     selftest=Selftest("npu_shim.selftest.sglang_vision_device_lengths", host_syncs=1),
+    defect=Defect("sglang's vision attention reads a device cu_seqlens back once per layer", shows="reads"),
 )

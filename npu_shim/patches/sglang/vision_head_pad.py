@@ -53,7 +53,7 @@ import inspect
 import os
 import platform
 
-from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches._shared.structure import own_function, upstream_of
 
@@ -238,4 +238,6 @@ PATCH = Patch(
     summary="VisionAscendAttention with 64 < head dim < 128: q/k/v padded to 128 for FIA's TND call and the "
             "output sliced back (CANN's TND takes 64/128/192), decided by the installed CANN release",
     selftest=Selftest("npu_shim.selftest.sglang_vision_head_pad", host_syncs=0),
+    defect=Defect("sglang's vision attention hands FIA's TND call head dims between 64 and 128, which it rejects",
+                  shows="raises", says="When layout is TND, queryD(72)"),
 )

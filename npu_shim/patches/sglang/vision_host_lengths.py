@@ -55,7 +55,7 @@ it is no longer that (after ``npu_shim.uninstall()``: upstream's).
 """
 import inspect
 
-from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.structure import expect_body, found, own_function
 from npu_shim.patches._shared.code import names_in_code
 from npu_shim.patches._shared.host_data import is_host
@@ -322,4 +322,6 @@ PATCH = Patch(
     summary="vision attention metadata keeps the tower's host cu_seqlens; VisionAscendAttention takes them: "
             "0 reads per tower forward; family seq-lens passes FIA cumulative lengths (two or more images work)",
     selftest=Selftest("npu_shim.selftest.sglang_vision_host_lengths", host_syncs=0),
+    defect=Defect("sglang's vision attention on Ascend reads cu_seqlens back per layer, or hands FIA's TND call per-image lengths",
+                  shows=("reads", "raises"), says="TND actual_seq_lengths must be non-decreasing"),
 )

@@ -38,7 +38,7 @@ Window: the method exists from transformers 4.55.0 through 5.23.0 with the
 Upstream fix: none (transformers has no hook for names served by another library).
 Remove when: no supported vLLM dispatches MoonViT attention by name.
 """
-from npu_shim.patch import Family, Patch, TargetMismatch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest, TargetMismatch
 
 METHOD = "get_correct_attn_implementation"
 
@@ -123,4 +123,6 @@ PATCH = Patch(
     # nothing dispatches ascend_fa and the selftest checks only that it stays rejected.
     selftest=Selftest("npu_shim.selftest.transformers_attn_check",
                       host_syncs={"ascend_fa forward": 1, "vllm.moonvit_attn not applied": 0}),
+    defect=Defect("transformers refuses attn_implementation='ascend_fa' for MoonViT",
+                  shows="raises", says="is not supported. The only possible arguments are"),
 )

@@ -27,7 +27,7 @@ Upstream fix: vLLM 0.22 (0.22.1 read): ``cast_overflow_tensors`` clamps without 
 Remove when: the pinned vLLM is 0.22 or later.
 """
 
-from npu_shim.patch import Family, NotNeeded, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, NotNeeded, Patch, Selftest, TargetMismatch
 
 TARGET = "vllm.model_executor.models.utils"
 FUNCTION = "cast_overflow_tensors"
@@ -107,4 +107,6 @@ PATCH = Patch(
             "2 -> 0 reads per call",
     # 0: what this patch is for; a read is the defect back.
     selftest=Selftest("npu_shim.selftest.vllm_cast_overflow_on_device", host_syncs=0),
+    defect=Defect("the float16 overflow clamp reads two flags back to the host",
+                  shows="reads", fixed_at="vllm"),
 )

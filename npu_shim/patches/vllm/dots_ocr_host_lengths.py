@@ -35,7 +35,7 @@ Remove when: dots.ocr's tower builds ``cu_seqlens`` on the host and copies it th
   ``maybe_recompute_cu_seqlens``, or vllm-ascend's attention takes host lengths from vLLM.
 """
 
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 from npu_shim.patches._shared import host_data, host_record
 from npu_shim.patches._shared.source_edit import InsertAfter, InsertBefore, Replace, ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
@@ -136,4 +136,6 @@ PATCH = Patch(
     # 0 host synchronisations (reads and blocking copies) over a whole tower forward.
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run_synchronisations", host_syncs=0,
                       arguments={"tower": "dots.ocr"}),
+    defect=Defect("dots.ocr's vision tower reads back the lengths of the grid it was handed on the host",
+                  shows="reads"),
 )

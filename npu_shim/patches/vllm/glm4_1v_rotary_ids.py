@@ -27,7 +27,7 @@ Upstream fix: vLLM 0.22.1's ``rot_pos_emb`` (the same line); not backported to 0
 Remove when: the oldest supported vLLM is 0.22.
 """
 
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 from npu_shim.patches._shared.host_data import host_grid_tensor
 from npu_shim.patches._shared.source_edit import InsertBefore, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
@@ -89,4 +89,6 @@ PATCH = Patch(
     # copy of the ids is the defect back.
     selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_host_lengths:run_synchronisations", host_syncs=0,
                       arguments={"tower": "GLM-4.1V"}),
+    defect=Defect("GLM-4.1V's tower copies its rotary position ids to the device blocking",
+                  shows="reads", fixed_at="vllm"),
 )

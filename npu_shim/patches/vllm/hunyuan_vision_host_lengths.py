@@ -32,7 +32,7 @@ Remove when: the pinned vLLM is 0.29.0 or later (no ``hunyuan_vision`` module), 
   splits by its host lengths.
 """
 
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 from npu_shim.patches._shared.host_data import is_host
 from npu_shim.patches._shared.source_edit import InsertBefore, ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function, replace_own
@@ -104,4 +104,6 @@ PATCH = Patch(
     # 0: what this patch is for; a read is the defect back.
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run", host_syncs=0,
                       arguments={"tower": "HunYuan-Vision"}),
+    defect=Defect("HunYuan-Vision's tower splits its output by lengths read back from the device",
+                  shows="reads"),
 )

@@ -37,7 +37,7 @@ Remove when: the pinned vLLM is 0.20 or later, or torch_npu documents learnable_
 """
 import inspect
 
-from npu_shim.patch import Family, NotNeeded, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, NotNeeded, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import module_class, own_function
 from npu_shim.patches.vllm.mimo_v2_v_head_dim.families import passed_sinks, refuse_padded_sinks
@@ -109,6 +109,8 @@ PATCH = Patch(
                keeps="upstream's layer build and vllm-ascend's op calls for every layer without sinks"),
     ),
     selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": "mimo_v2_flash"}),
+    defect=Defect("vLLM builds MiMo-V2-Flash's sink layers with V padded, which the backend serves wrong",
+                  shows="raises", says="was built with V padded to 192"),
     summary="MiMo-V2-Flash's sliding-window layers (learnable sinks, V padded to 192 by the model) refused at "
             "build on Ascend instead of failing at the first forward (the op's page does not take that FIA v2 "
             "call); its full layers untouched; NPU_SHIM_VLLM_MIMO_PAD_SINKS=1 builds them anyway",

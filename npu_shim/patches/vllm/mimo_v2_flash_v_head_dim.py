@@ -15,7 +15,7 @@ Window: read in the wheel 0.20.2 (0.21.0 moved the file to ``mimo_v2``).
 Upstream fix: none.
 Remove when: as ``vllm.mimo_v2_v_head_dim``.
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 
 PATCH = Patch(
     name="vllm.mimo_v2_flash_v_head_dim",
@@ -30,6 +30,8 @@ PATCH = Patch(
                      "V padded only with NPU_SHIM_VLLM_MIMO_PAD_V=1"),
     ),
     selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": "mimo_v2_flash"}),
+    defect=Defect("MiMo-V2-Flash's attention picks vLLM's DiffKV (FlashAttention) backend on Ascend",
+                  shows="raises", says="AssertionError: FlashAttention version not detected"),
     summary="MiMo-V2-Flash (mimo_v2_flash) builds and serves on Ascend: no DiffKV backend, the platform's backend "
             "with separate K 192 / V 128 caches; NPU_SHIM_VLLM_MIMO_PAD_V=1 pads V instead",
 )

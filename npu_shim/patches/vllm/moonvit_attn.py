@@ -43,7 +43,7 @@ Remove when: the pinned vLLM is 0.14 or later.
 import contextvars
 
 from npu_shim import _config
-from npu_shim.patch import Family, Patch, TargetMismatch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest, TargetMismatch
 
 ATTENTION_NAME = "ascend_fa"
 LAYER_KERNEL_ATTR = "npu_shim_attention"
@@ -191,4 +191,6 @@ PATCH = Patch(
     summary="register ascend_fa (one fused varlen call per layer, no S x S mask) and select it on NPU",
     # One: the attention path's single read of cu_seqlens per forward, whatever the depth.
     selftest=Selftest("npu_shim.selftest.vllm_moonvit_attn", host_syncs=1),
+    defect=Defect("MoonViT's vision attention has no fused NPU call (upstream's layers run sdpa)",
+                  shows="raises", says="the tower's layers do not use ascend_fa"),
 )

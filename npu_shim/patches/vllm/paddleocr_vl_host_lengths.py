@@ -31,7 +31,7 @@ Remove when: PaddleOCR-VL copies ``cu_seqlens`` through ``maybe_recompute_cu_seq
 """
 import inspect
 
-from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared import host_record
 # the data it was handed as int32 host lengths; None for a device tensor (a stand-in's cpu:0
 # included) or data that are not integers
@@ -115,4 +115,5 @@ PATCH = Patch(
     # grid row is left, one for each of the selftest's two images.
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run",
                       host_syncs={"grid on the host": 0, "grid on the device": 2}, arguments={"tower": "PaddleOCR-VL"}),
+    defect=Defect("PaddleOCR-VL's tower reads back the cu_seqlens it copied from the host", shows="reads"),
 )

@@ -34,7 +34,7 @@ Remove when: RADIO copies ``cu_seqlens`` through ``maybe_recompute_cu_seqlens``,
 import inspect
 import itertools
 
-from npu_shim.patch import Family, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared import host_record
 from npu_shim.patches._shared.host_data import host_ints
 from npu_shim.patches._shared.code import names_in_code, source_text
@@ -119,4 +119,5 @@ PATCH = Patch(
             "them instead of reading back: 0 reads per forward (without it: 1; vllm-ascend alone: 1 per layer)",
     # 0: what this patch is for; a read is the defect back.
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run", host_syncs=0, arguments={"tower": "RADIO"}),
+    defect=Defect("RADIO's packed cu_seqlens is read back from the device", shows="reads"),
 )

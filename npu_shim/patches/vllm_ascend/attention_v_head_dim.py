@@ -46,7 +46,7 @@ Upstream fix: none (no vllm-ascend release reads ``head_size_v`` in its attentio
 Remove when: vllm-ascend's attention impl serves ``head_size_v != head_size``.
 """
 from npu_shim import _config
-from npu_shim.patch import Family, Patch, Selftest, join_fences
+from npu_shim.patch import Defect, Family, Patch, Selftest, join_fences
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import module_class, own_function
 from npu_shim.patches.vllm import mimo_v2_flash_v_head_dim, mimo_v2_v_head_dim
@@ -171,6 +171,8 @@ PATCH = Patch(
                      "V == K layer's calls unchanged unless NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1"),
     ),
     selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": None}),
+    defect=Defect("vllm-ascend's decoder attention cannot serve a V head dim unlike K's",
+                  shows="raises", says="NotImplementedError: MiMoV2Attention layer"),
     summary="vllm-ascend's attention serves a layer whose V head dim differs from K's (MiMo-V2-Flash: K 192, "
             "V 128) through its own FIA v2 call, separate K and V caches, no paged-attention decode",
 )

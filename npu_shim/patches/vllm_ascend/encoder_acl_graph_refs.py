@@ -45,7 +45,7 @@ Upstream fix: vllm-ascend PR #16794 (merged 2026-09-17; not in a release read he
   the weak references).
 Remove when: the installed vllm-ascend keeps strong references (the check then says NotNeeded).
 """
-from npu_shim.patch import Family, NotNeeded, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, NotNeeded, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.source_edit import Replace, ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import own_function
 
@@ -124,4 +124,6 @@ PATCH = Patch(
             "scale, there (equal for every tower that vLLM release can capture)",
     # Capture and replay of a toy encoder read nothing back; what replay writes into must be owned.
     selftest=Selftest("npu_shim.selftest.vllm_encoder_acl_graph_refs", host_syncs=0),
+    defect=Defect("the encoder ACL graph leaves its output buffer and FIA workspaces to weak tensors",
+                  shows="raises", says="DeviceMemoryError: emulated ACL error 507011"),
 )

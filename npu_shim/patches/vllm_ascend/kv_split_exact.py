@@ -25,7 +25,7 @@ Window: read in the builds of 0.20.2rc1 to 0.30.0rc2 (one body of ``calc_split_f
 Upstream fix: none (vllm-ascend 0.30.0rc2).
 Remove when: ``calc_split_factor`` (or its callers) split the bytes exactly.
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 from npu_shim.patches._shared.source_edit import ReplaceExpression, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of
 from npu_shim.patches.vllm_ascend.attention_v_head_dim import MIMO_VLLM
@@ -74,6 +74,8 @@ PATCH = Patch(
                keeps="upstream's split of each layer's bytes by head-dim ratio, the ratio exact"),
     ),
     selftest=Selftest("npu_shim.selftest.vllm_ascend_kv_split_exact", host_syncs=0),
+    defect=Defect("vllm-ascend's K/V split of a layer's KV-cache bytes off when their head dims differ",
+                  shows="error"),
     summary="vllm-ascend's runner splits a layer's KV-cache bytes into K and V exactly when their head dims differ "
             "(K 192 / V 128: float ratios fell one byte short and KV-cache set-up asserted)",
 )

@@ -51,7 +51,7 @@ Upstream fix: none yet for the copy of towers that pass no ``sequence_lengths``
 Remove when: vllm-ascend computes host lengths once per encoder forward for
   every tower.
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 
 PATCH_NAME = "vllm.mm_encoder_attn"
 CLASS_NAME = "AscendMMEncoderAttention"
@@ -94,4 +94,5 @@ PATCH = Patch(
             "heads, vLLM's exaone4_5 tower: upstream's call does not match its K/V)",
     # One: the single copy of a device cu_seqlens per encoder forward, whatever the depth.
     selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_attn", host_syncs=1),
+    defect=Defect("vllm-ascend's encoder attention reads cu_seqlens back once per layer", shows="reads"),
 )

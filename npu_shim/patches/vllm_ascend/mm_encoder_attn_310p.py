@@ -26,7 +26,7 @@ Upstream fix: none in any release its families list (the newest is in its refere
 Remove when: vllm-ascend's 310P class reads host lengths once per encoder
   forward and passes the model's scale.
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 
 PATCH_NAME = "vllm.mm_encoder_attn_310p"
 CLASS_NAME = "AscendMMEncoderAttention310"
@@ -54,4 +54,6 @@ PATCH = Patch(
     summary="310P encoder attention: host seq lens once per encoder forward, honour scale",
     # One: the single copy of a device cu_seqlens per encoder forward, whatever the depth.
     selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_attn_310p", host_syncs=1),
+    defect=Defect("the 310P encoder attention reads cu_seqlens back per layer and ignores scale",
+                  shows="reads"),
 )

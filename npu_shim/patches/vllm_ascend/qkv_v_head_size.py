@@ -32,7 +32,7 @@ Remove when: ``AscendQKVParallelLinear.__init__`` sizes V with ``v_head_size``.
 """
 import inspect
 
-from npu_shim.patch import Family, NotNeeded, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, NotNeeded, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.source_edit import Replace, edit_function
 from npu_shim.patches._shared.structure import Edited, edit_of, module_class, own_function
 
@@ -78,6 +78,8 @@ PATCH = Patch(
                keeps="upstream's __init__, parallel op, forward and vLLM's weight loaders; only the V sizes change"),
     ),
     selftest=Selftest("npu_shim.selftest.vllm_ascend_qkv_v_head_size", host_syncs=0),
+    defect=Defect("vllm-ascend's QKV projection sizes V's slice K-wide",
+                  shows="raises", says="sized [768, 384, 384], not [768, 384, 256]"),
     summary="vllm-ascend's QKV projection is v_head_size wide for V (MiMo-V2-Flash: K 192 / V 128 built a "
             "too-wide qkv whose split raised at the first forward)",
 )

@@ -21,7 +21,7 @@ Remove when: the pinned vllm-ascend is 0.15.0rc1 or later.
 """
 import inspect
 
-from npu_shim.patch import Family, NotNeeded, Patch, Selftest, TargetMismatch
+from npu_shim.patch import Defect, Family, NotNeeded, Patch, Selftest, TargetMismatch
 from npu_shim.patches._shared.structure import module_class, own_function
 
 TARGET = "vllm_ascend.attention.attention_v1"
@@ -92,6 +92,8 @@ PATCH = Patch(
                keeps="upstream's __init__ and op calls for every layer without sinks"),
     ),
     selftest=Selftest("npu_shim.selftest.vllm_sinks_refuse", host_syncs=0),
+    defect=Defect("vllm-ascend's attention builds a layer with learnable sinks it would drop",
+                  shows="raises", says="was not refused", fixed_at="vllm-ascend"),
     summary="a layer with learnable sinks is refused at model build on the vllm-ascend that drops them "
             "(MiMo-V2-Flash, gpt-oss), never served silently wrong",
 )

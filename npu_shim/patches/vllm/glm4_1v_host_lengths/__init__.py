@@ -51,7 +51,7 @@ Upstream fix: vLLM 0.28.0's ``Glm4vVisionEmbeddings.forward`` (host
   ``np.repeat`` of the lengths, ``async_tensor_h2d``).
 Remove when: the pinned vLLM is 0.28.0 or later.
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 
 PATCH_NAME = "vllm.glm4_1v_host_lengths"
 EMBEDDINGS = "Glm4vVisionEmbeddings"
@@ -79,4 +79,6 @@ PATCH = Patch(
             "the tower's own cu_seqlens copy keeps its host array: 0 reads per tower forward",
     # None: what this patch is for; a read per layer or per forward is the defect back.
     selftest=Selftest("npu_shim.selftest.vllm_glm4_1v_host_lengths", host_syncs=0),
+    defect=Defect("GLM-4.1V's vision tower reads back lengths it has on the host",
+                  shows="reads", fixed_at="vllm"),
 )

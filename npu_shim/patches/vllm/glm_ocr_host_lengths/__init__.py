@@ -42,7 +42,7 @@ Remove when: the tower copies ``cu_seqlens`` through
   ``maybe_recompute_cu_seqlens``, or vllm-ascend's attention takes host
   lengths from vLLM (``sequence_lengths`` / ``cu_seqlens_np``).
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 
 PATCH_NAME = "vllm.glm_ocr_host_lengths"
 CLASS_NAME = "GlmOcrVisionTransformer"
@@ -68,4 +68,5 @@ PATCH = Patch(
             "vllm.mm_encoder_attn takes them instead of reading back (0 reads)",
     # None: what this patch is for; a read per layer or per forward is the defect back.
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run", host_syncs=0, arguments={"tower": "GLM-OCR"}),
+    defect=Defect("GLM-OCR's vision tower reads back the cu_seqlens it copied from the host", shows="reads"),
 )

@@ -42,7 +42,7 @@ Remove when: the pinned vLLM keeps the grid on the host and vllm-ascend's
   attention stops reading ``cu_seqlens`` back (then ``vllm.mm_encoder_host_lengths``
   goes too).
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 
 PATCH_NAME = "vllm.kimi_vl_host_grid"
 PROCESSOR = "KimiVLMultiModalProcessor"
@@ -68,4 +68,5 @@ PATCH = Patch(
             "kept on MoonViT's device cu_seqlens: 0 reads per MoonViT forward",
     # None: what this patch is for; a read per layer or per forward is the defect back.
     selftest=Selftest("npu_shim.selftest.vllm_kimi_vl_host_grid", host_syncs=0),
+    defect=Defect("Kimi-VL's image_grid_hws moved to the device and read back", shows="reads"),
 )

@@ -40,7 +40,7 @@ Upstream fix: none (vLLM 0.30.0; no vllm-ascend release has a different-V-dim ba
 Remove when: vllm-ascend serves a layer with ``head_size_v != head_size`` and the model lets the
   platform choose the backend.
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 
 PATCH = Patch(
     name="vllm.mimo_v2_v_head_dim",
@@ -57,6 +57,9 @@ PATCH = Patch(
                      "V padded only with NPU_SHIM_VLLM_MIMO_PAD_V=1"),
     ),
     selftest=Selftest("npu_shim.selftest.vllm_mimo_v2_v_head_dim", host_syncs=0, arguments={"model": "mimo_v2"}),
+    defect=Defect("MiMo-V2's attention picks vLLM's DiffKV backend, not the platform's, on Ascend",
+                  shows="raises",
+                  says=("FlashAttention version not detected", "'AscendMetadata' object has no attribute")),
     summary="MiMo-V2-Flash builds and serves on Ascend: no DiffKV backend (which crashes there), the platform's "
             "backend with separate K 192 / V 128 caches (vllm.ascend_attention_v_head_dim serves them); "
             "NPU_SHIM_VLLM_MIMO_PAD_V=1 pads V to 192 instead (6/5 the KV bytes; sink layers then refused)",

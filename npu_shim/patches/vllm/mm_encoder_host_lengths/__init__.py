@@ -34,7 +34,7 @@ Window: vllm 0.18.0 (``torch.from_numpy(...).to(device, non_blocking=True)``),
 Upstream fix: none (vllm-ascend reads ``cu_seqlens`` back in every release read).
 Remove when: vllm-ascend's attention takes host lengths from vLLM for every tower.
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 
 PATCH_NAME = "vllm.mm_encoder_host_lengths"
 CLASS_NAME = "MMEncoderAttention"
@@ -58,4 +58,10 @@ PATCH = Patch(
             "vllm.mm_encoder_attn takes it instead of reading the tensor back (0 reads)",
     # None: what this patch is for; a read per layer or per forward is the defect back.
     selftest=Selftest("npu_shim.selftest.vllm_mm_encoder_host_lengths", host_syncs=0),
+    defect=Defect("the encoder attention reads back the cu_seqlens vLLM copied from the host",
+                  shows="reads",
+                  hidden={
+                      "vllm.mm_encoder_attn:" + family: "the selftest's Qwen3-VL tower hands vllm-ascend's "
+                      "attention its host sequence_lengths, so no cu_seqlens is read back, with or without the patch"
+                      for family in ("fusion-attention-tnd", "device-operator-fa", "fia-tnd-sequence-lengths")}),
 )

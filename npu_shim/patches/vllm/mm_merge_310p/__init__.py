@@ -38,7 +38,7 @@ Upstream fix: none released; vllm-ascend PR #12914 and PR #11435 (both open) pat
 Remove when: every supported vllm-ascend release patches the merge for 310P itself,
   or torch_npu's IndexPut works on 310P.
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 
 NAME = "vllm.mm_merge_310p"
 TARGET = "vllm.model_executor.models.utils"
@@ -53,6 +53,10 @@ PATCH = Patch(
                             "boolean-mask assignment whose 310P IndexPut kernel fails"},
     needs_npu=True,
     selftest=Selftest("npu_shim.selftest.vllm_mm_merge_310p", host_syncs={"310P": 0, "A2/A3": 0}),
+    defect=Defect("vLLM merges image embeddings with a boolean-mask assignment, which 310P's aicpu IndexPut fails",
+                  shows="raises",
+                  says="ValueError: Error during index put operation",
+                  on="310P"),
     families=(
         Family("npu_shim.patches.vllm.mm_merge_310p.families:BOOLEAN_MASK_ASSIGNMENT", fence=">=0.20.0",
                keeps="upstream's function on every device class but 310P; on 310P "

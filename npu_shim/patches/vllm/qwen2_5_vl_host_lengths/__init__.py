@@ -28,7 +28,7 @@ Window: read in the wheels: 0.18.0, 0.18.1, 0.19.0, 0.19.1, 0.20.0, 0.20.2
 Upstream fix: 0.22.0's tower copies through ``maybe_recompute_cu_seqlens``.
 Remove when: the pinned vLLM is 0.22.0 or later.
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 
 PATCH_NAME = "vllm.qwen2_5_vl_host_lengths"
 CLASS_NAME = "Qwen2_5_VisionTransformer"
@@ -53,4 +53,6 @@ PATCH = Patch(
             "tensors; vllm.mm_encoder_attn takes them instead of reading back (0 reads)",
     # None: what this patch is for; a read per layer or per forward is the defect back.
     selftest=Selftest("npu_shim.selftest.vllm_qwen2_5_vl_host_lengths", host_syncs=0),
+    defect=Defect("Qwen2.5-VL's tower reads back the cu_seqlens it copied from the host",
+                  shows="reads", fixed_at="vllm"),
 )

@@ -29,7 +29,7 @@ Remove when: the tower copies ``cu_seqlens`` through
   ``maybe_recompute_cu_seqlens`` (the check then says "not needed"), or
   vllm-ascend's attention takes host lengths from vLLM.
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 
 PATCH_NAME = "vllm.qwen2_vl_host_lengths"
 CLASS_NAME = "Qwen2VisionTransformer"
@@ -53,4 +53,5 @@ PATCH = Patch(
             "vllm.mm_encoder_attn takes it instead of reading back (0 reads)",
     # None: what this patch is for; a read per layer or per forward is the defect back.
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run", host_syncs=0, arguments={"tower": "Qwen2-VL"}),
+    defect=Defect("Qwen2-VL's tower reads back the cu_seqlens it copied from the host", shows="reads"),
 )

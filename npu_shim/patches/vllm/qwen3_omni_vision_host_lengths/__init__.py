@@ -35,7 +35,7 @@ Remove when: the tower copies ``cu_seqlens`` through
   ``maybe_recompute_cu_seqlens``, or vllm-ascend's attention takes host
   lengths from vLLM (``sequence_lengths`` / ``cu_seqlens_np``).
 """
-from npu_shim.patch import Family, Patch, Selftest
+from npu_shim.patch import Defect, Family, Patch, Selftest
 
 PATCH_NAME = "vllm.qwen3_omni_vision_host_lengths"
 CLASS_NAME = "Qwen3Omni_VisionTransformer"
@@ -60,4 +60,5 @@ PATCH = Patch(
             "vllm.mm_encoder_attn takes them instead of reading back (0 reads)",
     # None: what this patch is for; a read per layer or per forward is the defect back.
     selftest=Selftest("npu_shim.selftest.vllm_census_tower:run", host_syncs=0, arguments={"tower": "Qwen3-Omni"}),
+    defect=Defect("Qwen3-Omni's vision tower reads back the cu_seqlens it copied from the host", shows="reads"),
 )
