@@ -48,7 +48,6 @@ PENDING = {
     "tests/lanes/test_mm_encoder_fia.py",
     "tests/lanes/test_mm_encoder_latest.py",
     "tests/lanes/test_mimo_v2_flash.py",
-    "tests/test_sglang_small_page_fia_check.py",
 }
 
 
