@@ -46,7 +46,6 @@ PENDING = {
     "tests/lanes/test_tower_census.py",
     "tests/lanes/test_mm_encoder.py",
     "tests/lanes/test_mm_encoder_fia.py",
-    "tests/lanes/test_mm_encoder_latest.py",
     "tests/lanes/test_mimo_v2_flash.py",
 }
 
