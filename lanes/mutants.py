@@ -140,6 +140,16 @@ MUTANTS = (
            ("npu_shim/patches/vllm_ascend/qkv_v_head_size.py",
             '" self.num_kv_heads * self.head_size * tp_size, self.num_kv_heads * self.v_head_size * tp_size]"),',
             '" self.num_kv_heads * self.head_size * tp_size, self.num_kv_heads * self.head_size * tp_size]"),')),
+    mutant("y", "host_data's stand-in rule dropped: a device stand-in (device cpu:0) counts as host data, so a "
+                "device tensor would be read as host lengths", "base", "FAILED tests/test_host_data.py",
+           ("npu_shim/patches/_shared/host_data.py",
+            'return isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu" and tensor.device.index is None',
+            'return isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu"')),
+    mutant("z", "a converted tower patch's edit removed: vllm.dots_ocr_host_lengths builds cu_seqlens from the "
+                "device grid's columns again (upstream's text kept), the patch applied", "vllm-0.30",
+           "FAILED tests/lanes/test_dots_ocr_host_lengths.py",
+           ("npu_shim/patches/vllm/dots_ocr_host_lengths.py",
+            "              for column in range(3)) + (", "              for column in range(0)) + (")),
     mutant("x", "the encoder ACL graph's captured FIA call keeps upstream's num_kv_heads beside K/V repeated to the "
                 "query heads (the capture edit of _run_vit_fia dropped): a grouped tower's call does not match its K/V",
            "vllm-0.30", "FAILED tests/lanes/test_encoder_acl_graph_gqa.py",

@@ -7,6 +7,7 @@ each gate set gets (the gates are written after the upstream ones, bodies
 reduced), that a missing gate or a changed signature is a mismatch, and how the
 0.5.23 closure maps the strategy's tensors to the metadata's host lists.
 """
+import re
 import types
 
 import pytest
@@ -64,16 +65,23 @@ def target_with(forward_extend):
     return types.SimpleNamespace(AscendAttnBackend=backend, __name__="fake_ascend_backend")
 
 
+def _read_in(implementation):
+    """The release the family implemented at ``implementation`` was read in (its evidence)."""
+    family = next(f for f in small_page.PATCH.families if f.implementation.endswith(implementation))
+    return evidence.read(small_page.PATCH.name, family.name)[0]
+
+
 @pytest.mark.patch("sglang.small_page_fia")
 def test_a_release_with_0_5_13s_gates_gets_its_family():
     from npu_shim.engine import guards
 
     family, implementation, _ = guards.select_family(small_page.PATCH, target_with(release_0_5_13),
-                                                     {"sglang": "0.5.13"})
+                                                     {"sglang": _read_in(":HYBRID_SWA")})
     assert family.implementation.endswith(":HYBRID_SWA") and implementation is small_page.HYBRID_SWA
-    # Chosen by structure alone (a development build): the gates pick the same family.
+    # Chosen by structure alone (a development build of the next family's release): the gates
+    # pick the same family.
     family, implementation, _ = guards.select_family(small_page.PATCH, target_with(release_0_5_13),
-                                                     {"sglang": "0.5.14.dev3"})
+                                                     {"sglang": _read_in(":SWA_FIA") + ".dev3"})
     assert implementation is small_page.HYBRID_SWA
 
 
@@ -82,8 +90,10 @@ def test_a_family_whose_fence_holds_but_gates_differ_is_refused_with_every_reaso
     from npu_shim.engine import guards
 
     hybrid_swa, swa_fia = (f.name for f in small_page.PATCH.families if f.implementation.endswith((":HYBRID_SWA", ":SWA_FIA")))
-    with pytest.raises(TargetMismatch, match="%s .*not this family's.*%s: sglang 0.5.13 outside" % (hybrid_swa, swa_fia)):
-        guards.select_family(small_page.PATCH, target_with(without_alibi_gate), {"sglang": "0.5.13"})
+    release = _read_in(":HYBRID_SWA")
+    with pytest.raises(TargetMismatch, match="%s .*not this family's.*%s: sglang %s outside"
+                                             % (hybrid_swa, swa_fia, re.escape(release))):
+        guards.select_family(small_page.PATCH, target_with(without_alibi_gate), {"sglang": release})
 
 
 @pytest.mark.patch("sglang.small_page_fia")

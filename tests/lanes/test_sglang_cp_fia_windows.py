@@ -27,14 +27,24 @@ pytestmark = [pytest.mark.claimed("sglang.cp_fia", window=True),   # every lane 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 
 
-def expected_reason(version):
+# Which reason a release's code gives, by the releases that had that code (a test whose subject
+# is a release's code names the release in its marker; tests/conftest.py): the single-sequence
+# method before PR 26705, the fixed method from its release, the CP strategy from 0.5.23 on.
+BY_RELEASE = [
+    pytest.param("single-sequence", id="single-sequence",
+                 marks=pytest.mark.claimed("sglang.cp_fia", window=True, pinned={"sglang": "<0.5.13"})),
+    pytest.param("fixed", id="fixed",
+                 marks=pytest.mark.claimed("sglang.cp_fia", window=True, pinned={"sglang": ">=0.5.13,<0.5.23"})),
+    pytest.param("strategy", id="strategy",
+                 marks=pytest.mark.claimed("sglang.cp_fia", window=True, pinned={"sglang": ">=0.5.23"})),
+]
+
+
+def _reason(shape):
     from npu_shim.patches.sglang import cp_fia as patch
 
-    reasons = {"0.5.11": patch.SINGLE_SEQUENCE_ONLY, "0.5.12": patch.SINGLE_SEQUENCE_ONLY,
-               "0.5.23": patch.STRATEGY_REWRITE}
-    reasons.update({"0.5.%d" % minor: patch.FIXED_UPSTREAM for minor in range(13, 23)})
-    assert version in reasons, "lane pins sglang %s, which this test does not know" % version
-    return reasons[version]
+    return {"single-sequence": patch.SINGLE_SEQUENCE_ONLY, "fixed": patch.FIXED_UPSTREAM,
+            "strategy": patch.STRATEGY_REWRITE}[shape]
 
 
 def upstream_method(module):
@@ -62,14 +72,14 @@ def module():
     return importlib.import_module(TARGET)
 
 
-def test_patch_is_skipped_with_the_reason_for_this_release(module):
+@pytest.mark.parametrize("shape", BY_RELEASE)
+def test_patch_is_skipped_with_the_reason_for_this_release(module, shape):
     import npu_shim
     from npu_shim.patch import NotNeeded
     from npu_shim.patches.sglang import cp_fia as patch
 
     row = next(r for r in npu_shim.status() if r["name"] == patch.PATCH.name)
-    version = row["versions"]["sglang"]
-    reason = expected_reason(version)
+    reason = _reason(shape)
     assert (row["state"], row["reason"]) == ("skipped", reason), row
     method = module.AscendAttnBackend.__dict__["do_cp_attn_fia"]
     # sglang.cp_pad_gather (0.5.16-0.5.19) or sglang.cp_fia_host_lengths (0.5.23) may own the
@@ -87,25 +97,24 @@ def test_patch_is_skipped_with_the_reason_for_this_release(module):
     assert str(raised.value) == reason
 
 
-def test_the_check_reads_what_this_release_has(module):
+@pytest.mark.parametrize("shape", BY_RELEASE)
+def test_the_check_reads_what_this_release_has(module, shape):
     """The facts behind each reason, read from the installed code."""
-    import npu_shim
     from npu_shim.patches.sglang import cp_fia as patch
 
-    version = next(r for r in npu_shim.status() if r["name"] == patch.PATCH.name)["versions"]["sglang"]
     names = patch.code_names(upstream_method(module))
-    if version == "0.5.23":
+    if shape == "strategy":
         assert names & patch.STRATEGY_NAMES
         assert not names & (patch.SINGLE_SEQUENCE_NAMES - {"chunk"})
         return
     from sglang.srt.layers.utils import cp_utils
 
-    if expected_reason(version) == patch.FIXED_UPSTREAM:
+    if shape == "fixed":
         assert patch.FIXED_NAMES <= names and "chunk" not in names
         if not hasattr(cp_utils, "ContextParallelMetadata"):     # 0.5.20-0.5.22: cp_utils is stubs
             return
     fields = {f.name for f in dataclasses.fields(cp_utils.ContextParallelMetadata)}
-    if version in ("0.5.11", "0.5.12"):
+    if shape == "single-sequence":
         assert patch.SINGLE_SEQUENCE_NAMES <= names and not names & patch.FIXED_NAMES
         assert patch.SCALAR_FIELDS <= fields and not fields & patch.PER_SEQUENCE_FIELDS
     else:

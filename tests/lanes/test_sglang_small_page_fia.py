@@ -246,12 +246,6 @@ def test_calls_it_does_not_route_reach_upstream_unchanged(modules, methods):
                                      sinks=q.new_zeros(spec.num_heads))
 
 
-def _version():
-    import npu_shim
-
-    return next(r for r in npu_shim.status() if r["name"] == NAME)["versions"]["sglang"]
-
-
 def test_uninstall_restores_upstreams_method(modules, methods):
     import npu_shim
 
@@ -281,9 +275,10 @@ def test_switched_off_is_upstream_and_strict_raises_when_unreadable(modules, run
     row, host_lengths_row, patched, where, cp_patched = json.loads(off.stdout.strip().splitlines()[-1])
     assert row == ["disabled", "NPU_SHIM_SGLANG_SMALL_PAGE_FIA=0"]
     assert (patched, where) == (False, TARGET)
-    # sglang.cp_fia_host_lengths, listed in NPU_SHIM_DISABLE: upstream's do_cp_attn_fia (0.5.23)
+    # sglang.cp_fia_host_lengths, listed in NPU_SHIM_DISABLE: upstream's do_cp_attn_fia where
+    # that patch's families claim the release (no other patch owns the method there)
     assert host_lengths_row == ["disabled", "listed in NPU_SHIM_DISABLE"]
-    if _version() == "0.5.23":
+    if claimed_family("sglang.cp_fia_host_lengths") is not None:
         assert cp_patched is False
 
     strict = run_python(

@@ -185,7 +185,7 @@ class DecodeTnd:
 
     def build(self, module, context):
         cls = module_class(module, BACKEND)
-        edited = context.found if isinstance(context.found, dict) else self.check(module, context)
+        edited = context.found       # check's {path: edited} (the engine hands it to build)
         replacements = {}
         for name in EDITS:
             path, original = "%s.%s" % (BACKEND, name), own_function(cls, name)

@@ -172,8 +172,7 @@ class _FiaTnd:
         return {FORWARD: current}
 
     def build(self, module, context):
-        held = context.found if isinstance(context.found, dict) else {}
-        inner = held.get(FORWARD) or own_function(module.VisionAscendAttention, "forward")
+        inner = context.found[FORWARD]      # the forward check read (the engine hands it to build)
         forward = make_forward(inner, self.fallback, context)
         return {FORWARD: context.present(forward, inner,
                                          "64 < D < 128 padded to 128 for the FIA TND call, sliced back")}

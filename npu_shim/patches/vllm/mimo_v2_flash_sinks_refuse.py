@@ -88,7 +88,7 @@ class _Refuse:
 
     def build(self, module, context):
         init = own_function(module_class(module, CLASS), "__init__")
-        edited = context.found[INIT] if isinstance(context.found, dict) else self.check(module, context)[INIT]
+        edited = context.found[INIT]       # check's edit (the engine hands it to build)
         return {INIT: context.present(edited, init, "a layer with learnable sinks whose V the model pads past "
                                                     "128 refused at build; every other layer upstream's")}
 

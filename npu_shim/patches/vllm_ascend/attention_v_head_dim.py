@@ -143,7 +143,7 @@ class _ValueHeadDim:
         impl = module_class(module, IMPL)
         originals = {IMPL + "." + FIA: own_function(impl, FIA),
                      IMPL + "." + IMPL_FORWARD: own_function(impl, IMPL_FORWARD)}
-        edited = context.found if isinstance(context.found, dict) else self.edited(*originals.values())
+        edited = context.found       # check's {path: edited} (the engine hands it to build)
         what = {IMPL + "." + FIA: "a layer whose V head dim differs from K's takes upstream's FIA v2 call "
                                   "(as a layer with sinks does), its window passed as pre_tokens W - 1 "
                                   "(every sliding layer with NPU_SHIM_VLLM_ASCEND_SWA_WINDOW_EDGE=1)",

@@ -35,7 +35,31 @@ import zipfile
 
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 MEMBER = TARGET.replace(".", "/") + ".py"
-OLD_VERSION = "0.5.12"
+LANES_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))))), "lanes")
+
+
+def old_version():
+    """The release whose ``do_cp_attn_fia`` goes into the build: the newest sglang a lane pins
+    below the installed one (the fix's release, 0.5.13, whose marker selects the lane), read
+    from the pin files, not written here."""
+    import re
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    installed = Version(version("sglang"))
+    pins = set()
+    for name in os.listdir(LANES_DIR):
+        if name.endswith(".txt"):
+            with open(os.path.join(LANES_DIR, name)) as pin_file:
+                pins.update(re.findall(r"^sglang==(\S+)", pin_file.read(), re.M))
+    older = [pin for pin in pins if Version(pin) < installed]
+    if not older:
+        raise RuntimeError("no lane pins an sglang below the installed %s" % installed)
+    return max(older, key=Version)
+
+
 WHEEL_ENV = "NPU_SHIM_TEST_SGLANG_0_5_12_WHEEL"
 
 
@@ -48,18 +72,19 @@ def find_or_fetch_old_wheel(cache_dir):
             raise FileNotFoundError("%s=%s does not exist" % (WHEEL_ENV, path))
         return path
     os.makedirs(cache_dir, exist_ok=True)
+    old = old_version()
     for name in sorted(os.listdir(cache_dir)):
-        if name.startswith("sglang-%s-" % OLD_VERSION) and name.endswith(".whl"):
+        if name.startswith("sglang-%s-" % old) and name.endswith(".whl"):
             return os.path.join(cache_dir, name)
     proc = subprocess.run(
         [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-         "sglang==%s" % OLD_VERSION, "-d", cache_dir],
+         "sglang==%s" % old, "-d", cache_dir],
         capture_output=True, text=True, timeout=300)
     for name in sorted(os.listdir(cache_dir)):
-        if name.startswith("sglang-%s-" % OLD_VERSION) and name.endswith(".whl"):
+        if name.startswith("sglang-%s-" % old) and name.endswith(".whl"):
             return os.path.join(cache_dir, name)
     raise RuntimeError("could not obtain the sglang %s wheel (set %s to its path):\n%s"
-                       % (OLD_VERSION, WHEEL_ENV, proc.stdout + proc.stderr))
+                       % (old, WHEEL_ENV, proc.stdout + proc.stderr))
 
 
 def read_wheel_member(wheel_path, member=MEMBER):
@@ -125,7 +150,7 @@ def install_broken_window(wheel_path):
     with open(spec.origin) as handle:
         new_source = handle.read()
     old_method = method_source(read_wheel_member(wheel_path))
-    origin = "%s [installed file, do_cp_attn_fia from sglang %s wheel]" % (spec.origin, OLD_VERSION)
+    origin = "%s [installed file, do_cp_attn_fia from sglang %s wheel]" % (spec.origin, old_version())
     sys.meta_path.insert(0, _SourceFinder(TARGET, splice_method(new_source, old_method), origin))
     return old_method, origin
 

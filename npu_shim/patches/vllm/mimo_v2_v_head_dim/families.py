@@ -166,7 +166,7 @@ class _VHeadDim:
 
     def build(self, module, context):
         layer = module_class(module, CLASS)
-        edited = context.found if isinstance(context.found, dict) else self.check(module, context)
+        edited = context.found       # check's {path: edited} (the engine hands it to build)
         init, forward = own_function(layer, "__init__"), own_function(layer, "forward")
         return {
             CLASS + ".__init__": context.present(
