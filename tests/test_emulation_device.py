@@ -21,7 +21,7 @@ def test_in_own_process():
     if CHILD:
         pytest.skip("this is the child")
     env = dict(os.environ, NPU_SHIM_EMULATE="1", NPU_SHIM_EMULATE_DEVICE="1")
-    flags = ["-P"] if sys.flags.safe_path else []
+    flags = ["-P"] if getattr(sys.flags, "safe_path", False) else []   # -P: Python 3.11 on
     proc = subprocess.run([sys.executable, *flags, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__],
                           env=env, capture_output=True, text=True, timeout=600)
     tail = proc.stdout[-4000:] + proc.stderr[-2000:]
