@@ -9,10 +9,9 @@ target the way the lane gate does (``npu-shim status --json --import``, lanes/re
 """
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from reported_as import run_reported_as  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
 from packaging.version import Version
 
 from npu_shim import evidence
@@ -49,19 +48,7 @@ with targets_importable():
 
 
 def fresh(code, tmp_path, version=None, args=(), **env):
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("NPU_SHIM")}
-    environ.update(env, NPU_SHIM_EMULATE="1")
-    path = [PLACEHOLDERS]
-    if version:
-        info = tmp_path / ("sglang-%s.dist-info" % version)
-        info.mkdir()
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: %s\n" % version)
-        path.insert(0, str(tmp_path))
-    environ["PYTHONPATH"] = os.pathsep.join(path)
-    proc = subprocess.run([sys.executable, "-P", "-c", code, *args], env=environ, cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return run_reported_as("sglang", code, tmp_path, version, args, path=[PLACEHOLDERS], **env)
 
 
 def status(tmp_path, version=None):

@@ -14,10 +14,9 @@ refused by structure) is tests/lanes/test_vllm_ascend_unread_release.py's.
 import importlib
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from reported_as import run_reported_as  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
 from packaging.version import Version
 
 from npu_shim import evidence
@@ -54,17 +53,7 @@ except PatchError as exc:
 
 
 def fresh(code, tmp_path, version=None, args=(), **env):
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("NPU_SHIM")}
-    environ.update(env, NPU_SHIM_EMULATE="1", NPU_SHIM_ENABLE=NAME)
-    if version:
-        info = tmp_path / ("%s-%s.dist-info" % (DIST, version))
-        info.mkdir(exist_ok=True)
-        (info / "METADATA").write_text("Metadata-Version: 2.1\nName: %s\nVersion: %s\n" % (DIST, version))
-        environ["PYTHONPATH"] = str(tmp_path)
-    proc = subprocess.run([sys.executable, "-P", "-c", code, *args], env=environ, cwd=str(tmp_path),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc.stdout
+    return run_reported_as(DIST, code, tmp_path, version, args, NPU_SHIM_ENABLE=NAME, **env)
 
 
 def row(tmp_path, version=None):
