@@ -27,8 +27,6 @@ Tests:
 
 The two-process (gloo) test is in test_sglang_cp_fia_gloo.py.
 """
-import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -49,7 +47,7 @@ PLACEHOLDERS = os.path.join(REPO, "tests", "placeholders")
 TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 
 
-from sglang_support import broken_window  # noqa: E402  (tests/lanes/conftest.py)
+from sglang_support import broken_window, shim  # noqa: E402  (tests/lanes/conftest.py)
 
 from npu_shim.testing import cp_case  # noqa: E402
 
@@ -88,14 +86,7 @@ SPECS = _specs()
 
 @pytest.fixture(scope="module")
 def module():
-    import npu_shim
-    from npu_shim import emulation
-
-    emulation.install()        # the stand-in: torch_npu = npu-shim's emulation
-    npu_shim.install()
-    target = importlib.import_module(TARGET)
-    cp_case.set_cpu_server_args()
-    return target
+    return shim.install(TARGET)[0]
 
 
 @pytest.fixture(scope="module")

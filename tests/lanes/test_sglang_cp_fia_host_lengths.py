@@ -19,7 +19,6 @@ shuffled pages, float16):
 * the output matches the float64 causal reference on the logical rows, and the
   pad rows are zero.
 """
-import importlib
 import os
 
 import pytest
@@ -28,7 +27,7 @@ import npu_shim
 
 pytestmark = [pytest.mark.claimed("sglang.cp_fia_host_lengths"), pytest.mark.patch("sglang.cp_fia_host_lengths")]
 
-from sglang_support import cp_strategy_case  # noqa: E402  (tests/lanes/conftest.py)
+from sglang_support import cp_strategy_case, shim  # noqa: E402  (tests/lanes/conftest.py)
 
 from npu_shim.testing import cp_case  # noqa: E402
 from npu_shim.testing.claims import claimed_family  # noqa: E402
@@ -61,14 +60,7 @@ SPECS = _specs()
 
 @pytest.fixture(scope="module")
 def module():
-    import npu_shim
-    from npu_shim import emulation
-
-    emulation.install()
-    npu_shim.install()
-    target = importlib.import_module(TARGET)
-    cp_case.set_cpu_server_args()
-    return target
+    return shim.install(TARGET)[0]
 
 
 @pytest.fixture(scope="module")

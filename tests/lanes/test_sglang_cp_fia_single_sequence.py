@@ -14,10 +14,9 @@ on ``device="cuda"`` unconditionally and cannot run on this CPU-only machine;
 the method reads only the scalar fields set here, and sglang's own
 ``cp_split_and_rebuild_data`` reads ``split_list`` / ``zigzag_index``.
 """
-import importlib
-
 import pytest
 from npu_shim.testing import cp_case
+from sglang_support import shim  # (tests/lanes/conftest.py)
 
 # the newest release with the single-sequence method (the subject)
 pytestmark = [pytest.mark.claimed("sglang.cp_fia", window=True, pinned={"sglang": ("0.5.12",)}),
@@ -28,14 +27,7 @@ TARGET = "sglang.srt.hardware_backend.npu.attention.ascend_backend"
 
 @pytest.fixture(scope="module")
 def module():
-    import npu_shim
-    from npu_shim import emulation
-
-    emulation.install()
-    npu_shim.install()
-    target = importlib.import_module(TARGET)
-    cp_case.set_cpu_server_args()
-    return target
+    return shim.install(TARGET)[0]
 
 
 def single_sequence_metadata(spec, rank):

@@ -55,16 +55,7 @@ MODE_IDS = ["eager", "graph-fia"]
 
 @pytest.fixture(scope="module")
 def shim():
-    import npu_shim
-    from npu_shim import emulation
-
-    emulation.install()
-    npu_shim.install()
-    importlib.import_module(case.POOL)
-    importlib.import_module(case.BACKEND)
-    importlib.import_module(case.CONFIGURATOR if case.builder_kind() == "builder" else case.MIXIN)
-    cp_case.set_cpu_server_args()
-    return npu_shim
+    return case.install_shim()
 
 
 def _batches(dtype, seed):

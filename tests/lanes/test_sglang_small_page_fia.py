@@ -23,7 +23,6 @@ real):
 * 0.5.11 (outside the window): skipped, and the reason shown -- its own FIA
   prefill branch is right without a cached prefix and wrong with one.
 """
-import importlib
 import json
 import os
 
@@ -34,7 +33,7 @@ import npu_shim
 pytestmark = [pytest.mark.claimed("sglang.small_page_fia"),
               pytest.mark.patch("sglang.small_page_fia")]
 
-from sglang_support import prefill_case  # noqa: E402  (tests/lanes/conftest.py)
+from sglang_support import prefill_case, shim  # noqa: E402  (tests/lanes/conftest.py)
 
 from npu_shim.testing import cp_case  # noqa: E402
 from npu_shim.testing.claims import claimed_family  # noqa: E402
@@ -47,14 +46,7 @@ FIA, QLENS = "npu_fused_infer_attention_score", "_npu_flash_attention_qlens"
 
 @pytest.fixture(scope="module")
 def modules():
-    import npu_shim
-    from npu_shim import emulation
-
-    emulation.install()
-    npu_shim.install()
-    target = importlib.import_module(TARGET)
-    cp_case.set_cpu_server_args()
-    return target, importlib.import_module(POOL)
+    return shim.install(TARGET, POOL)
 
 
 @pytest.fixture(scope="module")

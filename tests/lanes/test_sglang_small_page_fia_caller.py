@@ -16,14 +16,12 @@ float64 causal reference within the dtype's tolerance and the one NPU call made 
 same caller makes upstream's ``_npu_flash_attention_qlens`` call, the op reported wrong at these page
 sizes on the hardware (sglang #38196 / PR #39905), and the test fails.
 """
-import importlib
-
 import pytest
 
 NAME = "sglang.small_page_fia"
 pytestmark = [pytest.mark.claimed(NAME), pytest.mark.patch(NAME)]
 
-from sglang_support import prefill_case  # noqa: E402  (tests/lanes/conftest.py)
+from sglang_support import prefill_case, shim  # noqa: E402  (tests/lanes/conftest.py)
 from sglang_support.published import published  # noqa: E402
 
 from npu_shim.testing import cp_case  # noqa: E402
@@ -42,14 +40,7 @@ SPECS = [
 
 @pytest.fixture(scope="module")
 def modules():
-    import npu_shim
-    from npu_shim import emulation
-
-    emulation.install()
-    npu_shim.install()
-    target = importlib.import_module(TARGET)
-    cp_case.set_cpu_server_args()
-    return target, importlib.import_module(POOL)
+    return shim.install(TARGET, POOL)
 
 
 @pytest.fixture(autouse=True)

@@ -19,15 +19,10 @@ def install_shim():
     """The emulation and the shim installed, the modules the patches target imported, sglang's
     server args set for CPU; returns ``npu_shim`` (the test modules' fixture)."""
     import npu_shim
-    from npu_shim import emulation
-    from npu_shim.testing import cp_case
 
-    emulation.install()
-    npu_shim.install()
-    importlib.import_module(POOL)
-    importlib.import_module(BACKEND)
-    importlib.import_module(CONFIGURATOR if builder_kind() == "builder" else MIXIN)
-    cp_case.set_cpu_server_args()
+    from sglang_support import shim
+
+    shim.install(POOL, BACKEND, lambda: CONFIGURATOR if builder_kind() == "builder" else MIXIN)
     return npu_shim
 
 
