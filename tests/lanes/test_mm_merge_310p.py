@@ -19,20 +19,14 @@ from npu_shim.patches.vllm.mm_merge_310p import FUNCTION, NAME, PATCH, TARGET
 
 pytestmark = [pytest.mark.claimed(NAME), pytest.mark.patch(NAME)]
 
-SOC_310P = "Ascend310P3"
-HIDDEN = 64
-SPANS = ((2, 5), (9, 13))          # two items: 3 and 4 placeholder rows in 16
-ROWS = 16
+from mm_merge_310p_case import HIDDEN, ROWS, SOC_310P, SPANS  # noqa: E402  (tests/lanes/conftest.py)
 
 
 @pytest.fixture(scope="module")
 def utils():
-    from npu_shim.testing import towers
+    import mm_merge_310p_case
 
-    towers.setup()                  # emulation first, then the shim, then vLLM's modules
-    import torch_npu  # noqa: F401  (a vllm-ascend worker has it imported; the patch asks it the SoC)
-
-    return sys.modules[TARGET]
+    return mm_merge_310p_case.setup()
 
 
 @pytest.fixture

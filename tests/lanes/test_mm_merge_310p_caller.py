@@ -25,22 +25,18 @@ from npu_shim.patches.vllm.mm_merge_310p import NAME, TARGET
 
 pytestmark = [pytest.mark.claimed(NAME), pytest.mark.patch(NAME)]
 
-SOC_310P = "Ascend310P3"
-HIDDEN = 64
+from mm_merge_310p_case import HIDDEN, ROWS, SOC_310P, SPANS  # noqa: E402  (tests/lanes/conftest.py)
+
 VOCAB = 64                         # vLLM pads the vocabulary to a multiple of 64
 IMAGE_TOKEN = 7
-SPANS = ((2, 5), (9, 13))          # two items: 3 and 4 placeholder rows in 16
-ROWS = 16
 
 
 @pytest.fixture(scope="module")
 def model():
+    import mm_merge_310p_case
     import torch
 
-    from npu_shim.testing import towers
-
-    towers.setup()                  # emulation first, then the shim, then vLLM's modules
-    import torch_npu  # noqa: F401  (a vllm-ascend worker has it imported; the patch asks it the SoC)
+    mm_merge_310p_case.setup()
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
     from vllm.model_executor.models.interfaces import SupportsMultiModal
 
