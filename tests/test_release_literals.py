@@ -47,8 +47,6 @@ ALLOWED = {
 PENDING = {
     "tests/lanes/test_tower_census.py",
     "tests/lanes/test_mm_encoder.py",
-    "tests/lanes/test_mm_encoder_fia.py",
-    "tests/lanes/test_mimo_v2_flash.py",
 }
 
 

@@ -26,10 +26,8 @@ model runner itself (its metadata builder, its cache allocation, ACL graphs): th
 caches are built here as the runner builds them for one sequence.
 """
 import contextlib
-import importlib.metadata
 
 import pytest
-from packaging.version import Version
 
 PAD = ("vllm.mimo_v2_v_head_dim", "vllm.mimo_v2_flash_v_head_dim")
 IMPL_PATCH = "vllm.ascend_attention_v_head_dim"
@@ -39,10 +37,6 @@ REFUSED = (r"MiMoV2Attention layer 'model\.layers\.\d+\.self_attn\.attn' \(learn
            r"op-plugin revision 5e735e5.*GQA和PA场景不支持V_D等于192.*仅支持value的d小于等于128.*"
            r"vLLM's own model makes the same padded call in the releases where it pads V itself\. "
            r"NPU_SHIM_VLLM_MIMO_PAD_SINKS=1 builds it padded anyway")
-
-
-def _vllm():
-    return Version(importlib.metadata.version("vllm"))
 
 
 def _ascend_or_skip():
@@ -95,30 +89,54 @@ def test_patches_applied(mimo):
 # ---------------------------------------------------------------------------------------------
 # Before: upstream's __init__ on each release (the model hands the layer a DiffKV backend).
 
-@pytest.mark.claimed(*PAD)
+# Upstream's DiffKV path by the releases whose code the tests below read (the release ranges are
+# the markers': vLLM before 0.24 selects FlashAttention's DiffKV backend, whose sliding-window
+# layer needs a name vLLM's module lacks; from 0.24 Triton's, packing K|V in one last dim until
+# 0.29, which drops its get_kv_cache_shape)
+FLASH_DIFFKV = pytest.mark.claimed(*PAD, pinned={"vllm": "<0.24"})
+TRITON_PACKED = pytest.mark.claimed(PAD[0], pinned={"vllm": ">=0.24,<0.29"})
+TRITON_NO_SHAPE = pytest.mark.claimed(PAD[0], pinned={"vllm": ">=0.29"})
+
+
+@FLASH_DIFFKV
 @pytest.mark.patch(*PAD)
-def test_upstream_diffkv_path_fails_on_ascend(mimo):
-    version = _vllm()
+def test_upstream_diffkv_path_fails_on_ascend_flash(mimo):
     init = mimo.upstream_init()
-    if version < Version("0.24"):
-        full = mimo.build_layer("full", init=init)
-        assert full.attn.attn_backend.__name__ == "FlashAttentionDiffKVBackend"
-        with pytest.raises(NameError, match="flash_attn_supports_sinks"):
-            mimo.build_layer("swa", init=init)
-        return
+    full = mimo.build_layer("full", init=init)
+    assert full.attn.attn_backend.__name__ == "FlashAttentionDiffKVBackend"
+    with pytest.raises(NameError, match="flash_attn_supports_sinks"):
+        mimo.build_layer("swa", init=init)
+
+
+@TRITON_PACKED
+@pytest.mark.patch(*PAD)
+def test_upstream_diffkv_path_fails_on_ascend_triton_packed(mimo):
+    for backend in _upstream_triton_backends(mimo):
+        # packed K|V in one last dim: no leading 2 for vllm-ascend's runner to split K and V by
+        shape = backend.get_kv_cache_shape(8, 16, mimo.KV_HEADS, mimo.HEAD_DIM)
+        assert shape[-1] == mimo.HEAD_DIM + mimo.V_HEAD_DIM and shape[0] != 2, shape
+
+
+@TRITON_NO_SHAPE
+@pytest.mark.patch(*PAD)
+def test_upstream_diffkv_path_fails_on_ascend_triton(mimo):
+    for backend in _upstream_triton_backends(mimo):
+        with pytest.raises(AttributeError, match="get_kv_cache_shape"):
+            backend.get_kv_cache_shape(8, 16, mimo.KV_HEADS, mimo.HEAD_DIM)
+
+
+def _upstream_triton_backends(mimo):
+    """The backend of each kind of layer upstream's __init__ builds (Triton's DiffKV backend)."""
+    init = mimo.upstream_init()
+    backends = []
     for kind in mimo.KINDS:
         layer = mimo.build_layer(kind, init=init)
         backend = layer.attn.attn_backend
         assert backend.__name__ == "TritonAttentionDiffKVBackend"
-        if version < Version("0.29"):
-            # packed K|V in one last dim: no leading 2 for vllm-ascend's runner to split K and V by
-            shape = backend.get_kv_cache_shape(8, 16, mimo.KV_HEADS, mimo.HEAD_DIM)
-            assert shape[-1] == mimo.HEAD_DIM + mimo.V_HEAD_DIM and shape[0] != 2, shape
-        else:
-            with pytest.raises(AttributeError, match="get_kv_cache_shape"):
-                backend.get_kv_cache_shape(8, 16, mimo.KV_HEADS, mimo.HEAD_DIM)
-    # the DiffKV backends keep the value head dim on the class: upstream set it for every model
-    assert backend.head_size_v == mimo.V_HEAD_DIM
+        # the DiffKV backends keep the value head dim on the class: upstream set it for every model
+        assert backend.head_size_v == mimo.V_HEAD_DIM
+        backends.append(backend)
+    return backends
 
 
 # ---------------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ def stack():
         config=VllmConfig(device_config=DeviceConfig(device="cpu")), status=row,
         version=version, family=claimed_family(PATCH_NAME).name,
         family_module=claimed_family(PATCH_NAME).implementation,
-        ignores_scale=version.startswith("0.22"))
+        ignores_scale=claimed_family(PATCH_NAME).implementation == FUSED_INFER[0])   # the v022 family's code
 
 
 def npu_shim_stats():
