@@ -50,7 +50,8 @@ Environment per Kind (the reasons are in the pin files):
   vLLM keeps its non-NPU platform, while the shim's own vllm.general_plugins entry runs.
 - ``sglang``: ``PYTHONPATH=tests/placeholders``: the import placeholder for
   ``sgl_kernel_npu`` (NPU-only, not on the package index, never called by the tested path),
-  which sglang's Ascend attention backend imports at module top.
+  which sglang's Ascend attention backend imports at module top; and one for ``torchair``
+  (NPU-only graph compiler, built by sglang's engine at import, never compiling: engines run eager).
 - ``base``: nothing.
 ``NPU_SHIM_EMULATE`` is not set for pytest: tests that need torch_npu install the emulation
 themselves (and some check the default). report.py sets it to 1 only for

@@ -188,6 +188,35 @@ def test_emulated_attention_on_npu_tensors_against_float64():
     torch.testing.assert_close(out2.cpu(), out.cpu(), atol=0, rtol=0)
 
 
+@child_only
+def test_seed_profiler_patches_and_ipc_as_sglang_uses_them():
+    # torch.manual_seed seeds every custom device too (torch.random._seed_custom_device calls
+    # torch.npu.manual_seed): with the device active that must not recurse (it did, without end).
+    torch.manual_seed(7)
+    first = torch.randn(4, device="npu").cpu()
+    torch.npu.manual_seed(7)
+    assert torch.equal(torch.randn(4, device="npu").cpu(), first)
+    # torch_npu._apply_patches: each [dotted name under torch, value] is set on torch (sglang's
+    # profile_utils swaps in torch_npu's profiler at import); a name torch lacks is refused by name.
+    import torch.profiler as torch_profiler
+
+    saved = torch_profiler.profile
+    try:
+        torch_npu._apply_patches([["profiler.profile", torch_npu.profiler.profile],
+                                  ["profiler.ProfilerActivity.CPU", torch_npu.profiler.ProfilerActivity.CPU]])
+        assert torch_profiler.profile is torch_npu.profiler.profile
+        assert torch_npu.profiler.ProfilerActivity.NPU == torch_profiler.ProfilerActivity.CPU
+    finally:
+        torch_profiler.profile = saved
+    with pytest.raises(AttributeError, match="no_such_module"):
+        torch_npu._apply_patches([["no_such_module.f", None]])
+    # sharing a device tensor between processes is refused by name, not faked
+    from torch_npu.multiprocessing import reductions
+
+    with pytest.raises(NotImplementedError, match="rebuild_npu_tensor"):
+        reductions.rebuild_npu_tensor()
+
+
 # The cases run in the child only: in the lane's process they are not collected (not skipped).
 CASES = sum(1 for name in list(globals()) if name.startswith("test_") and name != "test_in_own_process")
 if not CHILD:

@@ -47,7 +47,28 @@ npu_moe_init_routing_v2 = _registry.PUBLIC["npu_moe_init_routing_v2"]
 npu_grouped_matmul = _registry.PUBLIC["npu_grouped_matmul"]
 npu_moe_token_unpermute = _registry.PUBLIC["npu_moe_token_unpermute"]
 
-from torch_npu import _C, npu  # noqa: E402  (submodules after the ops exist)
+from torch_npu import _C, multiprocessing, npu, profiler  # noqa: E402  (submodules after the ops exist)
+
+
+def _apply_patches(patches):
+    """torch_npu's patch hook: each ``[dotted name under torch, value]`` is set on ``torch``.
+
+    As the real one, ``["profiler.profile", torch_npu.profiler.profile]`` makes
+    ``torch.profiler.profile`` torch_npu's (sglang.srt.utils.profile_utils calls it at import).
+    A name that does not lead to an attribute of ``torch`` is refused by name.
+    """
+    for entry in patches:
+        if len(entry) != 2 or not isinstance(entry[0], str):
+            raise TypeError(f"torch_npu._apply_patches: each patch is [dotted name, value], got {entry!r}")
+        name, value = entry
+        *path, last = name.split(".")
+        target = torch
+        for part in path:
+            if not hasattr(target, part):
+                raise AttributeError(f"torch_npu._apply_patches: torch has no {name!r} to patch ({part!r} missing)")
+            target = getattr(target, part)
+        setattr(target, last, value)
+
 
 # Import placeholders (npu_shim.emulation.placeholders): torch_npu's own dtype ids, which
 # vllm-ascend (0.21.0rc1 on) reads at import time; using one anywhere fails.

@@ -103,9 +103,14 @@ def _is_in_bad_fork():
 
 
 def manual_seed(seed):
+    """Seed the device's generator: the held host tensors draw from the CPU default generator.
+
+    Not ``torch.manual_seed``: with the device active that seeds every custom device too
+    (``torch.random._seed_custom_device`` calls this function), which recursed without end.
+    """
     import torch
 
-    torch.manual_seed(seed)
+    torch.default_generator.manual_seed(int(seed))
 
 
 manual_seed_all = manual_seed

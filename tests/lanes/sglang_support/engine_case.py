@@ -1,0 +1,41 @@
+"""Child process: sglang's real engine, ``sglang.Engine(device="npu", attention_backend="ascend")``,
+on the emulated Ascend device (tests/lanes/test_engine_sglang.py runs it).
+
+argv: a model folder (a tiny random-weight Qwen2 the test saved), a JSON file of prompts (token
+ids). Prints one line ``ENGINE_RESULT <json>``: the greedy tokens per prompt, and the server
+arguments the engine resolved (device, attention backend). The emulation is installed here, at
+module top, so sglang's spawned scheduler and detokenizer (multiprocessing spawn runs this module
+again as ``__mp_main__``) get it too, with the shim on or off (``NPU_SHIM``) alike.
+"""
+import json
+import os
+import sys
+
+from npu_shim import emulation
+
+emulation.install()
+
+
+def main(model_dir, prompts_file, max_new_tokens):
+    import sglang
+
+    with open(prompts_file) as f:
+        prompts = json.load(f)
+    engine = sglang.Engine(model_path=model_dir, device="npu", attention_backend="ascend",
+                           disable_cuda_graph=True, skip_tokenizer_init=True, tp_size=1,
+                           mem_fraction_static=0.5, context_length=128, dtype="float32",
+                           random_seed=0, log_level="info")
+    try:
+        args = engine.server_args
+        outs = engine.generate(input_ids=prompts,
+                               sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
+        result = {"tokens": [o["output_ids"] for o in outs], "device": args.device,
+                  "attention_backend": args.attention_backend}
+    finally:
+        engine.shutdown()
+    print("ENGINE_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    os._exit(0)

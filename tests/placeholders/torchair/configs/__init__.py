@@ -1,0 +1,1 @@
+"""Import placeholder for ``torchair.configs`` (see ``torchair``)."""

@@ -1,0 +1,1 @@
+"""Import placeholder (see ``torchair``)."""
