@@ -26,11 +26,11 @@ the suites after the lane's own tests and adds their verdicts to the lane's repo
   ``sys.modules["torch_npu"]`` when ``npu-smi`` is absent (MagicMock ops, which the tests patch
   and inspect), replacing the emulation before vllm-ascend is imported, so the tests see
   upstream's stand-in, as in upstream's CPU CI; the conftests of 0.18.0 - 0.20.2rc1 expect an
-  installed torch_npu, and the emulation is that one. The conftest's ``adapt_patch()`` is left
+  installed torch_npu, and the emulation is that one, with its device (EMULATED_DEVICE: ``torch.npu``, as
+  importing the real one adds it). The conftest's ``adapt_patch()`` is left
   out (CONFTEST_STANDINS: a recorded no-op), because it imports vllm-ascend's whole patch tree
   and, through it, parts of vLLM that need what the lanes do not install (torchvision, triton,
-  a working xgrammar); below 0.21.0rc1 ``register_ascend_customop()`` too (it needs torch.npu,
-  which a real torch_npu adds and the emulation does not).
+  a working xgrammar); from 0.28.0rc1 ``register_ascend_customop()`` too (scipy).
 - Verdicts: each test's outcome is compared with DIFFERENCES, the declared differences (test
   pattern x release window -> expected outcome, with reason and evidence). A test that fails
   (or errors, or skips) without a declaration fails the lane; so does a declaration whose test
@@ -115,7 +115,7 @@ SUITES = (
     Suite("vllm-ascend:mm_encoder_attention_310p", "vllm-ascend",
           ("tests/ut/_310p/ops/test_mm_encoder_attention_310.py",), ("vllm.mm_encoder_attn_310p",), ">=0.18.0"),
     Suite("vllm-ascend:attention_v1", "vllm-ascend", ("tests/ut/attention/test_attention_v1.py",),
-          ("vllm.ascend_attention_v_head_dim",), ">=0.27.1rc1"),
+          ("vllm.ascend_attention_v_head_dim",), "==0.20.2rc1 | >=0.27.1rc1"),
     Suite("vllm-ascend:attention_v1_a2", "vllm-ascend", ("tests/ut/attention/a2/test_attention_v1.py",),
           ("vllm.ascend_attention_v_head_dim",), ">=0.21.0rc1,<0.27.1rc1"),
     Suite("vllm-ascend:attn_utils_v2", "vllm-ascend", ("tests/ut/worker/test_attn_utils_v2.py",),
@@ -139,11 +139,6 @@ NO_SUITES = {
         "numba; with numba stood in, vllm_ascend.attention.indexer's scipy), neither of which the lanes install; "
         "calc_split_factor, the patched function, is reached by tests/ut/worker/test_attn_utils_v2.py (0.27.1rc1 "
         "on, suite vllm-ascend:attn_utils_v2)",
-    "vllm-ascend 0.20.2rc1's tests/ut/attention/test_attention_v1.py (vllm.ascend_attention_v_head_dim)":
-        "tried as a suite on lane vllm-0.20: the module does not import (vllm_ascend.compilation.acl_graph reads "
-        "torch.npu.NPUGraph at import; below 0.21.0rc1 the conftest sets no torch.npu stand-in and the emulation "
-        "adds none, as for register_ascend_customop in CONFTEST_STANDINS); the file runs from 0.27.1rc1 (suite "
-        "vllm-ascend:attention_v1) and as tests/ut/attention/a2/test_attention_v1.py in 0.21.0rc1 - 0.26.0rc1",
     "vllm-ascend 0.27.1rc1 - 0.29.0rc1's tests/ut/worker/test_attn_utils_v2.py (vllm.ascend_kv_split_exact)":
         "tried as a suite on lanes vllm-0.27 - vllm-0.29: the module does not import in the lanes, without the "
         "shim as well (0.29.0rc1, run --without-shim: the same collection error; 0.27.1rc1: vLLM 0.27's "
@@ -196,12 +191,12 @@ CONFTEST_STANDINS = {
         "install (0.18.0: torch.npu, which a real torch_npu adds; 0.26.0rc1: a working xgrammar, via vllm.lora); "
         "the suites' tests use none of those patches"),
     "vllm_ascend.utils.register_ascend_customop": (
-        "<0.21.0rc1 | >=0.28.0rc1",
-        "below 0.21.0rc1 the conftest has no torch.npu stand-in (from 0.21.0rc1 it sets torch.npu to a MagicMock "
-        "when npu-smi is absent), and register_ascend_customop imports vllm_ascend.ops, whose fused-MoE modules "
-        "read torch.npu at import: AttributeError, without the shim as well (docs/upstream-evidence.md section "
-        "3.2); from 0.28.0rc1 it imports vllm_ascend.attention.indexer, which imports scipy, which the lanes do "
-        "not install (ModuleNotFoundError, without the shim as well)"),
+        ">=0.28.0rc1",
+        "from 0.28.0rc1 it imports vllm_ascend.attention.indexer, which imports scipy, which the lanes do "
+        "not install (ModuleNotFoundError, without the shim as well). Below 0.21.0rc1 (no torch.npu stand-in "
+        "in the conftest) the real one runs, on the emulation's device (EMULATED_DEVICE): without the device it "
+        "raised AttributeError (vllm_ascend.ops' fused-MoE modules read torch.npu at import; "
+        "docs/upstream-evidence.md section 3.2)"),
     "vllm.platforms.interface:Platform.get_global_graph_pool": (
         ">=0.23.0",
         "with the platform plugin off, vLLM's current_platform is UnspecifiedPlatform, whose graph_pool_handle is "
@@ -210,6 +205,25 @@ CONFTEST_STANDINS = {
         "two capture tests); the stand-in answers with STANDIN_GRAPH_POOL, as NPUPlatform answers with "
         "torch.npu's graph pool handle (the tests patch torch.npu.graph / NPUGraph, which receive it)"),
 }
+
+
+# Releases whose suites run with the emulation's device (``NPU_SHIM_EMULATE_DEVICE=1``,
+# npu_shim/emulation/device.py: ``torch.npu`` a one-device machine, as importing the real torch_npu
+# makes it), with and without the shim: window -> why. Below 0.21.0rc1 upstream's conftest sets no
+# ``torch.npu`` stand-in (it expects an installed torch_npu), and the emulation without its device
+# adds no ``torch.npu``.
+EMULATED_DEVICE = {
+    "<0.21.0rc1": "0.20.2rc1's tests/ut/attention/test_attention_v1.py imports vllm_ascend.attention.attention_v1, "
+                  "which imports vllm_ascend.compilation.acl_graph, which reads torch.npu.NPUGraph at import: "
+                  "without the device, AttributeError (module 'torch' has no attribute 'npu') at collection, with "
+                  "and without the shim; with it, the emulation's torch.npu answers (NPUGraph a placeholder class "
+                  "that raises when instantiated, which only a graph capture does, and no test of the file captures)",
+}
+
+
+def emulated_device(version):
+    """Whether the suites of ``version`` run with the emulation's device (EMULATED_DEVICE)."""
+    return any(in_window(version, window) for window in EMULATED_DEVICE)
 
 
 # Ops the tests patch by name (``patch("torch_npu.<op>")``, which needs the attribute to exist) but
@@ -250,11 +264,11 @@ DIFFERENCES = (
                GQA_EVIDENCE),
     Difference("vllm-ascend:mm_encoder_attention_310p",
                "tests/ut/_310p/ops/test_mm_encoder_attention_310.py::test_register_customop_overrides_mm_encoder_attention_for_310p",
-               "<0.21.0rc1 | >=0.28.0rc1", "failed",
+               ">=0.28.0rc1", "failed",
                "not a difference of the shim: register_ascend_customop is a stand-in here (CONFTEST_STANDINS), so "
                "the test's own call registers nothing (KeyError 'MMEncoderAttention'); the real one fails without "
-               "the shim as well (below 0.21.0rc1: no torch.npu; from 0.28.0rc1: no scipy in the lanes)",
-               "docs/upstream-evidence.md section 3.2 (the 0.18.0 run by hand: the register test fails both ways); "
+               "the shim as well (from 0.28.0rc1: no scipy in the lanes). Below 0.21.0rc1 it passes, the real "
+               "one running on the emulation's device (EMULATED_DEVICE)",
                "lanes/upstream_tests.py run LANE ARCHIVE --without-shim"),
     Difference("vllm-ascend:attn_utils_v2",
                "tests/ut/worker/test_attn_utils_v2.py::test_main_entry_allocates_and_reshapes_kvpp_views[[]mla[]]",
@@ -454,6 +468,8 @@ def run(lane, archive, env, shim=True):
             run_env["NPU_SHIM_UPSTREAM_NO_SHIM"] = "1"
             run_env["VLLM_PLUGINS"] = ""  # not even the shim's vLLM plugin
             run_env["NPU_SHIM"] = "0"  # the emulated torch_npu imports npu_shim, which would install it
+        if emulated_device(version):
+            run_env["NPU_SHIM_EMULATE_DEVICE"] = "1"
         test_files = [name for suite in suites for name in suite.files]
         command = [sys.executable, os.path.abspath(__file__), "pytest", "--", *test_files, "-q", "--continue-on-collection-errors",
                    "-p", "no:cacheprovider", "--rootdir", scratch]

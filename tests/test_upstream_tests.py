@@ -70,13 +70,17 @@ def _judge(tests, version="0.18.0", stats=None):
 
 
 def test_declared_differences_are_declared_different():
-    rows, problems = _judge({GQA: {"outcome": "failed"}, REGISTER: {"outcome": "failed"}})
+    rows, problems = _judge({GQA: {"outcome": "failed"}, REGISTER: {"outcome": "failed"}}, version="0.28.0rc1")
     assert problems == []
     assert (rows[0]["passed"], rows[0]["declared"], rows[0]["failed"]) == (0, 2, 0)
+    # 0.18.0: the register test is declared only from 0.28.0rc1 (below 0.21.0rc1 it runs on the emulated device)
+    rows, problems = _judge({GQA: {"outcome": "failed"}, REGISTER: {"outcome": "passed"}})
+    assert problems == []
+    assert (rows[0]["passed"], rows[0]["declared"], rows[0]["failed"]) == (1, 1, 0)
 
 
 def test_an_undeclared_failure_fails_the_lane():
-    # 0.21.0rc1: the register test is declared only below it
+    # 0.21.0rc1: the register test is declared only from 0.28.0rc1
     rows, problems = _judge({GQA: {"outcome": "failed"}, REGISTER: {"outcome": "failed", "message": "boom"}},
                             version="0.21.0rc1")
     assert rows[0]["failed"] == 1
@@ -84,7 +88,7 @@ def test_an_undeclared_failure_fails_the_lane():
 
 
 def test_a_declared_difference_that_stops_happening_is_stale():
-    rows, problems = _judge({GQA: {"outcome": "passed"}, REGISTER: {"outcome": "failed"}})
+    rows, problems = _judge({GQA: {"outcome": "passed"}, REGISTER: {"outcome": "passed"}})
     assert rows[0]["failed"] == 1
     assert any("a stale declaration" in problem and GQA in problem for problem in problems)
 
@@ -97,7 +101,7 @@ def test_a_declared_difference_whose_test_is_gone_is_stale():
 @pytest.mark.parametrize("stats, expected", [({}, "was absent"), (_stats(state="skipped"), "was skipped"),
                                              (_stats(calls=0), "no test reached it")])
 def test_a_suite_that_did_not_test_the_shim_fails(stats, expected):
-    _, problems = _judge({GQA: {"outcome": "failed"}, REGISTER: {"outcome": "failed"}}, stats=stats)
+    _, problems = _judge({GQA: {"outcome": "failed"}, REGISTER: {"outcome": "passed"}}, stats=stats)
     assert any(expected in problem for problem in problems)
 
 
@@ -212,3 +216,9 @@ def test_reach_counts_only_the_installed_replacements_code():
     finally:
         del sys.modules[module.__name__]
     assert reach.calls == {"fake.patch": 1}
+
+
+def test_releases_whose_conftest_expects_torch_npu_run_on_the_emulated_device():
+    # below 0.21.0rc1 upstream's conftest sets no torch.npu stand-in; from it, its own stand-in replaces torch_npu
+    assert U.emulated_device("0.18.0") and U.emulated_device("0.20.2rc1")
+    assert not U.emulated_device("0.21.0rc1") and not U.emulated_device("0.30.0rc2")
