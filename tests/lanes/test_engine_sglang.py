@@ -22,17 +22,13 @@ import subprocess
 import sys
 
 import pytest
-from packaging.version import Version
-
-from npu_shim.reference import lane_table, variant_lanes
+from sglang_support import newest  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
 CASE = os.path.join(ROOT, "tests", "lanes", "sglang_support", "engine_case.py")
-_LANES = {lane: pins for lane, pins in lane_table(ROOT).items() if "sglang" in pins and lane not in variant_lanes(ROOT)}
-NEWEST = max(_LANES, key=lambda lane: Version(_LANES[lane]["sglang"]))
 
-pytestmark = pytest.mark.lanes(NEWEST)
+pytestmark = pytest.mark.lanes(newest.LANE)
 
 PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 7, 30, 12, 100], [1] + list(range(20, 60))]
 MAX_NEW = 6

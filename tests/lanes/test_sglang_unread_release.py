@@ -12,16 +12,14 @@ import os
 
 import pytest
 from reported_as import run_reported_as  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
+from sglang_support import newest  # noqa: E402
 from packaging.version import Version
 
 from npu_shim import evidence
-from npu_shim.reference import lane_table, variant_lanes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
-_LANES = {lane: pins for lane, pins in lane_table(ROOT).items() if "sglang" in pins and lane not in variant_lanes(ROOT)}
-NEWEST = max(_LANES, key=lambda lane: Version(_LANES[lane]["sglang"]))
-RELEASE = _LANES[NEWEST]["sglang"]
+NEWEST, RELEASE = newest.LANE, newest.RELEASE
 NEXT = "%d.%d.%d" % (Version(RELEASE).major, Version(RELEASE).minor, Version(RELEASE).micro + 1)
 
 pytestmark = pytest.mark.lanes(NEWEST)
