@@ -28,81 +28,62 @@ import pytest
 # floor); measured worst over the census towers (latest-vllm and vllm-0.30, benchmarks/results/
 # census-*.json): bfloat16 1.6e-2, float16 2.0e-3
 TOWER_TOL = {"bfloat16": 1e-1, "float16": 8e-3}
-ATTENTION_READ = "mm_encoder/common.py"     # vllm.mm_encoder_attn's one read of a cu_seqlens tensor
+ATTENTION_READ = "mm_encoder/common.py"             # vllm.mm_encoder_attn's one read of a cu_seqlens tensor
+UPSTREAM_ATTENTION_READ = "ops/mm_encoder_attention.py"  # vllm-ascend's read of cu_seqlens, once per layer
 
-# tower: ((upstream, shim) for forward 0, (upstream, shim) for forward 1), the same in vLLM
-# 0.26.0 and 0.30.0. Upstream reads cu_seqlens back once per layer (3 layers here).
-EXPECTED = {
-    # 0 left: cu_seqlens is built with NumPy on the host and copied by the tower itself
-    # (0.26: .to(device, non_blocking=True); 0.30: async_tensor_h2d); vllm.qwen2_vl_host_lengths
-    # keeps the host array on the copy, so the attention reads nothing (without it: 1).
-    "Qwen2-VL": ((3, 0), (3, 0)),
-    # 0 left: cu_seqlens is built on the host from the host grid (repeat_interleave) and copied
-    # by the tower (0.26: .to(device, non_blocking=True); 0.30: async_tensor_h2d);
-    # vllm.qwen3_omni_vision_host_lengths keeps the grid's host lengths on the copy (without it: 1).
-    "Qwen3-Omni": ((3, 0), (3, 0)),
-    # 0 left: upstream builds cu_seqlens on the device (grid list -> torch.tensor(device=...), a
-    # blocking copy), so repeat_interleave with device repeats reads them back (shape), and the
-    # attention reads cu_seqlens once per layer; vllm.dots_ocr_host_lengths builds it on the host
-    # from the list and keeps the host tensor on its non-blocking copy (without it: 2).
-    "dots.ocr": ((4, 0), (4, 0)),
-    # 1 left, none of them the attention's: cu_seqlens goes through maybe_recompute_cu_seqlens
-    # (0 attention reads); _build_window_cu_seqlens reads the device image_grid_thw (.tolist()).
-    "LLaVA-OneVision-2": ((4, 1), (4, 1)),
-    # 30 / 48 left: the grid is on the device (Ernie's field config), and rot_pos_emb iterates
-    # it (torch.arange, expand and reshape sized by device scalars: 9 reads per frame row), the
-    # rotary table reads max(grid), cu_seqlens is built on the device (repeat_interleave: shape),
-    # and the attention reads cu_seqlens once. (Counted 26 / 40 and 24 / 38 before the counter
-    # counted both sizes a reshape reads in one call: benchmarks/results/cuda-syncs.txt.)
-    "Ernie4.5-VL": ((32, 30), (50, 48)),
+# Upstream's reads are measured on upstream's own code in the same run (census.side_by_side), not
+# written down per release: the gate is what the shim leaves of them. Per forward, the shim's reads
+# are upstream's, less
+#  * the attention's reads: upstream reads each cu_seqlens tensor back once per layer (checked: a
+#    positive multiple of the tower's layers); the shim reads it at most once (mm_encoder/common.py),
+#    and not at all where the tower's cu_seqlens reaches the attention with its host values;
+#  * the reads of the tower's own code its tower patch removes (OWN_READS_REMOVED, each checked
+#    present upstream: a tower patch whose defect upstream fixed would fail here).
+# The shim's other reads are upstream's, site for site (function and file).
+
+# Towers whose cu_seqlens is a device tensor the shim cannot give host values (built on the device
+# from a device grid): the attention reads it once per forward per tensor, not once per layer.
+# PaddleOCR-VL is one where vllm.paddleocr_vl_host_lengths does not apply (ATTENTION_LEFT_UNLESS).
+ATTENTION_LEFT = {
+    # the grid is on the device (Ernie's field config): cu_seqlens is built there (repeat_interleave);
+    # rot_pos_emb iterates the device grid (torch.arange, expand and reshape sized by device scalars),
+    # the rotary table reads max(grid): those reads are upstream's and stay
+    "Ernie4.5-VL",
+    # the grid is on the device (field config): _process_image_input reads it back, the projector's
+    # rearrange reads t, h, w (einops reshapes by device sizes), and the tower's own forward reads
+    # some releases' position ids and output slices: upstream's, and they stay
+    "Keye-VL",
 }
+# tower -> the patch that gives its cu_seqlens copy host values; where it applies, nothing is left
+ATTENTION_LEFT_UNLESS = {"PaddleOCR-VL": "vllm.paddleocr_vl_host_lengths"}
 
-
-# The towers beyond the first four (GLM-OCR, Keye-VL, PaddleOCR-VL, HunYuan-Vision, RADIO): (upstream, shim) per forward, by vLLM release where they differ.
-# None: the release has no module for the tower (checked, not skipped).
-EXPECTED_BY_RELEASE = {
-    # 0 left: cu_seqlens is built on the host from the host grid (repeat_interleave) and copied
-    # by GLM-OCR's own forward (.to(self.device, non_blocking=True)); vllm.glm_ocr_host_lengths
-    # keeps the grid's host lengths on the copy (without it: 1, the attention's).
-    "GLM-OCR": {"0.26.0": ((3, 0), (3, 0)), "0.30.0": ((3, 0), (3, 0))},
-    # The grid is on the device (field config): _process_image_input reads it back (0.26: .cpu()
-    # per row; 0.30: one .tolist()), the projector's rearrange reads t, h, w (4 per image: einops
-    # reshapes by two device sizes in one call), the attention reads cu_seqlens once; 0.26 also
-    # reads max(position ids) for the rotary table and slices the output with device
-    # cu_seqlens[i] (2 per image).
-    "Keye-VL": {"0.26.0": ((18, 16), (25, 23)), "0.30.0": ((12, 10), (16, 14))},
-    # Per image: encode_image builds cu_seqlens on the host and copies it; 0.30 copies it with
-    # async_tensor_h2d, whose host values vllm.paddleocr_vl_host_lengths keeps on the copy (0 left;
-    # without it: the attention's read, once per image). 0.26 copies with torch.tensor(...).to()
-    # (not patched: the attention reads it once per image), reads the device grid row (.tolist():
-    # its field config sends the grid to the device; 0.30's keeps it on the host) and
-    # max(position ids) for the rotary table.
-    "PaddleOCR-VL": {"0.26.0": ((10, 6), (15, 9)), "0.30.0": ((6, 0), (9, 0))},
-    # Upstream's 1, the tower's own: (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() of the copy it just
-    # made; vllm.hunyuan_vision_host_lengths splits by the host tensor's (0). The attention runs per
-    # image without cu_seqlens (no read upstream either).
-    "HunYuan-Vision": {"0.26.0": ((1, 0), (1, 0)), "0.30.0": None},
-    # 0 left: with more than one image, radio.py's _inter_image_mask_metadata_from_seq_lens
-    # builds cu_seqlens with torch.tensor(accumulate(host seq_lens), device=...) (the 1 blocking
-    # copy, both sides); vllm.radio_host_lengths keeps the host lengths on that tensor, so the
-    # attention reads nothing (without it: 1, vllm.mm_encoder_attn's; upstream reads once per
-    # layer, in _maybe_compute_cu_seqlens on A2).
-    "RADIO": {"0.26.0": ((3, 0), (3, 0)), "0.30.0": ((3, 0), (3, 0))},
+# tower -> the sites (function, file) of upstream's own reads that its tower patch removes
+OWN_READS_REMOVED = {
+    # upstream builds cu_seqlens on the device (grid list -> torch.tensor(device=...), a blocking
+    # copy), so repeat_interleave with device repeats reads them back (shape);
+    # vllm.dots_ocr_host_lengths builds it on the host from the list
+    "dots.ocr": {("forward", "models/dots_ocr.py")},
+    # (cu_seqlens[1:] - cu_seqlens[:-1]).tolist() of the copy the tower just made;
+    # vllm.hunyuan_vision_host_lengths splits by the host tensor's. Its attention runs per image
+    # without cu_seqlens (no attention read upstream either)
+    "HunYuan-Vision": {("forward", "models/hunyuan_vision.py")},
 }
+# Towers whose attention takes no cu_seqlens (upstream reads none there)
+NO_CU_SEQLENS = {"HunYuan-Vision"}
 
-# the releases the census measured, where vllm.mm_encoder_host_lengths applies
-CENSUS_RELEASES = sorted({release for rows in EXPECTED_BY_RELEASE.values() for release in rows})
-pytestmark = [pytest.mark.claimed("vllm.mm_encoder_host_lengths", pinned={"vllm": CENSUS_RELEASES}),
+# Towers measured (vLLM's modules, :mod:`npu_shim.testing.census`); one the installed vLLM has no
+# module for is checked absent (HunYuan-Vision from 0.30), not skipped.
+TOWERS = ("Qwen2-VL", "Qwen3-Omni", "dots.ocr", "LLaVA-OneVision-2", "Ernie4.5-VL", "GLM-OCR", "Keye-VL",
+          "PaddleOCR-VL", "HunYuan-Vision", "RADIO")
+
+# The releases the census was written on, where vllm.mm_encoder_host_lengths applies (the stand-ins of
+# npu_shim.testing.census build each tower as these releases' models call it).
+pytestmark = [pytest.mark.claimed("vllm.mm_encoder_host_lengths", pinned={"vllm": ["0.26.0", "0.30.0"]}),
               pytest.mark.patch("vllm.mm_encoder_host_lengths", "vllm.mm_encoder_attn",
                                 "vllm.qwen2_vl_host_lengths", "vllm.qwen3_omni_vision_host_lengths",
                                 "vllm.glm_ocr_host_lengths", "vllm.hunyuan_vision_host_lengths",
                                 "vllm.radio_host_lengths", "vllm.paddleocr_vl_host_lengths",
                                 "vllm.dots_ocr_host_lengths")]
-
-# vllm.mm_encoder_attn's reads of cu_seqlens per forward, where not 0: one per tensor (PaddleOCR-VL
-# encodes each image alone: one tensor per image, 2 images then 3; by release where they differ).
-ATTENTION_READS = {"Ernie4.5-VL": (1, 1), "Keye-VL": (1, 1),
-                   "PaddleOCR-VL": {"0.26.0": (2, 3), "0.30.0": (0, 0)}}
 
 
 # blocking host->device copies per forward (upstream, shim), where the shim's differ from upstream's:
@@ -110,9 +91,47 @@ ATTENTION_READS = {"Ernie4.5-VL": (1, 1), "Keye-VL": (1, 1),
 BLOCKING_COPIES = {"dots.ocr": (2, 0)}
 
 
-def expected_attention_reads(name):
-    reads = ATTENTION_READS.get(name, (0, 0))
-    return reads[release()] if isinstance(reads, dict) else reads
+def site(event):
+    """``(function, "dir/file.py")`` of a read: where it is, without the line (a patch's edit moves lines)."""
+    where, _, function = event.location.partition(" in ")
+    return function, where.rsplit(":", 1)[0]
+
+
+def attention_left(name):
+    from npu_shim.testing.claims import claimed_family
+
+    if name in ATTENTION_LEFT_UNLESS:
+        return claimed_family(ATTENTION_LEFT_UNLESS[name]) is None
+    return name in ATTENTION_LEFT
+
+
+def layers(tower):
+    """Attention layers of a built tower: vLLM's encoder attention modules in it."""
+    from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+    return sum(isinstance(module, MMEncoderAttention) for module in tower.modules())
+
+
+def expected_shim_sites(name, upstream_events, tower_layers):
+    """The shim's reads (a Counter of sites) as upstream's events say they must be, by the rules above."""
+    from collections import Counter
+
+    upstream = Counter(site(e) for e in upstream_events)
+    attention = sum(n for (_, where), n in upstream.items() if where == UPSTREAM_ATTENTION_READ)
+    if name in NO_CU_SEQLENS:
+        assert attention == 0, upstream
+        tensors = 0
+    else:
+        assert attention > 0 and attention % tower_layers == 0, \
+            "upstream reads cu_seqlens once per layer (%d layers): %s" % (tower_layers, upstream)
+        tensors = attention // tower_layers
+    for removed in OWN_READS_REMOVED.get(name, ()):
+        assert upstream[removed] > 0, "upstream no longer reads at %s: %s" % (removed, upstream)
+    expected = Counter({s: n for s, n in upstream.items()
+                        if s[1] != UPSTREAM_ATTENTION_READ and s not in OWN_READS_REMOVED.get(name, ())})
+    if attention_left(name):
+        expected[("host_values", ATTENTION_READ)] = tensors
+    return +expected
 
 
 @pytest.fixture(scope="module")
@@ -122,31 +141,27 @@ def stack():
     return census.setup()
 
 
-def release():
-    from importlib.metadata import version
-
-    return version("vllm")
-
-
-@pytest.mark.parametrize("name", list(EXPECTED) + list(EXPECTED_BY_RELEASE))
+@pytest.mark.parametrize("name", TOWERS)
 def test_census(stack, name):
     import importlib.util
+    from collections import Counter
+    from importlib.metadata import version
 
     from npu_shim.testing import census
 
-    expected = EXPECTED[name] if name in EXPECTED else EXPECTED_BY_RELEASE[name][release()]
-    if expected is None:
-        assert importlib.util.find_spec(census.CENSUS[name].module) is None and name not in census._MODULES
+    if name not in census._MODULES:
+        assert importlib.util.find_spec(census.CENSUS[name].module) is None, name
         return
+    tower_layers = layers(census.build(stack, name, stack.attention["A2"]))
     for run in census.side_by_side(stack, name):
         syncs, up_syncs = run.syncs, run.up_syncs
         print("census %s vllm %s A2 forward %d: upstream %s -> shim %s"
-              % (name, release(), run.index, up_syncs.summary(), syncs.summary()))
+              % (name, version("vllm"), run.index, up_syncs.summary(), syncs.summary()))
         for event in syncs.events:
             print("    shim: %s" % (event,))
-        assert (up_syncs.count, syncs.count) == expected[run.index], \
+        expected = expected_shim_sites(name, up_syncs.events, tower_layers)
+        assert Counter(site(e) for e in syncs.events) == expected, \
             (up_syncs.summary(), [str(e) for e in syncs.events])
-        attention_reads = sum(ATTENTION_READ in e.location for e in syncs.events)
-        assert attention_reads == expected_attention_reads(name)[run.index], syncs.summary()
+        assert syncs.count < up_syncs.count, (up_syncs.summary(), syncs.summary())
         assert (up_syncs.h2d_count, syncs.h2d_count) == BLOCKING_COPIES.get(name, (up_syncs.h2d_count,) * 2)
         census.assert_matches_references(stack, name, run, TOWER_TOL)
