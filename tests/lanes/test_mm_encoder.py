@@ -201,7 +201,6 @@ def test_cu_seqlens_none_costs_no_sync(stack):
     assert ours.count == 0, ours.summary()
 
     source = inspect.getsource(stack.upstream.forward_oot)
-    assert ("device=query.device" in source) == stack.vllm_ascend_version.startswith(("0.13", "0.14"))
     if "device=query.device" in source:
         upstream = build(stack, stack.upstream, heads=2, head_dim=64)
         with sync_counter("none", None) as up:
@@ -668,27 +667,36 @@ def test_inference_buffer_rewritten_in_place_between_forwards(stack):
 # ------------------------------------------------ 5. vllm-ascend 0.15.0rc1 only
 
 # vllm-ascend 0.15.0rc1 takes the seed's prefix-digit cache branch whenever
-# vllm_version_is("0.15.0") is False: with the vLLM it was developed against
-# after 0.15.0 (the seed: "requires vllm PR 33674"), or with VLLM_VERSION set
-# (vllm-ascend's documented override). The lane pins vLLM 0.15.0, so these tests
-# set VLLM_VERSION=0.16.0 to reach that upstream code. vllm_version_is is
+# vllm_version_is(<the installed vLLM>) is False: with the vLLM it was developed against
+# after the lane's (the seed: "requires vllm PR 33674"), or with VLLM_VERSION set
+# (vllm-ascend's documented override). These tests set VLLM_VERSION to the next minor
+# release of the installed vLLM to reach that upstream code. vllm_version_is is
 # functools.cache'd, so its cache is cleared on the way in and out: the same as
-# a process started with VLLM_VERSION=0.16.0.
-CACHE_BRANCH_VLLM = "0.16.0"
+# a process started with that VLLM_VERSION.
 # the one release whose module keeps seq_lens_cpu_cache (the subject of the tests below)
 SEQ_LENS_CPU_CACHE = pytest.mark.claimed(PATCH_NAME, pinned={"vllm-ascend": ("0.15.0rc1",)})
+
+
+def installed_and_next_vllm():
+    """(the installed vLLM's version, the next minor release's) as vllm_version_is spells them."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    installed = Version(version("vllm"))
+    return str(installed), "%d.%d.0" % (installed.major, installed.minor + 1)
 
 
 @pytest.fixture
 def cache_branch(stack, monkeypatch):
     from vllm_ascend.utils import vllm_version_is
 
-    if not stack.vllm_ascend_version.startswith("0.15"):
-        pytest.fail("cache_branch is for the vllm-0.15 lane only")
-    assert "seq_lens_cpu_cache" in vars(stack.upstream_module)
-    monkeypatch.setenv("VLLM_VERSION", CACHE_BRANCH_VLLM)
+    if "seq_lens_cpu_cache" not in vars(stack.upstream_module):
+        pytest.fail("cache_branch is for the release whose module keeps seq_lens_cpu_cache")
+    installed, later = installed_and_next_vllm()
+    monkeypatch.setenv("VLLM_VERSION", later)
     vllm_version_is.cache_clear()
-    assert not vllm_version_is("0.15.0")
+    assert not vllm_version_is(installed)
     stack.upstream_module.seq_lens_cpu_cache = None
     yield stack
     stack.upstream_module.seq_lens_cpu_cache = None
