@@ -57,7 +57,7 @@ import types
 
 from npu_shim.testing import towers
 
-__all__ = ["CENSUS", "build", "call", "device_args", "grids", "pixel_values", "reference_forward", "setup"]
+__all__ = ["CENSUS", "attention_layers", "build", "call", "device_args", "grids", "pixel_values", "reference_forward", "setup"]
 
 # Two forwards with different grids, each with a multi-frame item (t > 1); h, w multiples of 2
 # (the 2x2 merge) and at most 12 (Qwen3-Omni's learned 8x8 position grid is interpolated).
@@ -486,7 +486,16 @@ def pixel_values(name, tower, grid, seed=0):
 class Forward(types.SimpleNamespace):
     """One forward of a census tower on three sides: ``out``/``syncs`` (the shim),
     ``up``/``up_syncs`` (vLLM's tower code, vllm-ascend's untouched class), ``sdpa`` (vLLM's
-    TORCH_SDPA); the ``grid`` and pixels ``x`` they all ran on."""
+    TORCH_SDPA); the ``grid`` and pixels ``x`` they all ran on, and the tower's attention
+    ``layers`` (:func:`attention_layers`)."""
+
+
+def attention_layers(tower):
+    """The attention layers of a built tower: vLLM's encoder attention modules in it (upstream's
+    attention reads cu_seqlens once per layer, so tests measure what they expect from this)."""
+    from vllm.model_executor.layers.attention.mm_encoder_attention import MMEncoderAttention
+
+    return sum(isinstance(module, MMEncoderAttention) for module in tower.modules())
 
 
 def side_by_side(stack, name, device_class="A2", forwards=2, *, grid_on_device=False):
@@ -508,7 +517,7 @@ def side_by_side(stack, name, device_class="A2", forwards=2, *, grid_on_device=F
             up, up_syncs = call(name, upstream, untouched, x, grid, grid_on_device=grid_on_device)
         sd, _ = call(name, sdpa, None, x, grid, grid_on_device=grid_on_device)
         runs.append(Forward(index=forward, grid=grid, x=x, out=out, syncs=syncs, up=up, up_syncs=up_syncs,
-                            sdpa=sd))
+                            sdpa=sd, layers=attention_layers(patched)))
     return runs
 
 

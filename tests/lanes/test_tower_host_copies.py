@@ -26,7 +26,6 @@ TOWERS = [pytest.param(name, marks=pytest.mark.claimed(patch), id=name) for name
 # Fresh interpreters, 19 s a tower: one lane per family (tests/conftest.py).
 TOWERS_PER_FAMILY = [pytest.param(name, marks=pytest.mark.claimed(patch, per_family=True), id=name)
                      for name, patch in PATCHES.items()]
-UPSTREAM_READS = 3        # one per layer
 
 
 def release():
@@ -63,7 +62,7 @@ def test_whole_tower_forward_reads_nothing_back(stack, name, device_class):
         syncs, up_syncs = run.syncs, run.up_syncs
         print("%s vllm %s %s forward %d: upstream %s -> shim %s"
               % (name, release(), device_class, run.index, up_syncs.summary(), syncs.summary()))
-        assert (up_syncs.count, syncs.count) == (UPSTREAM_READS, 0), \
+        assert (up_syncs.count, syncs.count) == (run.layers, 0), \
             (up_syncs.summary(), [str(e) for e in syncs.events])
         assert syncs.h2d_count == up_syncs.h2d_count == 0
         census.assert_matches_references(stack, name, run, TOWER_TOL)
@@ -161,7 +160,7 @@ def test_qwen3_omni_a_device_grid_keeps_the_towers_reads_and_reads_cu_seqlens_on
         own = [str(e) for e in syncs.events
                if e.location.startswith(("qwen3_omni_vision_host_lengths/", "_shared/"))]
         assert own == [], own
-        assert syncs.count == up_syncs.count - UPSTREAM_READS + 1, \
+        assert syncs.count == up_syncs.count - run.layers + 1, \
             ([str(e) for e in syncs.events], [str(e) for e in up_syncs.events])
         census.assert_matches_references(stack, "Qwen3-Omni", run, TOWER_TOL)
 
