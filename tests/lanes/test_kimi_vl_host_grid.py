@@ -27,7 +27,6 @@ PATCH_NAME = "vllm.kimi_vl_host_grid"
 # |tower - float64 tower| and |tower - TORCH_SDPA tower|, relative to max |float64 tower| (no
 # floor); measured worst (vllm-0.18, MoonViT): bfloat16 1.7e-2 (vs SDPA 1.3e-2), float16 1.7e-3 (1.6e-3)
 TOWER_TOL = {"bfloat16": 5e-2, "float16": 5e-3}
-GRID_READS = 3            # upstream's grid_hws.tolist(): position embedding, rope, patch_merger
 
 
 def claimed():
@@ -123,7 +122,8 @@ def test_whole_moonvit_forward_reads_nothing_back(stack, device_class):
                                                                  syncs.summary()))
         assert syncs.count == 0, [str(e) for e in syncs.events]
         host_grid = grid_on_host_upstream()
-        assert grid_reads(up_syncs) == (0 if host_grid else GRID_READS), [str(e) for e in up_syncs.events]
+        # upstream's grid_hws.tolist() (position embedding, rope, patch_merger) where the grid is on the device
+        assert (grid_reads(up_syncs) > 0) != host_grid, [str(e) for e in up_syncs.events]
         assert up_syncs.count > grid_reads(up_syncs), up_syncs.summary()      # and the attention's read(s)
         # a host grid costs one blocking copy: upstream's (h*w).to(device) in MoonVitEncoder.forward
         # (upstream's own from 0.29.0, where the grid is on the host anyway)
@@ -155,7 +155,7 @@ def test_a_device_grid_runs_upstreams_path(stack):
                 grid_hws = grid_hws.to(DEVICE, non_blocking=True)    # as vLLM before 0.29.0 places it
             results.append((torch.cat(call(tower, pixels, grid_hws)), syncs.count, syncs.kinds(),
                             grid_reads(syncs)))
-    assert results[0][1:] == results[1][1:] and results[0][3] == GRID_READS, results
+    assert results[0][1:] == results[1][1:] and results[0][3] > 0, results
     assert torch.equal(results[0][0], results[1][0])
     assert not any(h._forward_pre_hooks for h in tower.encoder.blocks)          # nothing left behind
 

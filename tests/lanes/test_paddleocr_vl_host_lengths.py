@@ -26,7 +26,6 @@ from npu_shim.patch import FamilyContext, TargetMismatch
 
 PATCH_NAME = "vllm.paddleocr_vl_host_lengths"
 TOWER = "PaddleOCR-VL"
-LAYERS = 3                  # the census tower's; vllm-ascend's attention reads cu_seqlens once per layer
 
 pytestmark = [pytest.mark.claimed(PATCH_NAME), pytest.mark.patch(PATCH_NAME, "vllm.mm_encoder_attn")]
 
@@ -104,7 +103,7 @@ def test_whole_tower_forward_reads_nothing_back(stack, device_class):
         # (vllm_ascend/ops/mm_encoder_attention.py, once per layer and cu_seqlens tensor: one tensor
         # per image where encode_image runs per image, one for all where it runs once), and the grid's
         attention = upstream_attention_reads(run)
-        assert attention > 0 and attention % LAYERS == 0, up_syncs.summary()   # what the patch removes
+        assert attention > 0 and attention % run.layers == 0, up_syncs.summary()   # what the patch removes
         assert up_syncs.count == attention + grid_reads, up_syncs.summary()
         assert syncs.h2d_count == up_syncs.h2d_count
         census.assert_matches_references(stack, TOWER, run, TOWER_TOL)
@@ -239,10 +238,11 @@ def test_disabled_the_reads_come_back(stack, tmp_path):
 
     images = len(census.grids(0, TOWER))
     grid_reads = images if census.device_args(TOWER, census.CENSUS[TOWER].grid_arg(census.grids(0, TOWER))) else 0
-    upstream = upstream_attention_reads(census.side_by_side(stack, TOWER, "A2", forwards=1)[0])
-    assert upstream > 0 and upstream % LAYERS == 0, upstream
+    first = census.side_by_side(stack, TOWER, "A2", forwards=1)[0]
+    upstream = upstream_attention_reads(first)
+    assert upstream > 0 and upstream % first.layers == 0, upstream
     runs = switches.census_tower_disabled_and_applied(TOWER, PATCH_NAME, tmp_path)
-    assert (runs[True][0], runs[False][0]) == ("disabled %d" % (upstream // LAYERS + grid_reads),
+    assert (runs[True][0], runs[False][0]) == ("disabled %d" % (upstream // first.layers + grid_reads),
                                                "applied %d" % grid_reads)
     assert torch.equal(runs[True][1], runs[False][1])
 
