@@ -32,6 +32,9 @@ def test_in_own_process():
 if CHILD:
     import torch
 
+    from npu_shim import emulation
+
+    emulation.install()
     import torch_npu  # noqa: F401  (the emulated one: it activates the device)
     from npu_shim.emulation import device as D
 
@@ -215,6 +218,50 @@ def test_seed_profiler_patches_and_ipc_as_sglang_uses_them():
 
     with pytest.raises(NotImplementedError, match="rebuild_npu_tensor"):
         reductions.rebuild_npu_tensor()
+
+
+TRANSFER_TO_NPU = """
+import torch, torch_npu
+import torch.distributed as dist
+stream = torch.npu.current_stream()
+with torch.npu.StreamContext(stream) as entered:
+    assert entered is stream
+torch_npu.npu.set_compile_mode(jit_compile=False)
+assert torch_npu.npu.is_jit_compile_false()
+from torch_npu.contrib import transfer_to_npu  # noqa: F401
+assert torch.cuda.is_available is torch.npu.is_available and torch.cuda.synchronize is torch.npu.synchronize
+assert torch.zeros(2, device="cuda").device.type == "npu"
+assert torch.arange(3, device=torch.device("cuda", 0)).device == torch.device("npu", 0)
+assert torch.ones(2).cuda().device.type == "npu" and torch.ones(2).to("cuda:0").device.type == "npu"
+assert torch.nn.Linear(2, 2).cuda().weight.device.type == "npu"
+with torch.device("npu"):  # the device context still places the (now wrapped) factories
+    assert torch.empty(1).device.type == "npu" and torch.nn.Linear(2, 2).weight.device.type == "npu"
+assert torch.jit.script(len) is len
+dist.init_process_group("nccl", init_method="tcp://127.0.0.1:%d" % PORT, rank=0, world_size=1)
+assert dist.get_backend() == "hccl"
+dist.destroy_process_group()
+storage = torch.zeros(6, device="npu").untyped_storage()
+assert storage.nbytes() == 24 and storage.device.type == "npu"
+try:
+    storage.resize_(0)
+except NotImplementedError as exc:
+    assert "resize_" in str(exc)
+else:
+    raise AssertionError("resize_ of an emulated device storage was not refused")
+print("TRANSFER_TO_NPU OK")
+"""
+
+
+def test_transfer_to_npu_and_what_sglang_start_up_asks():
+    # transfer_to_npu rewrites torch for the rest of its process: its own child
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-c", TRANSFER_TO_NPU.replace("PORT", str(port))],
+                          env=dict(os.environ), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "TRANSFER_TO_NPU OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
 # The cases run in the child only: in the lane's process they are not collected (not skipped).

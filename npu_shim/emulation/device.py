@@ -376,13 +376,44 @@ class NpuTensor(torch.Tensor):
     __array__ = numpy
 
     def untyped_storage(self):
-        raise UnsupportedOpError("npu-shim emulated device: untyped_storage() of an npu tensor (the emulated "
-                                 "device has no storage of its own)")
+        """The held host storage's size and address, as the device storage's (:class:`DeviceStorage`)."""
+        return DeviceStorage(self._raw.untyped_storage())
 
     def data_ptr(self):
         """The held host data's address: unique among live tensors, shared by views of one
         storage, as a device pointer is (code keys caches and checks aliasing on it)."""
         return self._raw.data_ptr()
+
+
+class DeviceStorage:
+    """``untyped_storage()`` of an npu tensor: what code asks a device storage without touching its bytes
+    (``nbytes()``, ``size()``, ``data_ptr()``, ``device``), answered from the held host storage. Anything
+    else (resizing, copying, sharing it) would act on host memory behind the device's back: refused by
+    name (UnsupportedOpError)."""
+
+    def __init__(self, host):
+        self._host = host
+
+    @property
+    def device(self):
+        return _DEVICE
+
+    def nbytes(self):
+        return self._host.nbytes()
+
+    def size(self):
+        return self._host.size()
+
+    def data_ptr(self):
+        return self._host.data_ptr()
+
+    def __len__(self):
+        return self._host.size()
+
+    def __getattr__(self, name):
+        raise UnsupportedOpError("npu-shim emulated device: untyped_storage().%s of an npu tensor (the "
+                                 "emulated device's storage answers nbytes, size, data_ptr and device only)"
+                                 % name)
 
 
 # --------------------------------------------------------------------------- PrivateUse1 kernels

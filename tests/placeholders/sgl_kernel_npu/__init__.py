@@ -54,6 +54,9 @@ class KernelPlaceholder:
     def __getattr__(self, attribute):
         _refuse(f"{self._qualified_name}.{attribute}")
 
+    def __getitem__(self, grid):  # a Triton kernel is launched as kernel[grid](...)
+        _refuse(f"{self._qualified_name}[{grid!r}]")
+
     def __repr__(self):
         return f"<sgl_kernel_npu import placeholder {self._qualified_name}>"
 

@@ -10,3 +10,21 @@ _NPUTaskGroupHandle = _placeholder_class("torch_npu._C._NPUTaskGroupHandle")
 
 def _npu_get_soc_version():
     return _soc.soc_version()
+
+
+class _ProcessGroupHCCL:
+    """``torch_npu._C._distributed_c10d.ProcessGroupHCCL``: its ``Options`` only, the settings sglang
+    hands ``init_process_group(backend="hccl", pg_options=...)``. The emulated ``hccl`` is one-rank gloo
+    (npu_shim.emulation.device), which takes no options: the settings are kept and read by nobody."""
+
+    class Options:
+        def __init__(self):
+            self.hccl_config = {}
+            self.is_high_priority_stream = False
+
+
+class _DistributedC10d:
+    ProcessGroupHCCL = _ProcessGroupHCCL
+
+
+_distributed_c10d = _DistributedC10d()

@@ -30,7 +30,8 @@ from torch_npu.npu.streams import Event, Stream
 __all__ = ["current_device", "set_device", "mem_get_info", "memory_allocated", "max_memory_allocated",
            "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "empty_cache", "get_device_properties",
            "is_initialized", "manual_seed", "manual_seed_all", "Event", "ExternalEvent", "NPUGraph", "Stream", "streams", "utils", "is_available", "device_count", "get_soc_version",
-           "get_device_name", "current_stream", "default_stream", "synchronize", "stream", "config"]
+           "get_device_name", "current_stream", "default_stream", "synchronize", "stream", "config",
+           "set_compile_mode", "is_jit_compile_false", "StreamContext"]
 
 NPUGraph = _placeholder_class("torch.npu.NPUGraph")
 ExternalEvent = _placeholder_class("torch.npu.ExternalEvent")
@@ -174,6 +175,33 @@ def synchronize(device=None):
     """Nothing is ever pending: emulated ops complete before they return."""
 
 
+_compile_mode = {"jit_compile": None}
+
+
+def set_compile_mode(jit_compile=True):
+    """Whether kernels are compiled online (True) or taken from CANN's prebuilt binaries (False).
+    The emulated ops are PyTorch code either way: the choice is kept (``is_jit_compile_false``)."""
+    _compile_mode["jit_compile"] = bool(jit_compile)
+
+
+def is_jit_compile_false():
+    return _compile_mode["jit_compile"] is False
+
+
 @contextlib.contextmanager
 def stream(s=None):
     yield s
+
+
+class StreamContext:
+    """``torch.npu.StreamContext(stream)``: makes ``stream`` current inside the block, as
+    :func:`stream` does; every emulated stream is the same synchronous one."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def __enter__(self):
+        return self.stream
+
+    def __exit__(self, *exc):
+        return False
