@@ -217,6 +217,41 @@ def test_seed_profiler_patches_and_ipc_as_sglang_uses_them():
         reductions.rebuild_npu_tensor()
 
 
+
+@child_only
+def test_names_vllm_ascend_reads_as_its_worker_uses_them():
+    # vllm-ascend's patch_torch_accelerator points torch.accelerator at these; vLLM's memory
+    # profiling reads "allocated_bytes.all.peak" (vllm.utils.mem_utils, vllm_ascend.worker.worker).
+    torch.npu.reset_peak_memory_stats()
+    before = torch.npu.memory_stats()
+    t = torch.empty(256, 1024, device="npu")  # 1 MiB
+    stats = torch.npu.memory_stats()
+    assert stats["allocated_bytes.all.current"] - before["allocated_bytes.all.current"] == 2 ** 20
+    assert stats["allocated_bytes.all.peak"] == torch.npu.max_memory_allocated()
+    assert stats["reserved_bytes.all.current"] == torch.npu.memory_reserved()
+    del t
+    assert torch.npu.memory_stats()["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    assert torch.npu.memory.memory_stats is torch.npu.memory_stats
+    # torch_npu adds torch.distributed.is_hccl_available; hccl is the one-rank gloo group above
+    import torch.distributed as dist
+
+    assert dist.is_hccl_available() is True
+    # import-only names: building one refuses by name (never a silent stand-in)
+    from npu_shim.emulation.placeholders import ImportPlaceholderError
+    from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+    for cls, name in ((ProcessGroupHCCL.Options, "ProcessGroupHCCL.Options"),
+                      (torch.npu.memory.NPUPluggableAllocator, "NPUPluggableAllocator")):
+        with pytest.raises(ImportPlaceholderError, match=name):
+            cls()
+    from torch_npu.op_plugin.atb._atb_ops import _register_atb_extensions
+    from torch_npu.profiler import dynamic_profile
+
+    _register_atb_extensions()
+    assert not hasattr(torch.ops.atb, "npu_no_such_atb_op")  # no ATB op is registered
+    with pytest.raises(RuntimeError, match="dynamic_profile.step"):
+        dynamic_profile.step()
+
 # The cases run in the child only: in the lane's process they are not collected (not skipped).
 CASES = sum(1 for name in list(globals()) if name.startswith("test_") and name != "test_in_own_process")
 if not CHILD:

@@ -467,6 +467,11 @@ def _hccl_to_gloo(store, rank, size, timeout):
     return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
 
 
+def _is_hccl_available():
+    """``torch.distributed.is_hccl_available``, which torch_npu adds: hccl is registered (one-rank gloo)."""
+    return "hccl" in torch.distributed.Backend.backend_list
+
+
 def activate():
     """Make ``npu`` a device in this process (idempotent; cannot be undone: PyTorch renames
     PrivateUse1 once per process). Installs the emulated torch_npu first. Returns ``torch.npu``."""
@@ -503,6 +508,8 @@ def activate():
 
     if dist.is_available() and "hccl" not in dist.Backend.backend_list:
         dist.Backend.register_backend("hccl", _hccl_to_gloo, devices=["npu", "cpu"])
+    if dist.is_available() and not hasattr(dist, "is_hccl_available"):
+        dist.is_hccl_available = _is_hccl_available  # torch_npu sets it on torch.distributed
     _active = True
     return torch.npu
 

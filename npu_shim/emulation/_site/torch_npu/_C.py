@@ -10,3 +10,21 @@ _NPUTaskGroupHandle = _placeholder_class("torch_npu._C._NPUTaskGroupHandle")
 
 def _npu_get_soc_version():
     return _soc.soc_version()
+
+
+def _distributed_c10d_module():
+    """``torch_npu._C._distributed_c10d``: vllm-ascend's netloader imports ``ProcessGroupHCCL`` from it
+    at import time (registered with vLLM's model loaders). A placeholder class: the emulated device's
+    hccl is one-rank gloo (``torch.distributed``'s ``hccl`` backend), and building torch_npu's own
+    process group class (or its ``Options``) refuses, naming it."""
+    import sys
+    import types
+
+    module = types.ModuleType(__name__ + "._distributed_c10d")
+    module.ProcessGroupHCCL = _placeholder_class("torch_npu._C._distributed_c10d.ProcessGroupHCCL")
+    module.ProcessGroupHCCL.Options = _placeholder_class("torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options")
+    sys.modules[module.__name__] = module
+    return module
+
+
+_distributed_c10d = _distributed_c10d_module()
