@@ -240,10 +240,15 @@ def test_names_vllm_ascend_reads_as_its_worker_uses_them():
     from npu_shim.emulation.placeholders import ImportPlaceholderError
     from torch_npu._C._distributed_c10d import ProcessGroupHCCL
 
-    for cls, name in ((ProcessGroupHCCL.Options, "ProcessGroupHCCL.Options"),
+    for cls, name in ((ProcessGroupHCCL, "ProcessGroupHCCL"),
                       (torch.npu.memory.NPUPluggableAllocator, "NPUPluggableAllocator")):
         with pytest.raises(ImportPlaceholderError, match=name):
             cls()
+    # its Options are real: hccl_config kept as set, and a group opened with them (one-rank gloo)
+    options = ProcessGroupHCCL.Options()
+    assert options.hccl_config == {} and options.is_high_priority_stream is False
+    options.hccl_config = {"hccl_buffer_size": 200}
+    assert options.hccl_config == {"hccl_buffer_size": 200}
     from torch_npu.op_plugin.atb._atb_ops import _register_atb_extensions
     from torch_npu.profiler import dynamic_profile
 

@@ -46,9 +46,9 @@ TIMEOUT_S = 300
 PLATFORM = "ENGINE_STAGE platform NPUPlatform device_type=npu"
 # How far start-up gets until the emulation has the next API: the last stage the case passed,
 # the upstream function that meets it, and the missing API the error must name.
-NEXT_STAGE = "platform"   # inside vllm.LLM(...): the engine core's worker, its parallel state
-NEXT_WHERE = "in create_hccl_pg_options"  # vllm_ascend.utils, for the process groups' HCCL options
-NEXT_BLOCKER = "ImportPlaceholderError: torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options"
+NEXT_STAGE = "platform"   # inside vllm.LLM(...): the worker's device is up, its process groups open
+NEXT_WHERE = "in _torch_cuda_wrapper"  # NPUModelRunner.__init__: the runner's pinned host buffers
+NEXT_BLOCKER = "implement `getPinnedMemoryAllocator` at the same time for PrivateUse1"
 
 
 @pytest.fixture(scope="module")

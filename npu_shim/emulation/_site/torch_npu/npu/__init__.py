@@ -30,7 +30,7 @@ from torch_npu.npu.streams import Event, Stream
 __all__ = ["current_device", "set_device", "mem_get_info", "memory_allocated", "max_memory_allocated",
            "memory_reserved", "max_memory_reserved", "memory_stats", "reset_peak_memory_stats", "empty_cache", "get_device_properties",
            "is_initialized", "manual_seed", "manual_seed_all", "Event", "ExternalEvent", "NPUGraph", "Stream", "streams", "utils", "is_available", "device_count", "get_soc_version",
-           "get_device_name", "current_stream", "default_stream", "synchronize", "stream", "config"]
+           "get_device_name", "current_stream", "default_stream", "synchronize", "stream", "config", "is_current_stream_capturing", "memory"]
 
 NPUGraph = _placeholder_class("torch.npu.NPUGraph")
 ExternalEvent = _placeholder_class("torch.npu.ExternalEvent")
@@ -181,6 +181,11 @@ def current_stream(device=None):
 
 def default_stream(device=None):
     return Stream()
+
+
+def is_current_stream_capturing():
+    """False: the emulation never captures a graph (``NPUGraph`` refuses; engines run eager)."""
+    return False
 
 
 def synchronize(device=None):
