@@ -257,6 +257,26 @@ def test_names_vllm_ascend_reads_as_its_worker_uses_them():
     with pytest.raises(RuntimeError, match="dynamic_profile.step"):
         dynamic_profile.step()
 
+
+@child_only
+def test_pinned_host_memory_and_host_likes_of_device_tensors():
+    # engines allocate host staging buffers pinned (vLLM's runners): plain host memory here
+    for make in (lambda: torch.empty(4, pin_memory=True), lambda: torch.zeros(2, 3, pin_memory=True),
+                 lambda: torch.empty_strided((2, 3), (3, 1), pin_memory=True),
+                 lambda: torch.arange(5.0).pin_memory()):
+        t = make()
+        assert t.device.type == "cpu" and not isinstance(t, D.NpuTensor)
+    assert torch.arange(5.0).pin_memory().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    # an op asked for the host makes a host tensor (vllm-ascend: empty_like(output, device="cpu",
+    # pin_memory=True)); it reads no device data, so it is no transfer
+    x = torch.ones(3, device="npu")
+    with D.count_transfers() as counter:
+        for t in (torch.empty_like(x, device="cpu"), torch.zeros_like(x, device="cpu"),
+                  x.new_empty(2, device="cpu"), torch.empty_like(x, device="cpu", pin_memory=True)):
+            assert t.device.type == "cpu" and not isinstance(t, D.NpuTensor), t.device
+        assert torch.empty_like(x).device.type == "npu" and x.new_empty(2).device.type == "npu"
+    assert counter.count == 0
+
 # The cases run in the child only: in the lane's process they are not collected (not skipped).
 CASES = sum(1 for name in list(globals()) if name.startswith("test_") and name != "test_in_own_process")
 if not CHILD:

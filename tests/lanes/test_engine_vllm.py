@@ -46,9 +46,9 @@ TIMEOUT_S = 300
 PLATFORM = "ENGINE_STAGE platform NPUPlatform device_type=npu"
 # How far start-up gets until the emulation has the next API: the last stage the case passed,
 # the upstream function that meets it, and the missing API the error must name.
-NEXT_STAGE = "platform"   # inside vllm.LLM(...): the worker's device is up, its process groups open
-NEXT_WHERE = "in _torch_cuda_wrapper"  # NPUModelRunner.__init__: the runner's pinned host buffers
-NEXT_BLOCKER = "implement `getPinnedMemoryAllocator` at the same time for PrivateUse1"
+NEXT_STAGE = "platform"   # inside vllm.LLM(...): the model runner is built, the model is being loaded
+NEXT_WHERE = "in to_meta_tensor"  # vLLM's layerwise reload records each parameter as a meta tensor
+NEXT_BLOCKER = "__class__ assignment: 'NpuTensor' object layout differs from 'Tensor'"
 
 
 @pytest.fixture(scope="module")
