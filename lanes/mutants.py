@@ -167,6 +167,10 @@ MUTANTS = (
            ("npu_shim/engine/registry.py", "        revert(record.undo)\n    try:\n        yield record",
             "        revert([done for done in record.undo if name != \"vllm.paddleocr_vl_host_lengths\"])\n"
             "    try:\n        yield record")),
+    mutant("engine-pinned", "the emulated device loses pinned host memory (vLLM's runner then stops at an earlier "
+                            "blocker than the one test_engine_vllm holds it to)",
+           "vllm-0.30", "FAILED tests/lanes/test_engine_vllm.py",
+           ("npu_shim/emulation/device.py", "    _pinned_host_memory(host)\n", "")),
 )
 
 

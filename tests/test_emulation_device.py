@@ -264,6 +264,65 @@ def test_transfer_to_npu_and_what_sglang_start_up_asks():
     assert proc.returncode == 0 and "TRANSFER_TO_NPU OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
 
 
+@child_only
+def test_names_vllm_ascend_reads_as_its_worker_uses_them():
+    # vllm-ascend's patch_torch_accelerator points torch.accelerator at these; vLLM's memory
+    # profiling reads "allocated_bytes.all.peak" (vllm.utils.mem_utils, vllm_ascend.worker.worker).
+    torch.npu.reset_peak_memory_stats()
+    before = torch.npu.memory_stats()
+    t = torch.empty(256, 1024, device="npu")  # 1 MiB
+    stats = torch.npu.memory_stats()
+    assert stats["allocated_bytes.all.current"] - before["allocated_bytes.all.current"] == 2 ** 20
+    assert stats["allocated_bytes.all.peak"] == torch.npu.max_memory_allocated()
+    assert stats["reserved_bytes.all.current"] == torch.npu.memory_reserved()
+    del t
+    assert torch.npu.memory_stats()["allocated_bytes.all.current"] == before["allocated_bytes.all.current"]
+    assert torch.npu.memory.memory_stats is torch.npu.memory_stats
+    # torch_npu adds torch.distributed.is_hccl_available; hccl is the one-rank gloo group above
+    import torch.distributed as dist
+
+    assert dist.is_hccl_available() is True
+    # import-only names: building one refuses by name (never a silent stand-in)
+    from npu_shim.emulation.placeholders import ImportPlaceholderError
+    from torch_npu._C._distributed_c10d import ProcessGroupHCCL
+
+    for cls, name in ((ProcessGroupHCCL, "ProcessGroupHCCL"),
+                      (torch.npu.memory.NPUPluggableAllocator, "NPUPluggableAllocator")):
+        with pytest.raises(ImportPlaceholderError, match=name):
+            cls()
+    # its Options are real: hccl_config kept as set, and a group opened with them (one-rank gloo)
+    options = ProcessGroupHCCL.Options()
+    assert options.hccl_config == {} and options.is_high_priority_stream is False
+    options.hccl_config = {"hccl_buffer_size": 200}
+    assert options.hccl_config == {"hccl_buffer_size": 200}
+    from torch_npu.op_plugin.atb._atb_ops import _register_atb_extensions
+    from torch_npu.profiler import dynamic_profile
+
+    _register_atb_extensions()
+    assert not hasattr(torch.ops.atb, "npu_no_such_atb_op")  # no ATB op is registered
+    with pytest.raises(RuntimeError, match="dynamic_profile.step"):
+        dynamic_profile.step()
+
+
+@child_only
+def test_pinned_host_memory_and_host_likes_of_device_tensors():
+    # engines allocate host staging buffers pinned (vLLM's runners): plain host memory here
+    for make in (lambda: torch.empty(4, pin_memory=True), lambda: torch.zeros(2, 3, pin_memory=True),
+                 lambda: torch.empty_strided((2, 3), (3, 1), pin_memory=True),
+                 lambda: torch.arange(5.0).pin_memory()):
+        t = make()
+        assert t.device.type == "cpu" and not isinstance(t, D.NpuTensor)
+    assert torch.arange(5.0).pin_memory().tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+    # an op asked for the host makes a host tensor (vllm-ascend: empty_like(output, device="cpu",
+    # pin_memory=True)); it reads no device data, so it is no transfer
+    x = torch.ones(3, device="npu")
+    with D.count_transfers() as counter:
+        for t in (torch.empty_like(x, device="cpu"), torch.zeros_like(x, device="cpu"),
+                  x.new_empty(2, device="cpu"), torch.empty_like(x, device="cpu", pin_memory=True)):
+            assert t.device.type == "cpu" and not isinstance(t, D.NpuTensor), t.device
+        assert torch.empty_like(x).device.type == "npu" and x.new_empty(2).device.type == "npu"
+    assert counter.count == 0
+
 # The cases run in the child only: in the lane's process they are not collected (not skipped).
 CASES = sum(1 for name in list(globals()) if name.startswith("test_") and name != "test_in_own_process")
 if not CHILD:

@@ -51,6 +51,7 @@ ND); graph capture (``NPUGraph`` stays a placeholder that raises: engines run ea
 collectives beyond one rank (``hccl`` is gloo on one process); a device tensor's storage
 (the wrapper has none of its own: ``untyped_storage()`` raises; ``data_ptr()`` is the held host
 data's address, unique and shared by views as a device pointer is);
+pinned host memory (ordinary host memory, :func:`_pinned_host_memory`; ``is_pinned()`` is False);
 the memory a real allocator would reserve or fragment (``memory_reserved`` equals
 ``memory_allocated``); ops mixing a device tensor with a non-scalar host tensor are refused
 as a device refuses them (indexing with a host index and copies excepted).
@@ -326,7 +327,10 @@ class NpuTensor(torch.Tensor):
         raw_args = unwrap(args)
         raw_kwargs = {key: unwrap(value) for key, value in kwargs.items()}
         device = raw_kwargs.get("device")
-        if device is not None and torch.device(device).type == "npu":
+        # an op asked for another device (``empty_like(x, device="cpu")``, ``x.new_empty(n, device="cpu")``)
+        # makes a host tensor, as on a device: its result is not wrapped
+        to_host = device is not None and torch.device(device).type != "npu"
+        if device is not None and not to_host:
             raw_kwargs["device"] = "cpu"
         elif func.overloadpacket is _aten.to and len(raw_args) > 1 and \
                 isinstance(raw_args[1], (torch.device, str)) and torch.device(raw_args[1]).type == "npu":
@@ -349,6 +353,8 @@ class NpuTensor(torch.Tensor):
                 held = inputs.get(id(x))
                 if held is not None:
                     return held
+                if to_host:
+                    return x
                 if normal_view:
                     with torch.inference_mode(False):
                         return _wrap(x)
@@ -451,6 +457,50 @@ def _fallback(op, *args, **kwargs):
                              "(no npu tensor to run it on; a device-only factory?)" % (op,))
 
 
+# --------------------------------------------------------------------------- pinned host memory
+
+def _pinned_host_memory(lib):
+    """Pinned (page-locked) host memory for the emulated device: ordinary host memory.
+
+    Engines allocate their host staging buffers with ``pin_memory=True`` and call
+    ``Tensor.pin_memory()`` (vLLM's and vllm-ascend's model runners, unconditionally in places).
+    PyTorch takes the pinned allocator of the current accelerator from its C++ hooks
+    (``PrivateUse1HooksInterface::getPinnedMemoryAllocator``), which a Python backend cannot
+    provide: every such call failed. Here the CPU kernels of ``empty.memory_format``,
+    ``empty_strided`` and ``_pin_memory`` are wrapped (in this process, with the device active)
+    to allocate plain host memory: page-locking only makes real host->device copies faster and
+    asynchronous, and this device's copies are synchronous host copies anyway. ``is_pinned()``
+    stays False (nothing is page-locked). Needs ``torch.library.get_kernel`` (torch 2.9 on);
+    without it pinned requests keep failing in PyTorch, naming the hook.
+    """
+    get_kernel = getattr(torch.library, "get_kernel", None)
+    if get_kernel is None:
+        return False
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CPU)
+    empty = get_kernel("aten::empty.memory_format", "CPU")
+    empty_strided = get_kernel("aten::empty_strided", "CPU")
+
+    def empty_kernel(size, dtype=None, layout=None, device=None, pin_memory=None, memory_format=None):
+        return empty.call_boxed(keys, size, dtype=dtype, layout=layout, device=device, pin_memory=False,
+                                memory_format=memory_format)
+
+    def empty_strided_kernel(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
+        return empty_strided.call_boxed(keys, size, stride, dtype=dtype, layout=layout, device=device,
+                                        pin_memory=False)
+
+    def pin_memory_kernel(self, device=None):
+        return self.clone()
+
+    import warnings
+
+    with warnings.catch_warnings():  # "Overriding a previously registered kernel": that is the point
+        warnings.simplefilter("ignore")
+        lib.impl("empty.memory_format", empty_kernel, "CPU")
+        lib.impl("empty_strided", empty_strided_kernel, "CPU")
+        lib.impl("_pin_memory", pin_memory_kernel, "CPU")
+    return True
+
+
 # --------------------------------------------------------------------------- torch.npu
 
 class _Hook(torch._C._acc.PrivateUse1Hooks):
@@ -498,6 +548,11 @@ def _hccl_to_gloo(store, rank, size, timeout):
     return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
 
 
+def _is_hccl_available():
+    """``torch.distributed.is_hccl_available``, which torch_npu adds: hccl is registered (one-rank gloo)."""
+    return "hccl" in torch.distributed.Backend.backend_list
+
+
 def activate():
     """Make ``npu`` a device in this process (idempotent; cannot be undone: PyTorch renames
     PrivateUse1 once per process). Installs the emulated torch_npu first. Returns ``torch.npu``."""
@@ -526,6 +581,9 @@ def activate():
     for name, op in (("copy_", _aten.copy_.default), ("_copy_from", _aten._copy_from.default),
                      ("_to_copy", _aten._to_copy.default)):
         lib.impl(name, _below_python(op), "PrivateUse1")
+    host = torch.library.Library("aten", "IMPL")
+    _pinned_host_memory(host)
+    _libraries.append(host)
     fallback = torch.library.Library("_", "IMPL")
     fallback.fallback(_fallback, "PrivateUse1")
     _libraries.extend([lib, fallback])
@@ -534,6 +592,8 @@ def activate():
 
     if dist.is_available() and "hccl" not in dist.Backend.backend_list:
         dist.Backend.register_backend("hccl", _hccl_to_gloo, devices=["npu", "cpu"])
+    if dist.is_available() and not hasattr(dist, "is_hccl_available"):
+        dist.is_hccl_available = _is_hccl_available  # torch_npu sets it on torch.distributed
     _active = True
     return torch.npu
 

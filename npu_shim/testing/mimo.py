@@ -347,7 +347,7 @@ class _RegistrationConfig(_SpecConfig):
 
 
 @contextlib.contextmanager
-def _import_placeholders(roots):
+def import_placeholders(roots):
     """Inside the block, a module of ``roots`` (top-level names) that is not installed imports as a
     placeholder whose names are classes that refuse to be instantiated; after the block the
     placeholders leave ``sys.modules`` and the finder ``sys.meta_path``."""
@@ -434,7 +434,7 @@ def ascend_registrations():
         utils._ASCEND_CUSTOMOP_IS_REIGISTERED = False
         try:
             ascend_config.init_ascend_config(config)
-            with _import_placeholders(REGISTRATION_PLACEHOLDERS):
+            with import_placeholders(REGISTRATION_PLACEHOLDERS):
                 utils.register_ascend_customop(_RegistrationConfig(config))
             _gemm_on_cpu()
             yield registry

@@ -3,7 +3,8 @@
 ``sglang.Engine(device="npu", attention_backend="ascend")`` is started in a child process
 (tests/lanes/sglang_support/engine_case.py) with ``NPU_SHIM_EMULATE=1 NPU_SHIM_EMULATE_DEVICE=1``
 and the lane's import placeholders (tests/placeholders: sgl_kernel_npu, torchair), on a tiny
-random-weight Qwen2 saved to a temporary folder (no downloads, token ids in, no tokenizer), eager,
+random-weight Qwen2 saved to a temporary folder (tests/lanes/engine_support/tiny.py; no downloads,
+token ids in, no tokenizer), eager,
 TP 1; shim on (its bootstrap ``sitecustomize`` on ``PYTHONPATH``) and off (``NPU_SHIM=0``).
 
 Where the engine generates, its greedy tokens must equal transformers' greedy argmax in float64
@@ -21,11 +22,11 @@ Runs on the lane that pins the newest sglang (read from the pin files).
 """
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from sglang_support import newest  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
+from engine_support import tiny  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
+from sglang_support import newest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
@@ -33,8 +34,8 @@ CASE = os.path.join(ROOT, "tests", "lanes", "sglang_support", "engine_case.py")
 
 pytestmark = pytest.mark.lanes(newest.LANE)
 
-PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 7, 30, 12, 100], [1] + list(range(20, 60))]
-MAX_NEW = 6
+PROMPTS = tiny.PROMPTS
+MAX_NEW = tiny.MAX_NEW
 TIMEOUT_S = 300
 # The next blocker: what the start-up must name until the emulation has it.
 NEXT_BLOCKER = "sgl_kernel_npu.mem_cache.allocator.alloc_extend_kernel"
@@ -45,35 +46,7 @@ DEVICE_MEMORY_MIB = "1024"
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    folder = str(tmp_path_factory.mktemp("qwen2_tiny"))
-    config = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False)
-    torch.manual_seed(0)
-    Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(folder)
-    return folder
-
-
-def _reference_tokens(model_dir):
-    """transformers, float64, greedy argmax: the independent reference."""
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    model = Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
-    tokens = []
-    with torch.no_grad():
-        for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
-            out = []
-            for _ in range(MAX_NEW):
-                nxt = int(model(ids).logits[0, -1].argmax())
-                out.append(nxt)
-                ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-            tokens.append(out)
-    return tokens
+    return tiny.save_qwen2(str(tmp_path_factory.mktemp("qwen2_tiny")))
 
 
 def _run_engine(model_dir, tmp_path, shim_on):
@@ -86,13 +59,8 @@ def _run_engine(model_dir, tmp_path, shim_on):
     env.update(NPU_SHIM_EMULATE="1", NPU_SHIM_EMULATE_DEVICE="1", NPU_SHIM="1" if shim_on else "0",
                NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB,
                PYTHONPATH=os.pathsep.join([PLACEHOLDERS, bootstrap]))
-    try:
-        proc = subprocess.run([sys.executable, CASE, model_dir, str(prompts), str(MAX_NEW)], env=env,
-                              capture_output=True, text=True, timeout=TIMEOUT_S, cwd=str(tmp_path))
-    except subprocess.TimeoutExpired as exc:  # a hang is a failure, never a pass
-        pytest.fail(f"sglang.Engine on the emulated device did not finish within {TIMEOUT_S} s: "
-                    f"{(exc.stderr or b'')[-3000:]!r}")
-    return proc.returncode, proc.stdout + proc.stderr
+    return tiny.run_child([sys.executable, CASE, model_dir, str(prompts), str(MAX_NEW)], env, str(tmp_path),
+                          TIMEOUT_S, "sglang.Engine")
 
 
 @pytest.mark.parametrize("shim_on", [True, False], ids=["shim-on", "shim-off"])
@@ -102,7 +70,7 @@ def test_engine_on_the_emulated_npu(model_dir, tmp_path, shim_on):
     if rc == 0 and results:
         result = json.loads(results[-1][len("ENGINE_RESULT "):])
         assert result["device"] == "npu" and result["attention_backend"] == "ascend", result
-        assert result["tokens"] == _reference_tokens(model_dir)
+        assert result["tokens"] == tiny.reference_tokens(model_dir)
         return
     # It cannot serve yet: it must say why, by name, on the NPU path.
     assert "'device': 'npu'" in output and "'attention_backend': 'ascend'" in output, output[-3000:]

@@ -12,19 +12,40 @@ def _npu_get_soc_version():
     return _soc.soc_version()
 
 
-class _ProcessGroupHCCL:
-    """``torch_npu._C._distributed_c10d.ProcessGroupHCCL``: its ``Options`` only, the settings sglang
-    hands ``init_process_group(backend="hccl", pg_options=...)``. The emulated ``hccl`` is one-rank gloo
-    (npu_shim.emulation.device), which takes no options: the settings are kept and read by nobody."""
+class _HcclOptions:
+    """``torch_npu._C._distributed_c10d.ProcessGroupHCCL.Options``: the options of an HCCL process
+    group (torch_npu's guide "pg_options": ``options = ...ProcessGroupHCCL.Options()``,
+    ``options.hccl_config = {"hccl_buffer_size": 200}``, then
+    ``init_process_group(backend="hccl", pg_options=options)``). ``hccl_config`` is kept as set
+    (``hccl_buffer_size``, ``group_name``, QoS, ``hccl_op_expansion_mode``): the emulated device's
+    hccl is one-rank gloo, which has no buffers, streams or QoS to configure, so nothing reads it.
+    ``is_high_priority_stream`` and ``global_ranks_in_group`` are the base options' fields, at
+    their defaults."""
 
-    class Options:
-        def __init__(self):
-            self.hccl_config = {}
-            self.is_high_priority_stream = False
+    def __init__(self, is_high_priority_stream=False):
+        self.hccl_config = {}
+        self.is_high_priority_stream = bool(is_high_priority_stream)
+        self.global_ranks_in_group = []
+
+    def __repr__(self):
+        return "ProcessGroupHCCL.Options(hccl_config=%r) (npu-shim emulation)" % (self.hccl_config,)
 
 
-class _DistributedC10d:
-    ProcessGroupHCCL = _ProcessGroupHCCL
+def _distributed_c10d_module():
+    """``torch_npu._C._distributed_c10d``: vllm-ascend imports ``ProcessGroupHCCL`` from it at import
+    time (its netloader) and builds ``ProcessGroupHCCL.Options`` for every process group its
+    ``GroupCoordinator`` opens (``create_hccl_pg_options``). ``ProcessGroupHCCL`` itself is a
+    placeholder class (building one refuses, naming it): the emulated device's ``hccl`` backend of
+    ``torch.distributed`` is one-rank gloo. Its ``Options`` are real (:class:`_HcclOptions`)."""
+    import sys
+    import types
+
+    module = types.ModuleType(__name__ + "._distributed_c10d")
+    module.ProcessGroupHCCL = _placeholder_class("torch_npu._C._distributed_c10d.ProcessGroupHCCL")
+    _HcclOptions.__name__ = _HcclOptions.__qualname__ = "Options"
+    module.ProcessGroupHCCL.Options = _HcclOptions
+    sys.modules[module.__name__] = module
+    return module
 
 
-_distributed_c10d = _DistributedC10d()
+_distributed_c10d = _distributed_c10d_module()

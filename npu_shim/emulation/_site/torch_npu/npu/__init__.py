@@ -28,10 +28,10 @@ from torch_npu.npu import streams, utils
 from torch_npu.npu.streams import Event, Stream
 
 __all__ = ["current_device", "set_device", "mem_get_info", "memory_allocated", "max_memory_allocated",
-           "memory_reserved", "max_memory_reserved", "reset_peak_memory_stats", "empty_cache", "get_device_properties",
+           "memory_reserved", "max_memory_reserved", "memory_stats", "reset_peak_memory_stats", "empty_cache", "get_device_properties",
            "is_initialized", "manual_seed", "manual_seed_all", "Event", "ExternalEvent", "NPUGraph", "Stream", "streams", "utils", "is_available", "device_count", "get_soc_version",
            "get_device_name", "current_stream", "default_stream", "synchronize", "stream", "config",
-           "set_compile_mode", "is_jit_compile_false", "StreamContext"]
+           "is_current_stream_capturing", "memory", "set_compile_mode", "is_jit_compile_false", "StreamContext"]
 
 NPUGraph = _placeholder_class("torch.npu.NPUGraph")
 ExternalEvent = _placeholder_class("torch.npu.ExternalEvent")
@@ -133,6 +133,19 @@ memory_reserved = memory_allocated
 max_memory_reserved = max_memory_allocated
 
 
+def memory_stats(device=None):
+    """``torch.npu.memory_stats``: torch_npu's caching-allocator statistics, as ``torch.cuda``'s
+    (``allocated_bytes.all.current`` / ``.peak``, ``reserved_bytes.all.*``, ``active_bytes.all.*``,
+    ``num_alloc_retries``, ``num_ooms``). No cache: reserved and active equal allocated."""
+    device_module = _device()
+    current, peak = device_module.memory_allocated(device), device_module.max_memory_allocated(device)
+    stats = {"num_alloc_retries": 0, "num_ooms": 0}
+    for kind in ("allocated_bytes", "reserved_bytes", "active_bytes"):
+        stats[kind + ".all.current"] = current
+        stats[kind + ".all.peak"] = peak
+    return stats
+
+
 def reset_peak_memory_stats(device=None):
     _device().reset_peak_memory_stats(device)
 
@@ -171,6 +184,11 @@ def default_stream(device=None):
     return Stream()
 
 
+def is_current_stream_capturing():
+    """False: the emulation never captures a graph (``NPUGraph`` refuses; engines run eager)."""
+    return False
+
+
 def synchronize(device=None):
     """Nothing is ever pending: emulated ops complete before they return."""
 
@@ -205,3 +223,6 @@ class StreamContext:
 
     def __exit__(self, *exc):
         return False
+
+
+from torch_npu.npu import memory  # noqa: E402  (it re-exports the answers above)

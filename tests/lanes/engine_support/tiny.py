@@ -1,0 +1,74 @@
+"""The tiny model the engine tests serve, and its independent reference.
+
+``save_qwen2(folder)``: a random-weight Qwen2-shaped causal LM (2 layers, hidden 64, 4 heads, 2 KV
+heads, vocab 128), float32, seeded, saved with transformers; ``with_tokenizer=True`` also saves a
+tokenizer built here (a word-level ``tokenizers`` model over the vocabulary, no download), for
+engines that load one. ``reference_tokens``: transformers' greedy argmax in float64 on the same
+weights, the token ids each prompt continues with.
+"""
+import subprocess
+
+import pytest
+
+PROMPTS = [[5, 17, 3], [9, 2, 44, 61, 7, 7, 30, 12, 100], [1] + list(range(20, 60))]
+MAX_NEW = 6
+VOCAB = 128
+
+
+def save_qwen2(folder, with_tokenizer=False):
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(folder)
+    if with_tokenizer:
+        save_tokenizer(folder)
+    return folder
+
+
+def save_tokenizer(folder):
+    """A word-level tokenizer whose ids are the model's vocabulary (``t0`` .. ``t127``), made here."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"t%d" % i: i for i in range(VOCAB)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t2"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="t0", eos_token="t1",
+                                        unk_token="t2", pad_token="t1")
+    tokenizer.save_pretrained(folder)
+
+
+def reference_tokens(model_dir, prompts=PROMPTS, max_new=MAX_NEW):
+    """transformers, float64, greedy argmax: the independent reference."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
+    tokens = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = []
+            for _ in range(max_new):
+                nxt = int(model(ids).logits[0, -1].argmax())
+                out.append(nxt)
+                ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+            tokens.append(out)
+    return tokens
+
+
+def run_child(argv, env, cwd, timeout_s, what):
+    """Run an engine's child process; a hang past ``timeout_s`` fails the test (never a pass).
+    Returns (returncode, stdout + stderr)."""
+    try:
+        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s, cwd=cwd)
+    except subprocess.TimeoutExpired as exc:
+        tail = exc.stderr or b""
+        if isinstance(tail, bytes):
+            tail = tail.decode(errors="replace")
+        pytest.fail("%s on the emulated device did not finish within %d s: %s" % (what, timeout_s, tail[-3000:]))
+    return proc.returncode, proc.stdout + proc.stderr

@@ -1,0 +1,68 @@
+"""Child process: vLLM's real engine, ``vllm.LLM(...)``, with vllm-ascend's platform plugin on the
+emulated Ascend device (tests/lanes/test_engine_vllm.py runs it).
+
+argv: a model folder (the tiny random-weight Qwen2 and tokenizer the test saved), a JSON file of
+prompts (token ids), the number of tokens to generate. In-process engine core
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the test), eager, TP 1, every vLLM plugin loaded
+(``VLLM_PLUGINS`` unset: vllm-ascend's ``ascend`` platform and its general plugins, and the shim's,
+which ``NPU_SHIM=0`` turns off). Prints ``ENGINE_STAGE <name>`` as it passes each stage and, when it
+generates, one line ``ENGINE_RESULT <json>``: the greedy tokens per prompt and the platform vLLM
+resolved.
+"""
+import json
+import os
+import sys
+
+from npu_shim import emulation
+
+emulation.install()
+
+
+def stage(name):
+    print("ENGINE_STAGE " + name, flush=True)
+
+
+def main(model_dir, prompts_file, max_new_tokens):
+    # vllm-ascend's NPU-only imports that exist on no package index: fla_npu (NPU kernels;
+    # vllm_ascend.ops.gdn) and CANN's pyACL (``acl``: vllm_ascend.device_allocator.camem imports
+    # ``acl.rt.memcpy`` at module top, for sleep mode): import placeholders whose names refuse to
+    # be used (npu_shim.testing.mimo.import_placeholders; scipy is installed in the lane).
+    # torchvision: no CPU build for the lane's torch on the package index; vllm-ascend's worker
+    # patches import vLLM's Qwen3.5 / Qwen3-VL modules, whose transformers image processor imports
+    # it at module top (the text model never calls it): the towers' import-only placeholder.
+    from npu_shim.testing.mimo import import_placeholders
+    from npu_shim.testing.towers import placeholder_torchvision
+
+    import transformers
+
+    transformers.AutoImageProcessor  # resolved before torchvision's placeholder exists (as the towers' tests do)
+    with import_placeholders(("fla_npu", "acl")), placeholder_torchvision():
+        run(model_dir, prompts_file, max_new_tokens)
+
+
+def run(model_dir, prompts_file, max_new_tokens):
+    with open(prompts_file) as f:
+        prompts = json.load(f)
+    stage("import")
+    import vllm
+    from vllm.platforms import current_platform
+
+    stage("platform " + type(current_platform).__name__ + " device_type=" + str(current_platform.device_type))
+    if os.environ.get("ENGINE_CASE_NO_PINNED") == "1":
+        type(current_platform).is_pin_memory_available = classmethod(lambda cls: False)
+        stage("stand-in: no pinned host memory")
+    llm = vllm.LLM(model=model_dir, enforce_eager=True, tensor_parallel_size=1, dtype="float32",
+                   max_model_len=128, gpu_memory_utilization=0.5, seed=0, max_num_seqs=4,
+                   block_size=128)
+    stage("engine")
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    stage("generate")
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
+              "platform": type(current_platform).__name__, "device_type": current_platform.device_type}
+    print("ENGINE_RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
+    os._exit(0)
