@@ -28,7 +28,8 @@ the suites after the lane's own tests and adds their verdicts to the lane's repo
   upstream's stand-in, as in upstream's CPU CI; the conftests of 0.18.0 - 0.20.2rc1 expect an
   installed torch_npu, and the emulation is that one, with its device (EMULATED_DEVICE: ``torch.npu``, as
   importing the real one adds it). The conftest's ``adapt_patch()`` is left
-  out (CONFTEST_STANDINS: a recorded no-op), because it imports vllm-ascend's whole patch tree
+  out (CONFTEST_STANDINS: a recorded no-op, importing what upstream's modules read from it:
+  STANDIN_IMPORTS), because it imports vllm-ascend's whole patch tree
   and, through it, parts of vLLM that need what the lanes do not install (torchvision, triton,
   a working xgrammar); from 0.28.0rc1 ``register_ascend_customop()`` too (scipy).
 - Verdicts: each test's outcome is compared with DIFFERENCES, the declared differences (test
@@ -44,6 +45,7 @@ subprocess that runs the suites (``python lanes/upstream_tests.py pytest ...``).
 import collections
 import fnmatch
 import hashlib
+import importlib
 import json
 import os
 import re
@@ -119,7 +121,7 @@ SUITES = (
     Suite("vllm-ascend:attention_v1_a2", "vllm-ascend", ("tests/ut/attention/a2/test_attention_v1.py",),
           ("vllm.ascend_attention_v_head_dim",), ">=0.21.0rc1,<0.27.1rc1"),
     Suite("vllm-ascend:attn_utils_v2", "vllm-ascend", ("tests/ut/worker/test_attn_utils_v2.py",),
-          ("vllm.ascend_kv_split_exact",), ">=0.30.0rc1"),
+          ("vllm.ascend_kv_split_exact",), ">=0.29.0rc1"),
     Suite("vllm-ascend:encoder_acl_graph", "vllm-ascend", ("tests/ut/worker/test_encoder_acl_graph.py",),
           ("vllm.encoder_acl_graph_refs",), ">=0.23.0"),
 )
@@ -137,14 +139,21 @@ NO_SUITES = {
         "tried as a suite on lane vllm-0.30 (0.30.0rc2): the module does not import in the lanes, without the shim "
         "as well (vllm_ascend.worker.model_runner_v1 imports vllm_ascend.eplb's FlashLB policy, which imports "
         "numba; with numba stood in, vllm_ascend.attention.indexer's scipy), neither of which the lanes install; "
-        "calc_split_factor, the patched function, is reached by tests/ut/worker/test_attn_utils_v2.py (0.27.1rc1 "
+        "calc_split_factor, the patched function, is reached by tests/ut/worker/test_attn_utils_v2.py (0.29.0rc1 "
         "on, suite vllm-ascend:attn_utils_v2)",
-    "vllm-ascend 0.27.1rc1 - 0.29.0rc1's tests/ut/worker/test_attn_utils_v2.py (vllm.ascend_kv_split_exact)":
-        "tried as a suite on lanes vllm-0.27 - vllm-0.29: the module does not import in the lanes, without the "
-        "shim as well (0.29.0rc1, run --without-shim: the same collection error; 0.27.1rc1: vLLM 0.27's "
-        "vllm.v1.worker.gpu.attn_utils calls load_lib_module(extra_lib_paths=...), which that vLLM's own "
-        "helper does not take, TypeError; alone, 0.29.0rc1's file meets a circular import of "
-        "vllm_ascend.device.device_op); it runs on 0.30.0rc2 (suite vllm-ascend:attn_utils_v2)",
+    "vllm-ascend 0.27.1rc1 - 0.28.0rc1's tests/ut/worker/test_attn_utils_v2.py (vllm.ascend_kv_split_exact)":
+        "tried as a suite on lanes vllm-0.27 and vllm-0.28 (with adapt_patch's import of STANDIN_IMPORTS; on "
+        "vllm-0.27 with apache-tvm-ffi 0.1.11 swapped in, vLLM 0.27.1's own pin: with the lane's 0.1.10, xgrammar "
+        "0.2.8's load_lib_module(extra_lib_paths=...) raises TypeError at collection and no suite of the lane "
+        "runs; the lane keeps 0.1.10, as 0.1.11 moves tests/lanes/test_mimo_v2_runner_kv_cache.py onto it, "
+        "where 0.27.1rc1's vllm_ascend.attention.sfa_v1 needs scipy): the file "
+        "runs (0.27.1rc1: 9 passed, 0.28.0rc1: 34 passed) but no test reaches calc_split_factor, the patched "
+        "function (reach count 0), so the suite would not test the shim: its callers' tests are skipped by "
+        "upstream on vLLM 0.28.0 (test_main_allocator_preserves_separate_ascend_kv_views, test_main_dsv4_"
+        "materializes_real_planner_geometry_once: 'vLLM #51718 only changed the main allocation entry point') or "
+        "absent in 0.27.1rc1, and test_mrv2_initializes_dsv4_cache_only_layer fails before the split, without the "
+        "shim as well (RuntimeError: shape '[2, 32, 1, 128]' is invalid for input of size 8320, from vLLM's "
+        "vllm.v1.worker.gpu.attn_utils). 0.29.0rc1 on: suite vllm-ascend:attn_utils_v2",
     "sglang (every sglang.* patch)":
         "the package index has sglang source archives only up to 0.5.10.post1, none for the lanes' releases "
         "0.5.11 - 0.5.23; the archive (like each wheel) holds the python package alone (sglang/, "
@@ -206,6 +215,19 @@ CONFTEST_STANDINS = {
         "torch.npu's graph pool handle (the tests patch torch.npu.graph / NPUGraph, which receive it)"),
 }
 
+# What the real stand-in's function imported that upstream's tests rely on, imported by the stand-in
+# when it is called, for the releases of the window: name -> ((window, modules, why), ...).
+STANDIN_IMPORTS = {
+    "vllm_ascend.utils.adapt_patch": (
+        (">=0.29.0rc1,<0.30.0rc1", ("vllm.v1.worker.gpu.spec_decode.speculator",),
+         "vllm_ascend/worker/v2/attn_utils.py of 0.27.1rc1 - 0.29.0rc1 reads vllm.v1.worker.gpu.spec_decode.speculator "
+         "as an attribute of the vllm package at import (_BUILD_ATTN_METADATA_MODULE), without importing it: the "
+         "real adapt_patch() had imported it (vllm_ascend.patch.worker.patch_v2.patch_triton's first line), so "
+         "tests/ut/worker/test_attn_utils_v2.py failed at collection with the no-op stand-in (AttributeError, "
+         "with and without the shim); 0.30.0rc1 imports it in attn_utils.py itself. Declared where the suite runs "
+         "(0.27.1rc1 and 0.28.0rc1: NO_SUITES)"),
+    ),
+}
 
 # Releases whose suites run with the emulation's device (``NPU_SHIM_EMULATE_DEVICE=1``,
 # npu_shim/emulation/device.py: ``torch.npu`` a one-device machine, as importing the real torch_npu
@@ -272,17 +294,17 @@ DIFFERENCES = (
                "lanes/upstream_tests.py run LANE ARCHIVE --without-shim"),
     Difference("vllm-ascend:attn_utils_v2",
                "tests/ut/worker/test_attn_utils_v2.py::test_main_entry_allocates_and_reshapes_kvpp_views[[]mla[]]",
-               ">=0.30.0rc1", "failed",
+               ">=0.29.0rc1", "failed",
                "not a difference of the shim: the MLA case builds its model config through transformers' Qwen2-VL "
                "image processor, which imports torchvision, which the lanes do not install (ModuleNotFoundError, "
                "without the shim as well)",
-               "lanes/upstream_tests.py run vllm-0.30 ARCHIVE --without-shim: the same two tests fail, the same error"),
+               "lanes/upstream_tests.py run vllm-0.29|vllm-0.30 ARCHIVE --without-shim: the same two tests fail, the same error"),
     Difference("vllm-ascend:attn_utils_v2",
                "tests/ut/worker/test_attn_utils_v2.py::test_main_entry_allocates_and_reshapes_kvpp_views[[]sfa-c8[]]",
-               ">=0.30.0rc1", "failed",
+               ">=0.29.0rc1", "failed",
                "not a difference of the shim: as the MLA case, torchvision (ModuleNotFoundError, without the shim "
                "as well)",
-               "lanes/upstream_tests.py run vllm-0.30 ARCHIVE --without-shim: the same two tests fail, the same error"),
+               "lanes/upstream_tests.py run vllm-0.29|vllm-0.30 ARCHIVE --without-shim: the same two tests fail, the same error"),
 )
 
 
@@ -643,6 +665,15 @@ class _StandIns:
         return importlib.machinery.PathFinder.find_spec(fullname, path)
 
 
+def standin_imports(dotted, version):
+    """The modules the stand-in of ``dotted`` imports when called on ``version`` (STANDIN_IMPORTS;
+    none when no release is named)."""
+    if not version:
+        return []
+    return [module for window, modules, _ in STANDIN_IMPORTS.get(dotted, ()) if in_window(version, window)
+            for module in modules]
+
+
 def _standin_target(dotted):
     """(module, attribute path inside it) of a CONFTEST_STANDINS name."""
     if ":" in dotted:
@@ -679,6 +710,8 @@ def _install_standins(module, names):
 
         def standin(*args, _dotted=dotted, **kwargs):
             STANDINS_CALLED[_dotted] += 1
+            for module_name in standin_imports(_dotted, os.environ.get("NPU_SHIM_UPSTREAM_RELEASE")):
+                importlib.import_module(module_name)
             return STANDIN_VALUES.get(_dotted)
 
         standin.__name__ = last
