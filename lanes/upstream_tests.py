@@ -69,6 +69,8 @@ Difference = collections.namedtuple("Difference", "suite test releases outcome r
 TAG = "release tag v%s in upstream's repository"
 SCM = "abbreviated, from the archive's vllm_ascend/_version.py (the tag is newer than the stored mirror)"
 PINS = {
+    ("vllm-ascend", "0.14.0rc1"): Pin("d2a6e4363dfd944e7857770e5f6282a8b18390411a4752485972e2c802757f36",
+                                      "52d4acfa51fb868823d1070b81cbd2d97e9e4696", TAG % "0.14.0rc1"),
     ("vllm-ascend", "0.18.0"): Pin("8df042cfaae06fab993bff5f38bb45097634c3f398b2cf74e068347abdddb344",
                                    "e18643f8a4d5bd9990727654318ad069ea0b56e2", TAG % "0.18.0"),
     ("vllm-ascend", "0.19.1rc1"): Pin("1e1d27a5cc5775a8b5fc6c09fbae07fb3c5625e5622cdb13d14eb3e2a8837e23",
@@ -109,13 +111,15 @@ PINS = {
 # split and the encoder ACL graph (ls of each archive: attention/test_attention_v1.py in 0.18.0 - 0.20.2rc1
 # and from 0.27.1rc1, attention/a2/test_attention_v1.py in 0.21.0rc1 - 0.26.0rc1, worker/test_attn_utils_v2.py
 # from 0.27.1rc1, worker/test_encoder_acl_graph.py from 0.23.0), each within its patch's fence; what has none
-# is in NO_SUITES. A suite reaches its patch when the patch's counters move or, for a patch that edits
+# is in NO_SUITES; and 0.14.0rc1's attention/test_attention_v1.py, of the impl vllm.sinks_refuse wraps. A suite reaches its patch when the patch's counters move or, for a patch that edits
 # upstream's function, when a test runs the installed replacement's code (Reach).
 SUITES = (
     Suite("vllm-ascend:mm_encoder_attention", "vllm-ascend", ("tests/ut/ops/test_mm_encoder_attention.py",),
           ("vllm.mm_encoder_attn",), ">=0.23.0"),
     Suite("vllm-ascend:mm_encoder_attention_310p", "vllm-ascend",
           ("tests/ut/_310p/ops/test_mm_encoder_attention_310.py",), ("vllm.mm_encoder_attn_310p",), ">=0.18.0"),
+    Suite("vllm-ascend:attention_v1_sinks", "vllm-ascend", ("tests/ut/attention/test_attention_v1.py",),
+          ("vllm.sinks_refuse",), ">=0.14.0rc1,<0.15.0rc1"),
     Suite("vllm-ascend:attention_v1", "vllm-ascend", ("tests/ut/attention/test_attention_v1.py",),
           ("vllm.ascend_attention_v_head_dim",), "==0.20.2rc1 | >=0.27.1rc1"),
     Suite("vllm-ascend:attention_v1_a2", "vllm-ascend", ("tests/ut/attention/a2/test_attention_v1.py",),
@@ -130,9 +134,11 @@ SUITES = (
 
 # Patched code whose upstream ships no CPU-runnable unit test of it: what -> the evidence.
 NO_SUITES = {
-    "vllm-ascend 0.13.0 - 0.17.0rc1 (lanes vllm-0.13 - vllm-0.17)":
+    "vllm-ascend 0.13.0 - 0.17.0rc1 (lanes vllm-0.13 - vllm-0.17), the mm_encoder patches":
         "no tests/ut file of their archives names mm_encoder_attention or MMEncoderAttention: the 310P test "
-        "arrives in 0.18.0, the base-class test in 0.23.0",
+        "arrives in 0.18.0, the base-class test in 0.23.0. (0.14.0rc1's tests/ut/attention/test_attention_v1.py, "
+        "of the class vllm.sinks_refuse wraps, runs: suite vllm-ascend:attention_v1_sinks; it never passes sinks, "
+        "so it reaches the wrapper's pass-through path only, and tests/lanes/test_mimo_v2_flash.py the refusal)",
     "vllm-ascend's other tests/ut files naming the class":
         "0.26.0rc1's tests/ut/models/test_kimi_k3.py stubs MMEncoderAttention out of vllm-ascend's own Kimi-K3 "
         "model (no patch touches it)",
@@ -177,6 +183,7 @@ NO_SUITES = {
 # its versioning policy names (vllm-0.31 and vllm-0.32 run 0.30.0rc2 on newer vLLMs: upstream
 # never ran these tests there; the lanes' own tests cover them).
 LANES = {
+    "vllm-0.14": ("vllm-ascend", "0.14.0rc1"),
     "vllm-0.18": ("vllm-ascend", "0.18.0"),
     "vllm-0.19": ("vllm-ascend", "0.19.1rc1"),
     "vllm-0.20": ("vllm-ascend", "0.20.2rc1"),
@@ -199,9 +206,11 @@ LANES = {
 # value for it (None if none), and counts its calls (the lane report's ``standins_called``).
 CONFTEST_STANDINS = {
     "vllm_ascend.utils.adapt_patch": (
-        ">=0.18.0",
+        ">=0.14.0rc1",
         "imports vllm-ascend's whole patch tree, and through it parts of vLLM that need what the lanes do not "
-        "install (0.18.0: torch.npu, which a real torch_npu adds; 0.26.0rc1: a working xgrammar, via vllm.lora); "
+        "install (0.14.0rc1: openai_harmony, via vllm.v1.worker.utils and vllm.entrypoints.tool_server: pytest "
+        "exited 4 at the conftest, no test ran; 0.18.0: torch.npu, which a real torch_npu adds; 0.26.0rc1: a "
+        "working xgrammar, via vllm.lora); "
         "the suites' tests use none of those patches"),
     "vllm_ascend.utils.register_ascend_customop": (
         ">=0.28.0rc1",
