@@ -530,6 +530,8 @@ def render_upstream_tests(root):
     differences = [("`%s`" % d.suite, "`%s`" % d.test.split("::", 1)[-1], "`%s`" % d.releases, d.outcome, d.reason,
                     d.evidence) for d in gate.DIFFERENCES]
     standins = [("`%s`" % name, "`%s`" % window, why) for name, (window, why) in gate.CONFTEST_STANDINS.items()]
+    imports = [("`%s`" % name, "`%s`" % window, ", ".join("`%s`" % m for m in modules), why)
+               for name, entries in gate.STANDIN_IMPORTS.items() for window, modules, why in entries]
     none = [(what, why) for what, why in gate.NO_SUITES.items()]
     return ["## Upstream's own unit tests", "",
             "Upstream's unit tests of the classes the patches replace run in the lanes of the releases they "
@@ -545,6 +547,8 @@ def render_upstream_tests(root):
             table(("suite", "test", "releases", "expected", "why", "evidence"), differences), "",
             "Upstream's conftest calls replaced by a recorded no-op:", "",
             table(("call", "releases", "why"), standins), "",
+            "What a replaced call imported that upstream's modules rely on, imported by its stand-in:", "",
+            table(("call", "releases", "imports", "why"), imports), "",
             "The source archives (the commit is the release tag's):", "",
             table(("release", "lanes", "sha256 of the archive", "upstream commit", "commit from"), pins), "",
             "Patched code whose upstream ships no CPU-runnable unit test of it:", "",

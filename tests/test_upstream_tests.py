@@ -222,3 +222,54 @@ def test_releases_whose_conftest_expects_torch_npu_run_on_the_emulated_device():
     # below 0.21.0rc1 upstream's conftest sets no torch.npu stand-in; from it, its own stand-in replaces torch_npu
     assert U.emulated_device("0.18.0") and U.emulated_device("0.20.2rc1")
     assert not U.emulated_device("0.21.0rc1") and not U.emulated_device("0.30.0rc2")
+
+
+def test_a_standin_imports_what_the_real_call_imported_in_its_window():
+    import sys
+    import types
+
+    dotted = "npu_shim_fake_utils.adapt_patch"
+    imported = "npu_shim_fake_speculator"
+    module = types.ModuleType("npu_shim_fake_utils")
+    module.adapt_patch = lambda: None
+    window = ">=1.0,<2.0"
+    U.STANDIN_IMPORTS[dotted] = ((window, (imported,), "test"),)
+    finder = type("Finder", (), {"find_spec": staticmethod(
+        lambda name, path=None, target=None: importlib.util.spec_from_loader(name, _EmptyLoader())
+        if name == imported else None)})
+    sys.meta_path.insert(0, finder)
+    old = os.environ.get("NPU_SHIM_UPSTREAM_RELEASE")
+    try:
+        assert U.standin_imports(dotted, "1.5") == [imported] and U.standin_imports(dotted, "2.0") == []
+        U._install_standins(module, [(dotted, "adapt_patch")])
+        os.environ["NPU_SHIM_UPSTREAM_RELEASE"] = "2.0"
+        module.adapt_patch()
+        assert imported not in sys.modules
+        os.environ["NPU_SHIM_UPSTREAM_RELEASE"] = "1.5"
+        module.adapt_patch()
+        assert imported in sys.modules and U.STANDINS_CALLED[dotted] == 2
+    finally:
+        sys.meta_path.remove(finder)
+        sys.modules.pop(imported, None)
+        U.STANDIN_IMPORTS.pop(dotted)
+        if old is None:
+            os.environ.pop("NPU_SHIM_UPSTREAM_RELEASE", None)
+        else:
+            os.environ["NPU_SHIM_UPSTREAM_RELEASE"] = old
+
+
+class _EmptyLoader:
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        pass
+
+
+def test_standin_imports_are_declared_for_a_standin_in_a_suites_window():
+    for dotted, entries in U.STANDIN_IMPORTS.items():
+        assert dotted in U.CONFTEST_STANDINS, dotted
+        for window, modules, why in entries:
+            assert modules and why
+            assert any(U.in_window(version, window) and U.suites_of(dist, version)
+                       for dist, version in U.LANES.values()), (dotted, window)
