@@ -127,7 +127,7 @@ SUITES = (
     Suite("vllm-ascend:attn_utils_v2", "vllm-ascend", ("tests/ut/worker/test_attn_utils_v2.py",),
           ("vllm.ascend_kv_split_exact",), ">=0.29.0rc1"),
     Suite("vllm-ascend:model_runner_v1", "vllm-ascend", ("tests/ut/worker/test_model_runner_v1.py",),
-          ("vllm.ascend_kv_split_exact",), ">=0.29.0rc1"),
+          ("vllm.ascend_kv_split_exact",), ">=0.27.1rc1"),
     Suite("vllm-ascend:encoder_acl_graph", "vllm-ascend", ("tests/ut/worker/test_encoder_acl_graph.py",),
           ("vllm.encoder_acl_graph_refs",), ">=0.23.0"),
 )
@@ -142,23 +142,19 @@ NO_SUITES = {
     "vllm-ascend's other tests/ut files naming the class":
         "0.26.0rc1's tests/ut/models/test_kimi_k3.py stubs MMEncoderAttention out of vllm-ascend's own Kimi-K3 "
         "model (no patch touches it)",
-    "vllm-ascend's tests/ut/worker/test_model_runner_v1.py (vllm.ascend_kv_split_exact) on 0.18.0 - 0.20.2rc1, "
-    "0.27.1rc1 and 0.28.0rc1":
-        "runs on 0.29.0rc1 and 0.30.0rc2 (suite vllm-ascend:model_runner_v1, lanes vllm-0.29 and vllm-0.30, whose pin "
-        "files add numba, llvmlite and "
-        "scipy as test-only pins: the runner's module imports vllm_ascend.eplb's FlashLB policy, which imports numba, "
-        "and vllm_ascend.attention.indexer, which imports scipy; without them the module does not import, with or "
-        "without the shim). Not yet tried on the other releases whose archives ship the file (each lane needs the "
-        "same three test-only pins, versions for its Python and numpy, and its own declarations): left for a later "
-        "session, not measured as too costly (the three pins take a venv from about 1160 to 1460 MiB, hardlinked "
-        "from uv's cache; the lane's upstream suites went from 16 to 17 s on vllm-0.29, and from 10 s, the last "
-        "recorded CI run, to 22 s on a shared machine on vllm-0.30, whose file has 111 tests)",
+    "vllm-ascend's tests/ut/worker/test_model_runner_v1.py (vllm.ascend_kv_split_exact) on 0.18.0 - 0.20.2rc1":
+        "runs from 0.27.1rc1 (suite vllm-ascend:model_runner_v1, lanes vllm-0.27 - vllm-0.30, whose pin files add "
+        "numba and llvmlite at vLLM's own pin, and scipy, as test-only pins: the runner's module imports "
+        "vllm_ascend.eplb's FlashLB policy, which imports numba, and vllm_ascend.attention.indexer, which imports "
+        "scipy; without them the module does not import, with or without the shim; vllm-0.27 also takes "
+        "apache-tvm-ffi 0.1.11, vLLM 0.27.1's own pin). Not yet tried on 0.18.0 - 0.20.2rc1, whose archives ship the "
+        "file too (vLLM 0.18 and 0.19 pin numba 0.61.2, each lane needs its pins and its own declarations): left "
+        "for a later session, not measured as too costly (the three pins take a venv from about 1160 to 1460 MiB, "
+        "hardlinked from uv's cache; a lane's upstream suites take 13 - 22 s with the file)",
     "vllm-ascend 0.27.1rc1 - 0.28.0rc1's tests/ut/worker/test_attn_utils_v2.py (vllm.ascend_kv_split_exact)":
-        "tried as a suite on lanes vllm-0.27 and vllm-0.28 (with adapt_patch's import of STANDIN_IMPORTS; on "
-        "vllm-0.27 with apache-tvm-ffi 0.1.11 swapped in, vLLM 0.27.1's own pin: with the lane's 0.1.10, xgrammar "
-        "0.2.8's load_lib_module(extra_lib_paths=...) raises TypeError at collection and no suite of the lane "
-        "runs; the lane keeps 0.1.10, as 0.1.11 moves tests/lanes/test_mimo_v2_runner_kv_cache.py onto it, "
-        "where 0.27.1rc1's vllm_ascend.attention.sfa_v1 needs scipy): the file "
+        "tried as a suite on lanes vllm-0.27 and vllm-0.28 (with adapt_patch's import of STANDIN_IMPORTS; "
+        "vllm-0.27 now pins apache-tvm-ffi 0.1.11, vLLM 0.27.1's own pin: with 0.1.10, xgrammar 0.2.8's "
+        "load_lib_module(extra_lib_paths=...) raised TypeError at collection and no suite of the lane ran): the file "
         "runs (0.27.1rc1: 9 passed, 0.28.0rc1: 34 passed) but no test reaches calc_split_factor, the patched "
         "function (reach count 0), so the suite would not test the shim: its callers' tests are skipped by "
         "upstream on vLLM 0.28.0 (test_main_allocator_preserves_separate_ascend_kv_views, test_main_dsv4_"
@@ -331,7 +327,21 @@ for _test in ("TestDummyRunSlotInvalidation::test_graph_capture_invalidates_only
         "not a difference of the shim: upstream skips it on the vLLM its lane pins "
         "(@unittest.skipIf(vllm_version_is(\"0.29.0\"), \"DeepSeek V4.1 is unavailable on vLLM 0.29\"))",
         "lanes/upstream_tests.py run vllm-0.29 ARCHIVE --without-shim: the same three tests skipped, the same reason"),)
+for _test in ("TestNPUModelRunnerKVCache::test_dsv4_main_materializes_real_planner_geometry_once",
+              "TestNPUModelRunnerKVCache::test_hybrid_descriptors_share_standardized_backing_allocation"):
+    DIFFERENCES += (Difference(
+        "vllm-ascend:model_runner_v1", "tests/ut/worker/test_model_runner_v1.py::" + _test, "==0.28.0rc1", "skipped",
+        "not a difference of the shim: upstream skips it on the vLLM its lane pins (\"vLLM #51718 only changed "
+        "the main planner\")",
+        "lanes/upstream_tests.py run vllm-0.28 ARCHIVE --without-shim: the same two tests skipped, the same reason"),)
 del _test
+DIFFERENCES += (Difference(
+    "vllm-ascend:model_runner_v1",
+    "tests/ut/worker/test_model_runner_v1.py::TestNPUModelRunnerKVCache::test_kvpp_allocate_and_reshape_views",
+    "==0.28.0rc1", "failed",
+    "not a difference of the shim: upstream's test helper (tests/ut/kvpp_utils.py) builds vLLM's KVCacheTensor "
+    "with layers=, which vLLM 0.28's KVCacheTensor does not take (TypeError, without the shim as well)",
+    "lanes/upstream_tests.py run vllm-0.28 ARCHIVE --without-shim: the same test fails, the same TypeError"),)
 
 
 def _specifier(text):
