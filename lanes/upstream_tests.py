@@ -147,10 +147,12 @@ NO_SUITES = {
         "numba and llvmlite at vLLM's own pin, and scipy, as test-only pins: the runner's module imports "
         "vllm_ascend.eplb's FlashLB policy, which imports numba, and vllm_ascend.attention.indexer, which imports "
         "scipy; without them the module does not import, with or without the shim; vllm-0.27 also takes "
-        "apache-tvm-ffi 0.1.11, vLLM 0.27.1's own pin). Not yet tried on 0.18.0 - 0.20.2rc1, whose archives ship the "
-        "file too (vLLM 0.18 and 0.19 pin numba 0.61.2, each lane needs its pins and its own declarations): left "
-        "for a later session, not measured as too costly (the three pins take a venv from about 1160 to 1460 MiB, "
-        "hardlinked from uv's cache; a lane's upstream suites take 13 - 22 s with the file)",
+        "apache-tvm-ffi 0.1.11, vLLM 0.27.1's own pin). Tried on lanes vllm-0.18 - vllm-0.20 with the same pins "
+        "(numba 0.61.2, vLLM 0.18's and 0.19's pin, on numpy 1.26): on 0.18.0 and 0.19.1rc1 the patch does not "
+        "apply (its window opens at 0.20.0rc1), so the file cannot test it; on 0.20.2rc1 the module does not import, "
+        "with or without the shim: vllm_ascend.worker.model_runner_v1 imports vllm.v1.structured_output.utils, "
+        "whose xgrammar 0.2.8 calls load_lib_module(extra_lib_paths=...), which vLLM 0.20's own pin "
+        "apache-tvm-ffi==0.1.9 lacks (TypeError). A consistent xgrammar for vLLM 0.20 is left for a later session",
     "vllm-ascend 0.27.1rc1 - 0.28.0rc1's tests/ut/worker/test_attn_utils_v2.py (vllm.ascend_kv_split_exact)":
         "tried as a suite on lanes vllm-0.27 and vllm-0.28 (with adapt_patch's import of STANDIN_IMPORTS; "
         "vllm-0.27 now pins apache-tvm-ffi 0.1.11, vLLM 0.27.1's own pin: with 0.1.10, xgrammar 0.2.8's "
