@@ -7,13 +7,15 @@ imports it at module top, e.g.::
 
     from sgl_kernel_npu.attention.sinks_attention import attention_sinks_triton
 
-The code path the sglang lanes test (context-parallel FIA in
-``AscendAttnBackend.do_cp_attn_fia``) never calls those kernels. This package
+The code paths the sglang lanes' patch tests take (context-parallel FIA in
+``AscendAttnBackend.do_cp_attn_fia`` and the others) never call those kernels; sglang's
+engine on the emulated device (tests/lanes/test_engine_sglang.py) reaches its first
+kernel launch at the first prefill, and is held there by the refusal below. This package
 exists only so that such import lines succeed:
 
 * any submodule ``sgl_kernel_npu.<a>.<b>`` imports as an empty placeholder module;
 * ``from sgl_kernel_npu.x import name`` yields a :class:`KernelPlaceholder`;
-* calling a placeholder, or reading any attribute of it, raises
+* calling a placeholder, launching it (``kernel[grid]``), or reading any attribute of it, raises
   :class:`PlaceholderKernelError` naming the kernel, so a test that strays onto
   an NPU kernel fails loudly instead of silently doing nothing.
 
