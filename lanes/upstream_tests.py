@@ -321,22 +321,23 @@ DIFFERENCES = (
 )
 
 
-for _test in ("TestDummyRunSlotInvalidation::test_graph_capture_invalidates_only_v41_active_slots",
-              "TestNPUModelRunnerKVCache::test_v41_dspark_shares_four_backings_after_rank_shrink",
-              "TestNPUModelRunnerKVCache::test_v41_layer_outer_buffers_allocate_and_reshape"):
-    DIFFERENCES += (Difference(
-        "vllm-ascend:model_runner_v1", "tests/ut/worker/test_model_runner_v1.py::" + _test, "==0.29.0rc1", "skipped",
-        "not a difference of the shim: upstream skips it on the vLLM its lane pins "
-        "(@unittest.skipIf(vllm_version_is(\"0.29.0\"), \"DeepSeek V4.1 is unavailable on vLLM 0.29\"))",
-        "lanes/upstream_tests.py run vllm-0.29 ARCHIVE --without-shim: the same three tests skipped, the same reason"),)
-for _test in ("TestNPUModelRunnerKVCache::test_dsv4_main_materializes_real_planner_geometry_once",
-              "TestNPUModelRunnerKVCache::test_hybrid_descriptors_share_standardized_backing_allocation"):
-    DIFFERENCES += (Difference(
-        "vllm-ascend:model_runner_v1", "tests/ut/worker/test_model_runner_v1.py::" + _test, "==0.28.0rc1", "skipped",
-        "not a difference of the shim: upstream skips it on the vLLM its lane pins (\"vLLM #51718 only changed "
-        "the main planner\")",
-        "lanes/upstream_tests.py run vllm-0.28 ARCHIVE --without-shim: the same two tests skipped, the same reason"),)
-del _test
+# Upstream's own skips of test_model_runner_v1.py on the vLLM a lane pins: (tests, release, upstream's skip
+# reason), each measured with lanes/upstream_tests.py run LANE ARCHIVE --without-shim (the same skips).
+UPSTREAM_RUNNER_SKIPS = (
+    (("TestDummyRunSlotInvalidation::test_graph_capture_invalidates_only_v41_active_slots",
+      "TestNPUModelRunnerKVCache::test_v41_dspark_shares_four_backings_after_rank_shrink",
+      "TestNPUModelRunnerKVCache::test_v41_layer_outer_buffers_allocate_and_reshape"),
+     "0.29.0rc1", "@unittest.skipIf(vllm_version_is(\"0.29.0\"), \"DeepSeek V4.1 is unavailable on vLLM 0.29\")"),
+    (("TestNPUModelRunnerKVCache::test_dsv4_main_materializes_real_planner_geometry_once",
+      "TestNPUModelRunnerKVCache::test_hybrid_descriptors_share_standardized_backing_allocation"),
+     "0.28.0rc1", "\"vLLM #51718 only changed the main planner\""),
+)
+DIFFERENCES += tuple(
+    Difference("vllm-ascend:model_runner_v1", "tests/ut/worker/test_model_runner_v1.py::" + test, "==" + release,
+               "skipped", "not a difference of the shim: upstream skips it on the vLLM its lane pins (%s)" % why,
+               "lanes/upstream_tests.py run LANE ARCHIVE --without-shim (vllm-ascend %s): the same tests skipped, "
+               "the same reason" % release)
+    for tests, release, why in UPSTREAM_RUNNER_SKIPS for test in tests)
 DIFFERENCES += (Difference(
     "vllm-ascend:model_runner_v1",
     "tests/ut/worker/test_model_runner_v1.py::TestNPUModelRunnerKVCache::test_kvpp_allocate_and_reshape_views",
