@@ -49,7 +49,8 @@ synchronous no-ops, ``Event.elapsed_time`` raises); asynchronous copies (``non_b
 is a synchronous copy, and is still counted); Ascend's private formats (every tensor is
 ND); graph capture (``NPUGraph`` stays a placeholder that raises: engines run eager);
 collectives beyond one rank (``hccl`` is gloo on one process); a device tensor's storage
-(the wrapper has none of its own: ``untyped_storage()`` raises; ``data_ptr()`` is the held host
+(the wrapper has none of its own: ``untyped_storage()`` answers the held host storage's size,
+address and device, and refuses anything else, :class:`DeviceStorage`; ``data_ptr()`` is the held host
 data's address, unique and shared by views as a device pointer is);
 pinned host memory (ordinary host memory, :func:`_pinned_host_memory`; ``is_pinned()`` is False);
 the memory a real allocator would reserve or fragment (``memory_reserved`` equals

@@ -48,9 +48,6 @@ def run(model_dir, prompts_file, max_new_tokens):
     from vllm.platforms import current_platform
 
     stage("platform " + type(current_platform).__name__ + " device_type=" + str(current_platform.device_type))
-    if os.environ.get("ENGINE_CASE_NO_PINNED") == "1":
-        type(current_platform).is_pin_memory_available = classmethod(lambda cls: False)
-        stage("stand-in: no pinned host memory")
     llm = vllm.LLM(model=model_dir, enforce_eager=True, tensor_parallel_size=1, dtype="float32",
                    max_model_len=128, gpu_memory_utilization=0.5, seed=0, max_num_seqs=4,
                    block_size=128)
