@@ -50,15 +50,9 @@ def model_dir(tmp_path_factory):
 
 
 def _run_engine(model_dir, tmp_path, shim_on):
-    import npu_shim
-
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(PROMPTS))
-    bootstrap = os.path.join(os.path.dirname(npu_shim.__file__), "_bootstrap")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("NPU_SHIM") and k != "PYTHONPATH"}
-    env.update(NPU_SHIM_EMULATE="1", NPU_SHIM_EMULATE_DEVICE="1", NPU_SHIM="1" if shim_on else "0",
-               NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB,
-               PYTHONPATH=os.pathsep.join([PLACEHOLDERS, bootstrap]))
+    env = tiny.child_env(shim_on, pythonpath=[PLACEHOLDERS], NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB)
     return tiny.run_child([sys.executable, CASE, model_dir, str(prompts), str(MAX_NEW)], env, str(tmp_path),
                           TIMEOUT_S, "sglang.Engine")
 

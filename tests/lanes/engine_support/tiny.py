@@ -6,6 +6,7 @@ tokenizer built here (a word-level ``tokenizers`` model over the vocabulary, no 
 engines that load one. ``reference_tokens``: transformers' greedy argmax in float64 on the same
 weights, the token ids each prompt continues with.
 """
+import os
 import subprocess
 
 import pytest
@@ -59,6 +60,19 @@ def reference_tokens(model_dir, prompts=PROMPTS, max_new=MAX_NEW):
                 ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
             tokens.append(out)
     return tokens
+
+
+def child_env(shim_on, *, pythonpath=(), drop=("NPU_SHIM",), **extra):
+    """The engine child's environment: this one without ``NPU_SHIM*``, the ``drop`` prefixes and
+    ``PYTHONPATH``; the emulated device on, the shim on or off (``NPU_SHIM``), its bootstrap last on
+    ``PYTHONPATH`` after ``pythonpath``; then ``extra``."""
+    import npu_shim
+
+    bootstrap = os.path.join(os.path.dirname(npu_shim.__file__), "_bootstrap")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(tuple(drop)) and k != "PYTHONPATH"}
+    env.update(NPU_SHIM_EMULATE="1", NPU_SHIM_EMULATE_DEVICE="1", NPU_SHIM="1" if shim_on else "0",
+               PYTHONPATH=os.pathsep.join([*pythonpath, bootstrap]), **extra)
+    return env
 
 
 def run_child(argv, env, cwd, timeout_s, what):
