@@ -323,6 +323,86 @@ def test_pinned_host_memory_and_host_likes_of_device_tensors():
         assert torch.empty_like(x).device.type == "npu" and x.new_empty(2).device.type == "npu"
     assert counter.count == 0
 
+
+if CHILD:
+    class _LoaderParameter(torch.nn.Parameter):
+        """A Parameter subclass shaped as vLLM's ``BasevLLMParameter``: its own ``__new__`` through
+        Parameter's, an ``__init__`` storing a weight loader, a property, a method writing a shard
+        into ``self.data``, and its own ``__torch_function__``."""
+
+        def __new__(cls, data, **kwargs):
+            return super().__new__(cls, data=data, requires_grad=False)
+
+        def __init__(self, data, weight_loader, output_dim):
+            self._weight_loader = weight_loader
+            self._output_dim = output_dim
+
+        @property
+        def weight_loader(self):
+            return self._weight_loader
+
+        def load_shard(self, loaded, offset):
+            shard = self.data.narrow(self._output_dim, offset, loaded.shape[self._output_dim])
+            shard.copy_(loaded)
+
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    class _Child(_LoaderParameter):
+        pass
+
+
+@child_only
+def test_parameter_subclasses_on_the_device():
+    # vLLM's linear layers make BasevLLMParameter subclasses of device tensors; PyTorch's path for
+    # tensor subclasses returned the device tensor itself (its class, no __init__, no loader)
+    loader = object()
+    p = _LoaderParameter(torch.empty(4, 3, device="npu"), weight_loader=loader, output_dim=0)
+    assert isinstance(p, _LoaderParameter) and isinstance(p, torch.nn.Parameter) and isinstance(p, D.NpuTensor)
+    assert p.device == torch.device("npu", 0) and not p.requires_grad and p.weight_loader is loader
+    assert type(p) is D.parameter_class(_LoaderParameter) and type(p).__name__ == "_LoaderParameter"
+    c = _Child(torch.zeros(2, device="npu"), weight_loader=loader, output_dim=0)
+    assert isinstance(c, _Child) and isinstance(c, _LoaderParameter) and type(c) is not type(p)
+    layer = torch.nn.Module()
+    layer.weight = p
+    assert dict(layer.named_parameters()) == {"weight": p}
+    # the loader writes into the device data, and reads count as reads of the device
+    w = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    with D.count_transfers() as counter:
+        p.load_shard(w[:2], 0)
+        p.load_shard(w[2:], 2)
+        y = p * 2
+    assert counter.count == 0
+    assert type(y) is D.NpuTensor and y.device == p.device
+    with D.count_transfers() as counter:
+        torch.testing.assert_close(p.cpu(), w, rtol=0, atol=0)
+        assert p.sum().item() == 66.0
+    assert counter.by_kind() == {"cpu": 1, "item": 1}
+    # a plain Parameter of a device tensor is a device Parameter too; it trains on the device
+    q = torch.nn.Parameter(torch.ones(3, device="npu"))
+    assert isinstance(q, torch.nn.Parameter) and isinstance(q, D.NpuTensor) and q.requires_grad
+    (q * q).sum().backward()
+    torch.testing.assert_close(q.grad.cpu(), torch.full((3,), 2.0))
+    # vLLM's to_meta_tensor / materialize_meta_tensor: the class and attributes move between a
+    # meta tensor and a device tensor; no data leaves the device
+    with D.count_transfers() as counter:
+        meta = p.data.to("meta")
+        assert meta.device.type == "meta" and not isinstance(meta, D.NpuTensor)
+        meta.__class__ = p.__class__
+        meta.__dict__ = p.__dict__.copy()
+        assert isinstance(meta, _LoaderParameter) and meta.weight_loader is loader
+        fresh = torch.empty_strided(tuple(meta.size()), tuple(meta.stride()), dtype=meta.dtype, device="npu")
+        fresh.__class__ = meta.__class__
+    assert counter.count == 0 and isinstance(fresh, _LoaderParameter) and fresh.device.type == "npu"
+    # ``param.data = t`` (Module._apply, weight post-processing) moves the held data with the metadata
+    p.data = torch.full((3, 4), 7.0, device="npu")
+    assert p.shape == (3, 4) and isinstance(p, _LoaderParameter)
+    torch.testing.assert_close(p.cpu(), torch.full((3, 4), 7.0), rtol=0, atol=0)
+    lin = torch.nn.Linear(3, 2).npu().to(torch.float64)
+    assert lin.weight.dtype == torch.float64 and lin.weight._raw.dtype == torch.float64
+    assert lin(torch.ones(1, 3, device="npu", dtype=torch.float64)).dtype == torch.float64
+
 # The cases run in the child only: in the lane's process they are not collected (not skipped).
 CASES = sum(1 for name in list(globals()) if name.startswith("test_") and name != "test_in_own_process")
 if not CHILD:

@@ -20,14 +20,15 @@ from torch.overrides import handle_torch_function, has_torch_function
 from torch.utils._pytree import tree_flatten
 
 from npu_shim.emulation import (
-    activation, decoder_attention, defects, fusion_attention, moe, norms, prompt_flash_attention, rotary,
-    unpad)
+    activation, decoder_attention, defects, device_print, fusion_attention, moe, norms, prompt_flash_attention,
+    rotary, unpad)
 from npu_shim.emulation._common import INT_MAX
 from npu_shim.emulation.fused_infer_attention import (
     FIA_HOST_ARGS, IFA_HOST_ARGS, npu_fused_infer_attention_score, npu_incre_flash_attention)
 from npu_shim.emulation.fusion_attention import npu_fusion_attention
 from npu_shim.emulation.decoder_attention import (
     _npu_paged_attention, npu_fused_infer_attention_score_v2)
+from npu_shim.emulation.matmul import _npu_matmul_add_fp32
 from npu_shim.emulation.kv_cache import _npu_reshape_and_cache, npu_scatter_pa_kv_cache
 from npu_shim.emulation.prompt_flash_attention import (
     PFA_PRE_TOKENS_DEFAULT, npu_prompt_flash_attention)
@@ -189,6 +190,10 @@ SCHEMAS = {
         "npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs=None, "
         "bool padded_mode=False, int[]? restore_shape=None) -> Tensor",
     ),
+    "_npu_matmul_add_fp32": (
+        _npu_matmul_add_fp32,
+        "_npu_matmul_add_fp32(Tensor x, Tensor weight, Tensor(a!) C) -> ()",
+    ),
     "npu_scatter_nd_update_": (
         npu_scatter_nd_update_,
         "npu_scatter_nd_update_(Tensor(a!) input, Tensor indices, Tensor updates) -> Tensor(a!)",
@@ -274,6 +279,8 @@ C_ASCEND_SCHEMAS = {
         "npu_add_rms_norm_bias(Tensor x1, Tensor x2, Tensor gamma, Tensor? beta=None, "
         "float epsilon=1e-06) -> (Tensor, Tensor, Tensor)",
     ),
+    "device_print": (device_print.device_print, "device_print(str msg) -> ()"),
+    "device_print_tensor": (device_print.device_print_tensor, "device_print_tensor(Tensor tensor) -> ()"),
     "moe_gating_top_k": (
         moe.moe_gating_top_k,
         "moe_gating_top_k(Tensor x, int k, int k_group, int group_count, int group_select_mode, "

@@ -197,6 +197,7 @@ def _record(kind, op):
 
 
 _T = torch.Tensor
+_TENSOR_DATA = torch._C.TensorBase.data  # the C getter/setter of ``Tensor.data``
 # Python-level calls that read the device: their name is the transfer's kind.
 _NAMED_READS = {
     _T.item: "item", _T.tolist: "tolist", _T.cpu: "cpu", _T.to: "to", _T.__bool__: "bool",
@@ -248,7 +249,8 @@ def _is_read(func, args, kwargs):
     if func is _aten._to_copy.default or func.overloadpacket is _aten.to:
         # under inference_mode the dispatcher shows the composite aten.to itself
         device = _target_device(func, args, kwargs)
-        return "copy" if device is not None and device.type != "npu" else None
+        # to ``meta``: shape and dtype only, no data leaves the device
+        return "copy" if device is not None and device.type not in ("npu", "meta") else None
     if func is _aten.copy_.default:
         dst, src = args[0], args[1]
         return "copy" if isinstance(src, NpuTensor) and not isinstance(dst, NpuTensor) else None
@@ -274,18 +276,59 @@ _MIXED_OK = {_aten.copy_.default, _aten._to_copy.default, _aten.index.Tensor, _a
              _aten.index_put.default, _aten._index_put_impl_.default, _aten.set_.source_Tensor}
 
 
-class NpuTensor(torch.Tensor):
-    """A tensor on the emulated ``npu:0``: metadata of its own, data in a held CPU tensor."""
+_PRIVATEUSE1 = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
+_device_kernels = {}  # an op outside aten -> the kernel registered for the device (PrivateUse1), or None
 
-    __slots__ = ("_raw",)
+
+def _device_kernel(func):
+    """The kernel an upstream library registered for the device's key, for an op outside ``aten``
+    (vLLM's ``direct_register_custom_op`` registers its custom ops, ``vllm::unquantized_gemm`` and the
+    like, for ``current_platform.dispatch_key``, ``PrivateUse1`` on vllm-ascend's platform). The device
+    runs it as the hardware would: the registered Python body on the device tensors. Ops with no kernel
+    of their own for the key (the emulated torch_npu ops, composite) run on the held host tensors."""
+    try:
+        return _device_kernels[func]
+    except KeyError:
+        pass
+    kernel = None
+    if func.namespace not in ("aten", "prims") and \
+            torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "PrivateUse1"):
+        get_kernel = getattr(torch.library, "get_kernel", None)
+        if get_kernel is None:
+            raise UnsupportedOpError("npu-shim emulated device: %s has a kernel for the device, and this torch "
+                                     "cannot call it (torch.library.get_kernel: torch 2.9 on)" % (func,))
+        kernel = get_kernel(func, "PrivateUse1")
+    _device_kernels[func] = kernel
+    return kernel
+
+
+class NpuTensor(torch.Tensor):
+    """A tensor on the emulated ``npu:0``: metadata of its own, data in a held CPU tensor.
+
+    The held tensor is an instance attribute (``_raw``, in ``__dict__``, not a slot): the class's
+    layout is ``torch.Tensor``'s, so code that moves a tensor's class between a plain tensor and a
+    device tensor (vLLM's ``to_meta_tensor`` / ``materialize_meta_tensor``) can assign ``__class__``."""
 
     @staticmethod
-    def __new__(cls, raw):
+    def __new__(cls, raw, requires_grad=None):
         self = torch.Tensor._make_wrapper_subclass(
             cls, raw.shape, strides=raw.stride(), storage_offset=raw.storage_offset(), dtype=raw.dtype,
-            layout=raw.layout, device=_DEVICE, requires_grad=raw.requires_grad)
+            layout=raw.layout, device=_DEVICE,
+            requires_grad=raw.requires_grad if requires_grad is None else requires_grad)
         self._raw = raw
         return self
+
+    @property
+    def data(self):
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value):
+        """``t.data = other`` (``Module._apply``, weight post-processing): PyTorch moves the
+        metadata; the held host tensor moves with it (else the wrapper would describe one tensor
+        and hold another)."""
+        _TENSOR_DATA.__set__(self, value)
+        self._raw = value._raw if isinstance(value, NpuTensor) else value
 
     def __repr__(self, *, tensor_contents=None):
         return "NpuTensor(%s, device='npu:0')" % (self._raw.detach(),)
@@ -307,6 +350,9 @@ class NpuTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        kernel = _device_kernel(func)
+        if kernel is not None:  # an op upstream registered for the device: its kernel, on device tensors
+            return kernel.call_boxed(_PRIVATEUSE1, *args, **kwargs)
         kind = _is_read(func, args, kwargs)
         if kind is not None:
             _record(kind, str(func))
@@ -333,9 +379,11 @@ class NpuTensor(torch.Tensor):
         to_host = device is not None and torch.device(device).type != "npu"
         if device is not None and not to_host:
             raw_kwargs["device"] = "cpu"
-        elif func.overloadpacket is _aten.to and len(raw_args) > 1 and \
-                isinstance(raw_args[1], (torch.device, str)) and torch.device(raw_args[1]).type == "npu":
-            raw_args = (raw_args[0], "cpu") + tuple(raw_args[2:])
+        elif func.overloadpacket is _aten.to and len(raw_args) > 1 and isinstance(raw_args[1], (torch.device, str)):
+            if torch.device(raw_args[1]).type == "npu":
+                raw_args = (raw_args[0], "cpu") + tuple(raw_args[2:])
+            else:  # aten.to(x, "meta") under inference mode: a tensor of that device, not wrapped
+                to_host = True
         try:
             out = func(*raw_args, **raw_kwargs)
         except NotImplementedError as error:
@@ -390,6 +438,43 @@ class NpuTensor(torch.Tensor):
         """The held host data's address: unique among live tensors, shared by views of one
         storage, as a device pointer is (code keys caches and checks aliasing on it)."""
         return self._raw.data_ptr()
+
+
+# --------------------------------------------------------------------------- parameters
+
+_PARAMETER_CLASSES = {}  # a Parameter (sub)class -> its device class
+_parameter_new = None  # torch.nn.Parameter.__new__ before activate()
+
+
+def parameter_class(cls):
+    """The class of a device parameter made as ``cls(data)``: ``cls`` (``nn.Parameter`` or a subclass
+    such as vLLM's ``ModelWeightParameter``) mixed with :class:`NpuTensor`, made once per class and
+    cached. Its instances are ``cls`` instances (its methods, properties and ``__init__``: vLLM's weight
+    loaders) and device tensors (NpuTensor's held data and its ``__torch_dispatch__`` /
+    ``__torch_function__``, which replace any ``cls`` defines: the device's dispatch and transfer
+    counting run for every op on them, as for any device tensor)."""
+    if issubclass(cls, NpuTensor):
+        return cls
+    combined = _PARAMETER_CLASSES.get(cls)
+    if combined is None:
+        combined = type(cls.__name__, (cls, NpuTensor), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__,
+            "__torch_function__": NpuTensor.__dict__["__torch_function__"],
+            "__torch_dispatch__": NpuTensor.__dict__["__torch_dispatch__"],
+            "__doc__": "%s on the emulated npu:0 (npu_shim.emulation.device.parameter_class)" % cls.__qualname__})
+        _PARAMETER_CLASSES[cls] = combined
+    return combined
+
+
+def _parameter_new_on_device(cls, data=None, requires_grad=True):
+    """``nn.Parameter.__new__`` with the device active. For a device tensor, PyTorch's path for tensor
+    subclasses returns the data's own class with a flag (``_is_param``), so a Parameter subclass is
+    lost and its ``__init__`` never runs; here it is an instance of :func:`parameter_class` ``(cls)``
+    sharing the data's held host tensor (as ``Parameter(t)`` shares ``t``'s storage). Anything else:
+    PyTorch's own path."""
+    if isinstance(data, NpuTensor):
+        return NpuTensor.__new__(parameter_class(cls), data._raw.detach(), requires_grad=requires_grad)
+    return _parameter_new(cls, data, requires_grad)
 
 
 class DeviceStorage:
@@ -589,6 +674,9 @@ def activate():
     fallback.fallback(_fallback, "PrivateUse1")
     _libraries.extend([lib, fallback])
     _registry.set_body_hook(_op_body)
+    global _parameter_new
+    _parameter_new = torch.nn.Parameter.__new__
+    torch.nn.Parameter.__new__ = staticmethod(_parameter_new_on_device)
     import torch.distributed as dist
 
     if dist.is_available() and "hccl" not in dist.Backend.backend_list:

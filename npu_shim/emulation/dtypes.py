@@ -90,6 +90,10 @@ SUPPORTED = {
     # "REG_OP(MoeGatingTopK) .INPUT(x, TensorType({DT_FLOAT, DT_FLOAT16, DT_BF16}))"; not
     # built for 310P (whose router calls npu_moe_gating_top_k_softmax).
     "moe_gating_top_k": {"A2": (F32, F16, BF16), "310P": ()},
+    # x, weight. MindSpeed's npu_matmul_add_fp32 page (the same ATB kernel): "x: 数据类型float16,
+    # bf16", "weight: ... float16, bf16" (C float32, checked by the op); vllm-ascend's 310P worker
+    # skips it ("310p device do not support torch_npu._npu_matmul_add_fp32 atb ops").
+    "_npu_matmul_add_fp32": {"A2": (F16, BF16), "310P": ()},
     # self. Unverified: the torch_npu.npu_swiglu page was not read; the list is the norms'
     # (vllm-ascend's 310P activation calls it, so 310P is not empty).
     "npu_swiglu": {"A2": (F32, F16, BF16), "310P": (F32, F16)},

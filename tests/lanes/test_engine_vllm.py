@@ -49,6 +49,9 @@ PLATFORM = "ENGINE_STAGE platform NPUPlatform device_type=npu"
 NEXT_STAGE = "platform"   # inside vllm.LLM(...): the model runner is built, the model is being loaded
 NEXT_WHERE = "in to_meta_tensor"  # vLLM's layerwise reload records each parameter as a meta tensor
 NEXT_BLOCKER = "__class__ assignment: 'NpuTensor' object layout differs from 'Tensor'"
+# The emulated device's memory (host memory): gpu_memory_utilization is a fraction of it, and the KV
+# cache is sized from what is left after the model.
+DEVICE_MEMORY_MIB = "1024"
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,8 @@ def model_dir(tmp_path_factory):
 def _run_engine(model_dir, tmp_path, shim_on):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(tiny.PROMPTS))
-    env = tiny.child_env(shim_on, drop=("NPU_SHIM", "VLLM_"), VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1")
+    env = tiny.child_env(shim_on, drop=("NPU_SHIM", "VLLM_"), VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
+                          NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB)
     return tiny.run_child([sys.executable, CASE, model_dir, str(prompts), str(tiny.MAX_NEW)], env,
                           str(tmp_path), TIMEOUT_S, "vllm.LLM")
 

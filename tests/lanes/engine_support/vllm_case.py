@@ -30,6 +30,16 @@ def main(model_dir, prompts_file, max_new_tokens):
     # torchvision: no CPU build for the lane's torch on the package index; vllm-ascend's worker
     # patches import vLLM's Qwen3.5 / Qwen3-VL modules, whose transformers image processor imports
     # it at module top (the text model never calls it): the towers' import-only placeholder.
+    # vllm_ascend.vllm_ascend_C: vllm-ascend's compiled extension, whose import registers
+    # torch.ops._C_ascend (not built without the CANN toolkit). AscendRMSNorm's residual branch imports
+    # it before calling _C_ascend.npu_add_rms_norm_bias, and enable_custom_op() imports it: an empty
+    # module under that name; the emulation registers the _C_ascend ops it has, any other fails naming
+    # the op (as tests/lanes/test_vllm_ascend_layer_ops.py does). Its sleep-mode names stay missing
+    # (vllm_ascend.device_allocator.camem catches the ImportError and disables sleep mode).
+    import types
+
+    sys.modules["vllm_ascend.vllm_ascend_C"] = types.ModuleType(
+        "vllm_ascend.vllm_ascend_C", "npu-shim test stand-in: vllm-ascend's compiled extension (empty)")
     from npu_shim.testing.mimo import import_placeholders
     from npu_shim.testing.towers import placeholder_torchvision
 

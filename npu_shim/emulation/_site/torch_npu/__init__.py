@@ -46,6 +46,7 @@ npu_moe_gating_top_k = _registry.PUBLIC["npu_moe_gating_top_k"]
 npu_moe_init_routing_v2 = _registry.PUBLIC["npu_moe_init_routing_v2"]
 npu_grouped_matmul = _registry.PUBLIC["npu_grouped_matmul"]
 npu_moe_token_unpermute = _registry.PUBLIC["npu_moe_token_unpermute"]
+_npu_matmul_add_fp32 = _registry.PUBLIC["_npu_matmul_add_fp32"]  # ATB, vllm-ascend's worker warm-up
 
 from torch_npu import _C, multiprocessing, npu, profiler  # noqa: E402  (submodules after the ops exist)
 
@@ -103,4 +104,5 @@ __all__ = [
     "npu_moe_init_routing_v2",
     "npu_grouped_matmul",
     "npu_moe_token_unpermute",
+    "_npu_matmul_add_fp32",
 ]
