@@ -53,15 +53,17 @@ def _scatter_tokens(OP, key, value, key_cache, value_cache, slot_indices):
     if int(slots.max()) >= capacity if slots.numel() else False:
         raise ValueError("%s: a slot index is past the cache (capacity %d)" % (OP, capacity))
     keep = slots >= 0
-    flat_k = key_cache.view(capacity, *key_cache.shape[2:])
-    flat_v = value_cache.view(capacity, *value_cache.shape[2:])
+    # (block, offset) of each slot, written through the caches' own strides: an engine's cache may be
+    # a strided view (vLLM's (num_blocks, 2, block_size, ...) buffer split into key and value)
+    block_size = key_cache.shape[1]
     if bool(keep.all()):
-        flat_k.index_copy_(0, slots, key.to(key_cache.dtype))
-        flat_v.index_copy_(0, slots, value.to(value_cache.dtype))
+        chosen_slots, k_rows, v_rows = slots, key, value
     else:
         chosen = keep.nonzero().squeeze(1)
-        flat_k.index_copy_(0, slots[chosen], key[chosen.to(key.device)].to(key_cache.dtype))
-        flat_v.index_copy_(0, slots[chosen], value[chosen.to(value.device)].to(value_cache.dtype))
+        chosen_slots, k_rows, v_rows = slots[chosen], key[chosen.to(key.device)], value[chosen.to(value.device)]
+    blocks, offsets = chosen_slots // block_size, chosen_slots % block_size
+    key_cache.index_put_((blocks, offsets), k_rows.to(key_cache.dtype))
+    value_cache.index_put_((blocks, offsets), v_rows.to(value_cache.dtype))
 
 
 def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,

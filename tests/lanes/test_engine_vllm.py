@@ -52,11 +52,14 @@ NEXT_BLOCKER = "__class__ assignment: 'NpuTensor' object layout differs from 'Te
 # The emulated device's memory (host memory): gpu_memory_utilization is a fraction of it, and the KV
 # cache is sized from what is left after the model.
 DEVICE_MEMORY_MIB = "1024"
+# Head size 64 (hidden 256, 4 heads): vllm-ascend's prefill attention (npu_fused_infer_attention_score,
+# layout TND) takes head sizes 64, 128 or 192 only (CANN's check, emulated).
+MODEL = {"hidden_size": 256}
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    return tiny.save_qwen2(str(tmp_path_factory.mktemp("qwen2_tiny")), with_tokenizer=True)
+    return tiny.save_qwen2(str(tmp_path_factory.mktemp("qwen2_tiny")), with_tokenizer=True, **MODEL)
 
 
 def _run_engine(model_dir, tmp_path, shim_on):

@@ -16,13 +16,17 @@ MAX_NEW = 6
 VOCAB = 128
 
 
-def save_qwen2(folder, with_tokenizer=False):
+def save_qwen2(folder, with_tokenizer=False, **config_overrides):
+    """``config_overrides``: Qwen2Config fields that differ from the tiny defaults (an engine whose
+    attention kernels take only some head sizes asks for one, e.g. ``hidden_size=256``: head 64)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         tie_word_embeddings=False)
+    fields = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                  tie_word_embeddings=False)
+    fields.update(config_overrides)
+    config = Qwen2Config(**fields)
     torch.manual_seed(0)
     Qwen2ForCausalLM(config).to(torch.float32).save_pretrained(folder)
     if with_tokenizer:

@@ -46,7 +46,12 @@ def main(model_dir, prompts_file, max_new_tokens):
     import transformers
 
     transformers.AutoImageProcessor  # resolved before torchvision's placeholder exists (as the towers' tests do)
-    with import_placeholders(("fla_npu", "acl")), placeholder_torchvision():
+    # float32 weights and KV cache, to compare with the float64 reference: the device's KV-cache and
+    # attention ops take float16/bfloat16 only, and the emulation admits float32 inside
+    # float32_not_on_hardware() (its rule for math checks).
+    from npu_shim.emulation.dtypes import float32_not_on_hardware
+
+    with import_placeholders(("fla_npu", "acl")), placeholder_torchvision(), float32_not_on_hardware():
         run(model_dir, prompts_file, max_new_tokens)
 
 
@@ -58,6 +63,14 @@ def run(model_dir, prompts_file, max_new_tokens):
     from vllm.platforms import current_platform
 
     stage("platform " + type(current_platform).__name__ + " device_type=" + str(current_platform.device_type))
+    # vllm-ascend's Triton kernel for the KV slots of the scheduled tokens (triton-ascend on the NPU box,
+    # no Triton here): the emulated launch (npu_shim.emulation.triton_kernels), in the name the block
+    # table launches.
+    from vllm_ascend.worker import block_table
+
+    from npu_shim.emulation import triton_kernels
+
+    block_table._compute_slot_mapping_kernel = triton_kernels.compute_slot_mapping
     llm = vllm.LLM(model=model_dir, enforce_eager=True, tensor_parallel_size=1, dtype="float32",
                    max_model_len=128, gpu_memory_utilization=0.5, seed=0, max_num_seqs=4,
                    block_size=128)
