@@ -100,6 +100,23 @@ def test_scatter_pa_kv_cache_norm_k_and_v_dims_differ():
         torch_npu.npu_scatter_pa_kv_cache(key, value, kc, vc, slots, cache_mode="PA_NZ")
 
 
+def test_scatter_pa_kv_cache_into_strided_views_of_one_buffer():
+    # vLLM's and vllm-ascend's runners may hand key and value caches that are strided views of one
+    # (num_blocks, 2, block_size, N, D) buffer (block stride 2 * block_size * N * D)
+    key, value = torch.randn(5, 2, 8).bfloat16(), torch.randn(5, 2, 8).bfloat16()
+    buf = torch.zeros(3, 2, 4, 2, 8).bfloat16()
+    kc, vc = buf[:, 0], buf[:, 1]
+    assert not kc.is_contiguous()
+    slots = torch.tensor([5, 0, -1, 11, 3], dtype=torch.int32)
+    torch_npu.npu_scatter_pa_kv_cache(key=key, value=value, key_cache=kc, value_cache=vc,
+                                      slot_mapping=slots, cache_mode="Norm")
+    for t, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            assert torch.equal(buf[slot // 4, 0, slot % 4], key[t])
+            assert torch.equal(buf[slot // 4, 1, slot % 4], value[t])
+    assert int((buf != 0).flatten(3).any(-1).sum()) == 8          # 4 slots x (k, v); -1 wrote nothing
+
+
 @pytest.mark.parametrize("sliding", [None, 6])
 def test_fia_v2_tnd_sinks_prefill_then_paged_decode(sliding):
     dtype, n, nkv, d = torch.bfloat16, 8, 2, 128

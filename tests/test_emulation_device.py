@@ -403,6 +403,30 @@ def test_parameter_subclasses_on_the_device():
     assert lin.weight.dtype == torch.float64 and lin.weight._raw.dtype == torch.float64
     assert lin(torch.ones(1, 3, device="npu", dtype=torch.float64)).dtype == torch.float64
 
+@child_only
+def test_ops_registered_for_the_device_run_their_kernel_on_device_tensors():
+    # vLLM's direct_register_custom_op registers its ops (vllm::unquantized_gemm) for the platform's
+    # dispatch key, PrivateUse1 on vllm-ascend: the device runs that kernel on the device tensors
+    lib = torch.library.Library("npu_shim_device_test", "DEF")
+    lib.define("scaled(Tensor x, float s) -> Tensor")
+    seen = []
+
+    def kernel(x, s):
+        seen.append(type(x))
+        return x * s
+
+    lib.impl("scaled", kernel, "PrivateUse1")
+    x = torch.arange(4.0, device="npu")
+    with D.count_transfers() as counter:
+        y = torch.ops.npu_shim_device_test.scaled(x, 2.0)
+    assert counter.count == 0 and seen == [D.NpuTensor] and isinstance(y, D.NpuTensor)
+    assert y.cpu().tolist() == [0.0, 2.0, 4.0, 6.0]
+    lib.define("host_only(Tensor x) -> Tensor")   # no kernel for the device: refused, by name
+    lib.impl("host_only", lambda x: x, "CPU")
+    with pytest.raises(D.UnsupportedOpError, match="host_only"):
+        torch.ops.npu_shim_device_test.host_only(x)
+
+
 # The cases run in the child only: in the lane's process they are not collected (not skipped).
 CASES = sum(1 for name in list(globals()) if name.startswith("test_") and name != "test_in_own_process")
 if not CHILD:

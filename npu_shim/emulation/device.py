@@ -277,27 +277,37 @@ _MIXED_OK = {_aten.copy_.default, _aten._to_copy.default, _aten.index.Tensor, _a
 
 
 _PRIVATEUSE1 = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
-_device_kernels = {}  # an op outside aten -> the kernel registered for the device (PrivateUse1), or None
+_device_kernels = {}  # an op outside torch's namespaces -> the kernel registered for the device, or None
+# torch's own op namespaces: their ops run on the held host tensors (PyTorch's kernels, device-agnostic)
+_TORCH_NAMESPACES = {"aten", "prims", "c10d", "_c10d_functional", "_c10d_functional_autograd", "profiler",
+                     "quantized", "_quantized", "_dtensor", "higher_order", "rngprims", "debugprims", "inductor"}
+_DEVICE_AGNOSTIC = ("CompositeExplicitAutograd", "CompositeExplicitAutogradNonFunctional",
+                    "CompositeImplicitAutograd")
 
 
 def _device_kernel(func):
-    """The kernel an upstream library registered for the device's key, for an op outside ``aten``
-    (vLLM's ``direct_register_custom_op`` registers its custom ops, ``vllm::unquantized_gemm`` and the
-    like, for ``current_platform.dispatch_key``, ``PrivateUse1`` on vllm-ascend's platform). The device
-    runs it as the hardware would: the registered Python body on the device tensors. Ops with no kernel
-    of their own for the key (the emulated torch_npu ops, composite) run on the held host tensors."""
+    """The kernel an upstream library registered for the device's key, for an op outside torch's
+    namespaces (vLLM's ``direct_register_custom_op`` registers its custom ops, ``vllm::unquantized_gemm``
+    and the like, for ``current_platform.dispatch_key``, ``PrivateUse1`` on vllm-ascend's platform): the
+    device runs it as the hardware would, the registered body on the device tensors. Such an op with
+    a composite kernel (the emulated torch_npu and ``_C_ascend`` ops) runs on the held host tensors, as
+    aten's do; one with kernels for other devices only (a CPU kernel) is refused by name, as a device
+    without its kernel refuses it (never the host kernel in its place)."""
     try:
         return _device_kernels[func]
     except KeyError:
         pass
-    kernel = None
-    if func.namespace not in ("aten", "prims") and \
-            torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "PrivateUse1"):
-        get_kernel = getattr(torch.library, "get_kernel", None)
-        if get_kernel is None:
-            raise UnsupportedOpError("npu-shim emulated device: %s has a kernel for the device, and this torch "
-                                     "cannot call it (torch.library.get_kernel: torch 2.9 on)" % (func,))
-        kernel = get_kernel(func, "PrivateUse1")
+    kernel, name = None, func.name()
+    if func.namespace not in _TORCH_NAMESPACES:
+        if torch._C._dispatch_has_kernel_for_dispatch_key(name, "PrivateUse1"):
+            get_kernel = getattr(torch.library, "get_kernel", None)
+            if get_kernel is None:
+                raise UnsupportedOpError("npu-shim emulated device: %s has a kernel for the device, and this "
+                                         "torch cannot call it (torch.library.get_kernel: torch 2.9 on)" % (func,))
+            kernel = get_kernel(func, "PrivateUse1")
+        elif not any(torch._C._dispatch_has_kernel_for_dispatch_key(name, key) for key in _DEVICE_AGNOSTIC):
+            raise UnsupportedOpError("npu-shim emulated device has no kernel for %s (it has kernels for other "
+                                     "devices only; its host kernel is not run in its place)" % (func,))
     _device_kernels[func] = kernel
     return kernel
 
