@@ -167,10 +167,15 @@ MUTANTS = (
            ("npu_shim/engine/registry.py", "        revert(record.undo)\n    try:\n        yield record",
             "        revert([done for done in record.undo if name != \"vllm.paddleocr_vl_host_lengths\"])\n"
             "    try:\n        yield record")),
-    mutant("engine-pinned", "the emulated device loses pinned host memory (vLLM's runner then stops at an earlier "
-                            "blocker than the one test_engine_vllm holds it to)",
+    mutant("engine-pinned", "the emulated device loses pinned host memory (vLLM's runner then cannot start, and "
+                            "test_engine_vllm requires its tokens)",
            "vllm-0.30", "FAILED tests/lanes/test_engine_vllm.py",
            ("npu_shim/emulation/device.py", "    _pinned_host_memory(host)\n", "")),
+    mutant("device-parameters", "a Parameter of a device tensor is the device tensor itself again (PyTorch's path "
+                                "for tensor subclasses: vLLM's parameter classes and weight loaders lost)",
+           "base", "FAILED tests/test_emulation_device.py",
+           ("npu_shim/emulation/device.py",
+            "    torch.nn.Parameter.__new__ = staticmethod(_parameter_new_on_device)\n", "")),
 )
 
 

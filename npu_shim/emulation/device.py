@@ -41,6 +41,26 @@ count is silent (the body stands in for a kernel), except for its host-only argu
 (``_registry.HOST_ARGS``): a device tensor there is one ``host_arg`` transfer, as in
 :mod:`npu_shim.testing.syncs`.
 
+Parameters: ``nn.Parameter(t)`` of a device tensor ``t`` (and of a Parameter subclass: vLLM's
+``BasevLLMParameter`` family) is an instance of :func:`parameter_class` ``(cls)``, ``cls`` mixed with
+:class:`NpuTensor` (made once per class, cached, same name), sharing ``t``'s held host tensor:
+``isinstance`` with ``cls`` and with ``nn.Parameter`` holds, ``cls.__init__`` runs (weight loaders
+stored), its methods write into the device data through ``.data``, and NpuTensor's
+``__torch_dispatch__`` / ``__torch_function__`` replace ``cls``'s (every op on a parameter is counted
+as any device op; a subclass's own ``__torch_function__`` is not run). PyTorch's own path would
+return the device tensor itself, flagged ``_is_param``, losing the subclass. ``NpuTensor`` keeps its
+held tensor in ``__dict__`` (``torch.Tensor``'s layout), so code that assigns ``__class__`` between a
+plain (meta) tensor and a device parameter works (vLLM's ``to_meta_tensor``); the meta copy then
+carries the held tensor in its ``__dict__``, and ``materialize_meta_tensor`` puts that held tensor
+back (the reloaded parameter reuses the old host data, of the same shape). ``t.data = x`` moves the
+held tensor with the metadata. ``.to("meta")`` is no transfer.
+
+Ops upstream registered for the device: an op outside torch's namespaces with a kernel for
+PrivateUse1 (vLLM's ``direct_register_custom_op`` ops on vllm-ascend's platform:
+``vllm::unquantized_gemm`` ...) runs that kernel on the device tensors; one with a composite kernel
+(the emulated torch_npu and ``_C_ascend`` ops) runs on the held host tensors; one with host kernels
+only is refused by name.
+
 Cost per op: ``benchmarks/bench_emulated_device.py`` (one Python ``__torch_dispatch__``
 round trip per aten op; see docs/validation.md for the figures).
 
@@ -54,7 +74,9 @@ address and device, and refuses anything else, :class:`DeviceStorage`; ``data_pt
 data's address, unique and shared by views as a device pointer is);
 pinned host memory (ordinary host memory, :func:`_pinned_host_memory`; ``is_pinned()`` is False);
 the memory a real allocator would reserve or fragment (``memory_reserved`` equals
-``memory_allocated``); ops mixing a device tensor with a non-scalar host tensor are refused
+``memory_allocated``); ``type(p) is cls`` for a device parameter (it is a subclass of ``cls``);
+Triton kernels (no Triton here: the ones an engine needs are emulated launches,
+:mod:`npu_shim.emulation.triton_kernels`); ops mixing a device tensor with a non-scalar host tensor are refused
 as a device refuses them (indexing with a host index and copies excepted).
 """
 import contextlib
