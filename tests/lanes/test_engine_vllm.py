@@ -8,7 +8,9 @@ its registrations), eager, TP 1, on a tiny random-weight Qwen2 (head 64) and a t
 saves to a temporary folder (no downloads; tests/lanes/engine_support/tiny.py); shim on and off
 (``NPU_SHIM=0``). It must run on vllm-ascend's platform (``NPUPlatform``, device type ``npu``, not a
 CPU path) and its greedy tokens must equal transformers' greedy argmax in float64 on the same
-weights, for three prompts of different lengths in one batch. The child's stand-ins are declared
+weights, in three calls on one engine (``CALLS``): prompts of several lengths in one batch, chunked
+prefill (48 tokens a step, a chunk spanning a block boundary), decode across a block boundary, and a
+prefix-cache hit of one 128-token block (``num_cached_tokens``). The child's stand-ins are declared
 there and in docs/validation.md ("vLLM's engine with vllm-ascend on the emulated device"), with the
 blockers passed on the way.
 
@@ -47,6 +49,16 @@ DEVICE_MEMORY_MIB = "1024"
 # Head size 64 (hidden 256, 4 heads): vllm-ascend's prefill attention (npu_fused_infer_attention_score,
 # layout TND) takes head sizes 64, 128 or 192 only (CANN's check, emulated).
 MODEL = {"hidden_size": 256}
+BLOCK = 128  # the case's KV-cache block size (vllm_case.BLOCK_SIZE); 48 tokens a step, chunked prefill
+_LONG = [(7 * i + 3) % tiny.VOCAB for i in range(200)]
+# One engine, three llm.generate calls in order:
+# 1. several lengths in one batch (3, 9, 41 tokens: 53 > 48, so the 41-token prompt is chunked);
+# 2. a 200-token prompt, prefilled in chunks of at most 48 (one spans the block boundary at 128), beside
+#    a 125-token prompt whose decode crosses the block boundary (positions 125..130);
+# 3. a prompt sharing the first 150 tokens of call 2's long one: a prefix-cache hit of one block.
+CALLS = [tiny.PROMPTS,
+         [_LONG, [(11 * i + 5) % tiny.VOCAB for i in range(125)]],
+         [_LONG[:150] + [(13 * i + 1) % tiny.VOCAB for i in range(20)]]]
 
 
 @pytest.fixture(scope="module")
@@ -56,12 +68,12 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    return tiny.reference_tokens(model_dir)
+    return [tiny.reference_tokens(model_dir, prompts) for prompts in CALLS]
 
 
 def _run_engine(model_dir, tmp_path, shim_on):
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(tiny.PROMPTS))
+    prompts.write_text(json.dumps(CALLS))
     env = tiny.child_env(shim_on, drop=("NPU_SHIM", "VLLM_"), VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
                           NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB)
     return tiny.run_child([sys.executable, CASE, model_dir, str(prompts), str(tiny.MAX_NEW)], env,
@@ -76,4 +88,9 @@ def test_engine_on_the_emulated_npu(model_dir, reference, tmp_path, shim_on):
     assert rc == 0 and results, output[-3000:]
     result = json.loads(results[-1][len("ENGINE_RESULT "):])
     assert (result["platform"], result["device_type"]) == ("NPUPlatform", "npu"), result
+    # the cases are what the settings make them: chunked prefill, 48 tokens a step, prefix caching, blocks of 128
+    assert (result["chunked_prefill"], result["max_num_batched_tokens"], result["prefix_caching"],
+            result["block_size"]) == (True, 48, True, BLOCK), result
+    assert result["cached"][2] == [BLOCK], result  # call 3 hit the cache: the shared prefix's full block
+    assert result["cached"][0] == [0, 0, 0], result
     assert result["tokens"] == reference, result

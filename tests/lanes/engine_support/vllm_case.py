@@ -2,12 +2,13 @@
 emulated Ascend device (tests/lanes/test_engine_vllm.py runs it).
 
 argv: a model folder (the tiny random-weight Qwen2 and tokenizer the test saved), a JSON file of
-prompts (token ids), the number of tokens to generate. In-process engine core
+calls (each a list of prompts, token ids; one ``llm.generate`` per call, in order, on one engine), the
+number of tokens to generate. In-process engine core
 (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, set by the test), eager, TP 1, every vLLM plugin loaded
 (``VLLM_PLUGINS`` unset: vllm-ascend's ``ascend`` platform and its general plugins, and the shim's,
 which ``NPU_SHIM=0`` turns off). Prints ``ENGINE_STAGE <name>`` as it passes each stage and, when it
-generates, one line ``ENGINE_RESULT <json>``: the greedy tokens per prompt and the platform vLLM
-resolved.
+generates, one line ``ENGINE_RESULT <json>``: per call, the greedy tokens and the prefix-cache hit
+(``num_cached_tokens``) per prompt; the platform vLLM resolved; the scheduler's and cache's settings.
 """
 import json
 import os
@@ -16,6 +17,11 @@ import sys
 from npu_shim import emulation
 
 emulation.install()
+
+
+# 256: the tiny model's positions; 48 tokens a step: a longer prompt is prefilled in chunks, one of
+# which spans a block boundary; blocks of 128 tokens (a prefix-cache hit is a whole block).
+MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, BLOCK_SIZE = 256, 48, 128
 
 
 def stage(name):
@@ -57,7 +63,7 @@ def main(model_dir, prompts_file, max_new_tokens):
 
 def run(model_dir, prompts_file, max_new_tokens):
     with open(prompts_file) as f:
-        prompts = json.load(f)
+        calls = json.load(f)
     stage("import")
     import vllm
     from vllm.platforms import current_platform
@@ -72,16 +78,25 @@ def run(model_dir, prompts_file, max_new_tokens):
 
     block_table._compute_slot_mapping_kernel = triton_kernels.compute_slot_mapping
     llm = vllm.LLM(model=model_dir, enforce_eager=True, tensor_parallel_size=1, dtype="float32",
-                   max_model_len=128, gpu_memory_utilization=0.5, seed=0, max_num_seqs=4,
-                   block_size=128)
+                   max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.5, seed=0, max_num_seqs=4,
+                   block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+                   enable_chunked_prefill=True, enable_prefix_caching=True)
     stage("engine")
     params = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    tokens, cached = [], []
+    for prompts in calls:  # one llm.generate per call, in order, on the same engine (its prefix cache)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        tokens.append([list(o.outputs[0].token_ids) for o in outs])
+        cached.append([o.num_cached_tokens for o in outs])
     stage("generate")
-    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs],
-              "platform": type(current_platform).__name__, "device_type": current_platform.device_type}
+    scheduler = llm.llm_engine.vllm_config.scheduler_config
+    cache = llm.llm_engine.vllm_config.cache_config
+    result = {"tokens": tokens, "cached": cached, "platform": type(current_platform).__name__,
+              "device_type": current_platform.device_type,
+              "chunked_prefill": scheduler.enable_chunked_prefill,
+              "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+              "prefix_caching": cache.enable_prefix_caching, "block_size": cache.block_size}
     print("ENGINE_RESULT " + json.dumps(result), flush=True)
-
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
