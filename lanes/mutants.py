@@ -171,6 +171,11 @@ MUTANTS = (
                             "test_engine_vllm requires its tokens)",
            "vllm-0.30", "FAILED tests/lanes/test_engine_vllm.py",
            ("npu_shim/emulation/device.py", "    _pinned_host_memory(host)\n", "")),
+    mutant("engine-slots", "the emulated slot-mapping kernel writes every token into its request's first KV block "
+                           "(tokens past position 128 overwrite the prefix)",
+           "vllm-0.30", "FAILED tests/lanes/test_engine_vllm.py",
+           ("npu_shim/emulation/triton_kernels.py", "    block_index = torch.where(inside, pos // block_size, 0)\n",
+            "    block_index = torch.where(inside, pos * 0, 0)\n")),
     mutant("device-parameters", "a Parameter of a device tensor is the device tensor itself again (PyTorch's path "
                                 "for tensor subclasses: vLLM's parameter classes and weight loaders lost)",
            "base", "FAILED tests/test_emulation_device.py",
