@@ -10,7 +10,8 @@ saves to a temporary folder (no downloads; tests/lanes/engine_support/tiny.py); 
 CPU path) and its greedy tokens must equal transformers' greedy argmax in float64 on the same
 weights, in three calls on one engine (``CALLS``): prompts of several lengths in one batch, chunked
 prefill (48 tokens a step, a chunk spanning a block boundary), decode across a block boundary, and a
-prefix-cache hit of one 128-token block (``num_cached_tokens``). The child's stand-ins are declared
+prefix-cache hit of one 128-token block (``num_cached_tokens``); and the engine's log-probability of
+each generated token within ``LOGPROB_TOL`` of float64. The child's stand-ins are declared
 there and in docs/validation.md ("vLLM's engine with vllm-ascend on the emulated device"), with the
 blockers passed on the way.
 
@@ -26,6 +27,7 @@ from engine_support import tiny  # noqa: E402  (tests/lanes/conftest.py puts tes
 from packaging.version import Version
 
 from npu_shim.reference import lane_table, variant_lanes
+from npu_shim.testing.errors import Tolerance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASE = os.path.join(ROOT, "tests", "lanes", "engine_support", "vllm_case.py")
@@ -50,6 +52,10 @@ DEVICE_MEMORY_MIB = "1024"
 # layout TND) takes head sizes 64, 128 or 192 only (CANN's check, emulated).
 MODEL = {"hidden_size": 256}
 BLOCK = 128  # the case's KV-cache block size (vllm_case.BLOCK_SIZE); 48 tokens a step, chunked prefill
+# max |engine log-probability - float64| of the generated tokens, float32 weights and KV cache: measured
+# 3.8e-7 on vllm-0.30; the smallest float64 greedy margin (top logit - runner-up) of these prompts is
+# 1.3e-3, so equal tokens are no tie broken by luck
+LOGPROB_TOL = Tolerance("vLLM engine on the emulated device: log-probabilities vs float64", 1e-5, "float32")
 _LONG = [(7 * i + 3) % tiny.VOCAB for i in range(200)]
 # One engine, three llm.generate calls in order:
 # 1. several lengths in one batch (3, 9, 41 tokens: 53 > 48, so the 41-token prompt is chunked);
@@ -68,7 +74,8 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
-    return [tiny.reference_tokens(model_dir, prompts) for prompts in CALLS]
+    """Per call, per prompt, per generated token: (token, log-probability, greedy margin), float64."""
+    return [tiny.reference_steps(model_dir, prompts) for prompts in CALLS]
 
 
 def _run_engine(model_dir, tmp_path, shim_on):
@@ -93,4 +100,9 @@ def test_engine_on_the_emulated_npu(model_dir, reference, tmp_path, shim_on):
             result["block_size"]) == (True, 48, True, BLOCK), result
     assert result["cached"][2] == [BLOCK], result  # call 3 hit the cache: the shared prefix's full block
     assert result["cached"][0] == [0, 0, 0], result
-    assert result["tokens"] == reference, result
+    assert result["tokens"] == [[[t for t, _, _ in steps] for steps in call] for call in reference], result
+    steps = [(got, want, margin) for call, got_call in zip(reference, result["logprobs"])
+             for ref_steps, got_steps in zip(call, got_call) for (_, want, margin), got in zip(ref_steps, got_steps)]
+    assert len(steps) == sum(len(call) for call in CALLS) * tiny.MAX_NEW, result
+    assert min(margin for _, _, margin in steps) > 10 * LOGPROB_TOL  # the reference is no near-tie
+    assert max(abs(got - want) for got, want, _ in steps) < LOGPROB_TOL

@@ -66,6 +66,28 @@ def reference_tokens(model_dir, prompts=PROMPTS, max_new=MAX_NEW):
     return tokens
 
 
+def reference_steps(model_dir, prompts=PROMPTS, max_new=MAX_NEW):
+    """transformers, float64, greedy: per prompt, per generated token, ``(token, log-probability,
+    margin)``, the margin being the greedy logit minus the runner-up's (how far from a tie)."""
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    model = Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
+    steps = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            out = []
+            for _ in range(max_new):
+                logits = model(ids).logits[0, -1]
+                top = logits.topk(2)
+                nxt = int(top.indices[0])
+                out.append((nxt, float(torch.log_softmax(logits, -1)[nxt]), float(top.values[0] - top.values[1])))
+                ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+            steps.append(out)
+    return steps
+
+
 def child_env(shim_on, *, pythonpath=(), drop=("NPU_SHIM",), **extra):
     """The engine child's environment: this one without ``NPU_SHIM*``, the ``drop`` prefixes and
     ``PYTHONPATH``; the emulated device on, the shim on or off (``NPU_SHIM``), its bootstrap last on

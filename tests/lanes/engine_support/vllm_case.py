@@ -8,7 +8,7 @@ number of tokens to generate. In-process engine core
 (``VLLM_PLUGINS`` unset: vllm-ascend's ``ascend`` platform and its general plugins, and the shim's,
 which ``NPU_SHIM=0`` turns off). Prints ``ENGINE_STAGE <name>`` as it passes each stage and, when it
 generates, one line ``ENGINE_RESULT <json>``: per call, the greedy tokens and the prefix-cache hit
-(``num_cached_tokens``) per prompt; the platform vLLM resolved; the scheduler's and cache's settings.
+(``num_cached_tokens``) and the log-probability of each generated token per prompt; the platform vLLM resolved; the scheduler's and cache's settings.
 """
 import json
 import os
@@ -82,16 +82,18 @@ def run(model_dir, prompts_file, max_new_tokens):
                    block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                    enable_chunked_prefill=True, enable_prefix_caching=True)
     stage("engine")
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True)
-    tokens, cached = [], []
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, logprobs=1)
+    tokens, cached, logprobs = [], [], []
     for prompts in calls:  # one llm.generate per call, in order, on the same engine (its prefix cache)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
         tokens.append([list(o.outputs[0].token_ids) for o in outs])
         cached.append([o.num_cached_tokens for o in outs])
+        logprobs.append([[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
+                         for o in outs])
     stage("generate")
     scheduler = llm.llm_engine.vllm_config.scheduler_config
     cache = llm.llm_engine.vllm_config.cache_config
-    result = {"tokens": tokens, "cached": cached, "platform": type(current_platform).__name__,
+    result = {"tokens": tokens, "cached": cached, "logprobs": logprobs, "platform": type(current_platform).__name__,
               "device_type": current_platform.device_type,
               "chunked_prefill": scheduler.enable_chunked_prefill,
               "max_num_batched_tokens": scheduler.max_num_batched_tokens,
