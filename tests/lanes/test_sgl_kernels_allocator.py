@@ -77,3 +77,20 @@ def test_through_the_npu_allocator_the_engine_builds():
         assert got.dtype == torch.int32 and got.tolist() == want.tolist(), (pre, seq, last)
         new_pages = sum(-(-s // page_size) - -(-p // page_size) for p, s in zip(pre, seq))
         assert allocator.free_pages.tolist() == perm[new_pages:].tolist()
+
+
+def test_the_placeholder_hands_out_only_the_emulated_kernels():
+    """The import placeholder (tests/placeholders/sgl_kernel_npu) gives the emulation for the names it has,
+    and keeps refusing every other kernel by name (a launch of one the engine's path never took)."""
+    from sgl_kernel_npu import PlaceholderKernelError
+    from sgl_kernel_npu.mem_cache.allocator import alloc_extend_kernel as handed_out
+    from sgl_kernel_npu.mem_cache.kv_cache_store import store_kv_cache_prefix_valid_npu_triton
+
+    from npu_shim.emulation.sgl_kernels import alloc_extend_kernel
+
+    assert handed_out is alloc_extend_kernel
+    with pytest.raises(PlaceholderKernelError, match="store_kv_cache_prefix_valid_npu_triton"):
+        store_kv_cache_prefix_valid_npu_triton(None, None, None, None, None, None)
+    from sgl_kernel_npu.mem_cache.allocator import alloc_decode_kernel
+    with pytest.raises(PlaceholderKernelError, match=r"alloc_decode_kernel\[\(1,\)\]"):
+        alloc_decode_kernel[(1,)]

@@ -14,6 +14,13 @@ import sys
 from npu_shim import emulation
 
 emulation.install()
+# The engine serves float32 (dtype="float32" below): the float64 reference then decides every greedy token,
+# which half precision would not on a tiny random model. The attention and KV-cache ops refuse float32 as
+# the hardware does, except inside this math-check switch, held open for the life of the process.
+from npu_shim.emulation import dtypes  # noqa: E402
+
+_FLOAT32 = dtypes.float32_not_on_hardware()  # kept: a collected context manager would close itself
+_FLOAT32.__enter__()
 
 
 def main(model_dir, prompts_file, max_new_tokens):
