@@ -14,13 +14,17 @@ The engine runs whole on the emulated device: weights on ``npu``, the KV cache i
 sglang's NPU token allocator (``alloc_extend_kernel``), the Ascend backend's prefill
 (``torch_npu._npu_flash_attention_qlens``) and decode (``_npu_paged_attention``), KV writes
 (``_npu_reshape_and_cache``). Its greedy tokens for prompts of 3, 9 and 41 tokens, batched, must equal
-transformers' greedy argmax in float64 on the same weights. The blockers met on the way, in order, are
-in docs/validation.md ("sglang's engine on the emulated device").
+transformers' greedy argmax in float64 on the same weights. A second engine serves the issue's cases:
+chunked prefill (128-token chunks), a prefix-cache hit (a later prompt sharing a cached page) and a
+decode across a page edge (page size 128), its tokens equal the reference too. The blockers met on the
+way, in order, are in docs/validation.md ("sglang's engine on the emulated device").
 
 Runs on the lane that pins the newest sglang (read from the pin files).
 """
 import json
 import os
+import random
+import re
 import sys
 
 import pytest
@@ -46,9 +50,9 @@ def model_dir(tmp_path_factory):
     return tiny.save_qwen2(str(tmp_path_factory.mktemp("qwen2_tiny")))
 
 
-def _run_engine(model_dir, tmp_path, shim_on):
+def _run_engine(model_dir, tmp_path, shim_on, spec=PROMPTS):
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(PROMPTS))
+    prompts.write_text(json.dumps(spec))
     env = tiny.child_env(shim_on, pythonpath=[PLACEHOLDERS], NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB)
     return tiny.run_child([sys.executable, CASE, model_dir, str(prompts), str(MAX_NEW)], env, str(tmp_path),
                           TIMEOUT_S, "sglang.Engine")
@@ -65,3 +69,36 @@ def test_engine_on_the_emulated_npu(model_dir, tmp_path, shim_on):
     applied = "applied sglang.npu_mha_v_head_dim"  # the shim's patches reach the scheduler process
     assert (applied in output) == shim_on, output[-3000:]
     assert result["tokens"] == tiny.reference_tokens(model_dir)
+
+
+# The issue's cases, in one engine: sglang's NPU page size is 128 (read from the log), the prefill chunk 128.
+_rng = random.Random(7)
+LONG = [_rng.randint(2, 127) for _ in range(140)]       # prefilled in two chunks (128 + 12)
+EDGE = [_rng.randint(2, 127) for _ in range(125)]       # decodes positions 125-130: across the page edge at 128
+CHUNKED = [_rng.randint(2, 127) for _ in range(200)]    # two chunks (128 + 72), the second after a 128 prefix
+SHARED = LONG[:130] + [_rng.randint(2, 127) for _ in range(20)]  # after LONG: its first page from the cache
+CASES = {"rounds": [[LONG, EDGE, CHUNKED], [SHARED]], "server": {"context_length": 256, "chunked_prefill_size": 128}}
+
+
+def _prefills(output):
+    """(new tokens, cached tokens) of each prefill batch the scheduler logged."""
+    return [(int(a), int(b)) for a, b in re.findall(r"Prefill batch, #new-seq: \d+, #new-token: (\d+), "
+                                                   r"#cached-token: (\d+)", output)]
+
+
+@pytest.mark.parametrize("shim_on", [True, False], ids=["shim-on", "shim-off"])
+def test_chunked_prefill_prefix_hit_and_decode_across_a_page(model_dir, tmp_path, shim_on):
+    """Prompts of 140, 125 and 200 tokens in one batch with 128-token prefill chunks, then a prompt sharing
+    the 140-token one's first 130 tokens: the scheduler's log shows the chunks (128 + 12, 125, 128 + 72)
+    and the prefix hit (one page of 128 tokens cached, 22 new); the 125-token prompt decodes across the
+    page edge. Every greedy token equals the float64 reference."""
+    rc, output = _run_engine(model_dir, tmp_path, shim_on, CASES)
+    results = [line for line in output.splitlines() if line.startswith("ENGINE_RESULT ")]
+    assert rc == 0 and results, output[-3000:]
+    result = json.loads(results[-1][len("ENGINE_RESULT "):])
+    assert result["device"] == "npu" and result["chunked_prefill_size"] == 128, result
+    assert "'page_size': 128" in output, output[-3000:]  # sglang's NPU default, resolved at start-up
+    assert sorted(_prefills(output)) == sorted([(128, 0), (12, 0), (125, 0), (128, 0), (72, 0), (22, 128)]), \
+        _prefills(output)
+    prompts = [p for batch in CASES["rounds"] for p in batch]
+    assert result["tokens"] == tiny.reference_tokens(model_dir, prompts)
