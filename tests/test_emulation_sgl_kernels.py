@@ -49,6 +49,11 @@ def test_bad_launches_are_refused_by_name():
                                   torch.empty(3), 1, 4, 3)
     with pytest.raises(KernelLaunchError, match=r"reads free_pages\[1\]"):  # the pool is short
         _launch(pre=[0, 0], seq=[3, 3], last_loc=[-1, -1], free=[1], page_size=4, out_len=6)
+    assert _launch(pre=[0], seq=[2], last_loc=[-1], free=[3], page_size=4, out_len=2) == [12, 13]
+    out = torch.empty(2, dtype=torch.int64)
+    alloc_extend_kernel[(1, 1)](torch.tensor([0]), torch.tensor([2]), torch.tensor([-1]), torch.tensor([3]), out,
+                                1, 4, 2)  # a grid's trailing 1s are one program, as in Triton
+    assert out.tolist() == [12, 13]
     with pytest.raises(KernelLaunchError, match="one-dimensional grids"):
         alloc_extend_kernel[(1, 2)](*([torch.zeros(1, dtype=torch.int64)] * 5), 1, 4, 1)
 

@@ -66,9 +66,9 @@ class TritonKernel:
         def launch(*args, **kwargs):
             shape = grid(kwargs) if callable(grid) else grid
             shape = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
-            if len(shape) != 1 or any(int(n) != 1 for n in shape[1:]):
-                raise KernelLaunchError("%s: the emulation launches one-dimensional grids, got %r"
-                                        % (self.name, grid))
+            if not shape or any(int(n) != 1 for n in shape[1:]):
+                raise KernelLaunchError("%s: the emulation launches one-dimensional grids ((n,), (n, 1) ...), "
+                                        "got %r" % (self.name, grid))
             state = self._prepare(*args, **kwargs) if self._prepare else None
             for pid in range(int(shape[0])):
                 self._body(pid, state, *args, **kwargs)
