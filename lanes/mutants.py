@@ -181,6 +181,15 @@ MUTANTS = (
            "base", "FAILED tests/test_emulation_device.py",
            ("npu_shim/emulation/device.py",
             "    torch.nn.Parameter.__new__ = staticmethod(_parameter_new_on_device)\n", "")),
+    mutant("sgl-alloc-extend", "the emulated sgl_kernel_npu alloc_extend_kernel takes a request's new partial page "
+                               "one page too far down the free list",
+           "base", "FAILED tests/test_emulation_sgl_kernels.py",
+           ("npu_shim/emulation/sgl_kernels.py", "start_loc = page(new_page_start_loc + self_pages - 1)",
+            "start_loc = page(new_page_start_loc + self_pages)")),
+    mutant("engine-sglang-causal", "the emulated _npu_flash_attention_qlens (sglang's Ascend prefill) drops the causal "
+                                   "mask: sglang's engine on the emulated device generates other tokens",
+           "latest-sglang", "FAILED tests/lanes/test_engine_sglang.py",
+           ("npu_shim/emulation/prefix_attention.py", "masks=(Band(None, 0, skv - sq),))", "masks=())")),
 )
 
 

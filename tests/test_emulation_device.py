@@ -68,6 +68,10 @@ def test_streams_events_sync():
     e = torch.npu.Event()
     with torch.npu.stream(s):
         t = torch.ones(2, device="npu") * 3
+    context = torch.npu.stream(s)  # made once, entered per batch (sglang's scheduler)
+    for _ in range(2):
+        with context as current:
+            assert current is s
     e.record(s)
     torch.npu.current_stream().wait_event(e)
     e.wait()

@@ -181,6 +181,7 @@ def test_the_table_names_the_documented_host_arguments():
         "npu_prompt_flash_attention": ["actual_seq_lengths", "actual_seq_lengths_kv"],
         "npu_incre_flash_attention": ["actual_seq_lengths"],
         "_npu_paged_attention": ["context_lens"],
+        "_npu_flash_attention_qlens": ["context_lens", "seq_len"],
         "npu_fused_infer_attention_score_v2": ["actual_seq_kvlen", "actual_seq_qlen"],
     }
     assert HOST_ARGS["_npu_flash_attention_unpad"] == {"seq_len": 3}

@@ -13,7 +13,8 @@ neither torch nor the ops (the emulated package imports them when first used).
 What the emulated package provides (details in each op module's docstring):
 ``npu_fusion_attention``, ``npu_prompt_flash_attention``,
 ``npu_fused_infer_attention_score``, ``npu_incre_flash_attention``,
-``_npu_flash_attention_unpad``, ``_npu_reshape_and_cache``, ``npu_scatter_nd_update_``,
+``_npu_flash_attention_unpad``, ``_npu_flash_attention_qlens`` (``prefix_attention``),
+``_npu_reshape_and_cache``, ``npu_scatter_nd_update_``,
 and the decoder ops (``decoder_attention``): ``_npu_paged_attention``,
 ``npu_fused_infer_attention_score_v2``, ``npu_scatter_pa_kv_cache``; the layer ops vllm-ascend's
 registered layers call (docs/emulation-ops.md): ``npu_rms_norm``, ``npu_add_rms_norm`` (``norms``),
@@ -27,6 +28,10 @@ the emulated SoC (``NPU_SHIM_EMULATE_SOC``) and no-op streams/events
 placeholders (``placeholders``) for names upstream reads at import time only. It does
 not create ``torch.npu`` by itself (see the package docstring for why):
 :func:`register_device_module` does, for code that needs it (vllm-ascend).
+
+sglang's NPU kernel package ``sgl_kernel_npu`` (Triton kernels, on no package index): the kernels its
+engine's text path launches are emulated in :mod:`npu_shim.emulation.sgl_kernels`, which the tests'
+import placeholder of that package hands out by name.
 
 An emulated device (``npu`` as a device type backed by host memory, ``torch.npu`` a one-device
 machine, hccl as one-rank gloo, device->host transfers counted at dispatch) is a second switch:

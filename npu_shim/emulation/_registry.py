@@ -30,6 +30,8 @@ from npu_shim.emulation.decoder_attention import (
     _npu_paged_attention, npu_fused_infer_attention_score_v2)
 from npu_shim.emulation.matmul import _npu_matmul_add_fp32
 from npu_shim.emulation.kv_cache import _npu_reshape_and_cache, npu_scatter_pa_kv_cache
+from npu_shim.emulation import prefix_attention
+from npu_shim.emulation.prefix_attention import _npu_flash_attention_qlens
 from npu_shim.emulation.prompt_flash_attention import (
     PFA_PRE_TOKENS_DEFAULT, npu_prompt_flash_attention)
 from npu_shim.emulation.scatter import npu_scatter_nd_update_
@@ -108,6 +110,12 @@ SCHEMAS = {
         "npu_scatter_pa_kv_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
         "Tensor(b!) value_cache, Tensor slot_mapping, *, Tensor? compress_lens=None, "
         "Tensor? compress_seq_offsets=None, Tensor? seq_lens=None, str cache_mode=\"Norm\") -> ()",
+    ),
+    "_npu_flash_attention_qlens": (
+        _npu_flash_attention_qlens,
+        "_npu_flash_attention_qlens(Tensor query, Tensor key_cache, Tensor value_cache, Tensor block_table, "
+        "Tensor mask, Tensor seq_len, Tensor context_lens, int num_kv_heads, int num_heads, float scale_value, "
+        "Tensor(a!) out) -> ()",
     ),
     "_npu_paged_attention": (
         _npu_paged_attention,
@@ -221,6 +229,7 @@ HOST_ARGS = {
         ("npu_fused_infer_attention_score", FIA_HOST_ARGS),
         ("npu_incre_flash_attention", IFA_HOST_ARGS),
         ("_npu_paged_attention", decoder_attention.PA_HOST_ARGS),
+        ("_npu_flash_attention_qlens", prefix_attention.HOST_ARGS),
         ("npu_fused_infer_attention_score_v2", decoder_attention.FIA_V2_HOST_ARGS),
     )
 }

@@ -33,9 +33,10 @@ argument checks run first, so a call the op refuses is still refused):
   the under-ranked mask.
 
 Not emulated: sglang issue #38196 / PR #39905 (``torch_npu._npu_flash_attention_qlens`` prefill
-wrong at page sizes 16, 32, 64 on 910C / A3, CANN 9.0): the emulation has no qlens op (no
-documented semantics to emulate); ``sglang.small_page_fia`` routes those page sizes to FIA and
-cites it.
+wrong at page sizes 16, 32, 64 on 910C / A3, CANN 9.0): the emulated qlens op
+(``prefix_attention``) refuses those block sizes as newer op-plugin documents the op to
+("blockSize必须设为128"), so there is no wrong result to emulate; ``sglang.small_page_fia`` routes
+those page sizes to FIA and cites it.
 
 Only the emulation reads this; the production path never imports it.
 """

@@ -66,6 +66,10 @@ SUPPORTED = {
     # 输入输出列表 (8.2.RC1): query / keyCache / valueCache "float16/bf16/int8" (int8 only with
     # the quantisation features, not emulated).
     "_npu_paged_attention": {"A2": (F16, BF16), "310P": (F16,)},
+    # query, key_cache, value_cache, mask. CANN 8.3.RC1 ATB API, SelfAttention calcType=PREFIX_ENCODER
+    # 输入输出: query / key / value "float16/bf16"; the op's PREFIX_ENCODER pages name Atlas A2 / 800I A2
+    # only (nothing on 310P).
+    "_npu_flash_attention_qlens": {"A2": (F16, BF16), "310P": ()},
     # query, key, value. op-plugin docs torch_npu-npu_fused_infer_attention_score_v2.md:
     # query "数据类型支持float16、bfloat16" (key/value add int8/int4, quantisation, not
     # emulated); 产品支持情况 lists Atlas A2/A3 only.

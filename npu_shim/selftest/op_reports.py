@@ -17,8 +17,8 @@ so the lanes see each probe fail on the defect it exists for, and pass without i
   12 heads x 64, float16, the slots past the valid length masked.
 
 Not probed: sglang #38196 / PR #39905 (``_npu_flash_attention_qlens`` prefill wrong at page
-sizes 16, 32, 64): the op has no documented semantics and no emulation, so no probe of it
-could be seen to fail here; ``sglang.small_page_fia`` keeps those page sizes off it (its
+sizes 16, 32, 64): the op's newer documentation refuses block sizes other than 128, and so
+does its emulation, so no probe of it could be seen to fail here; ``sglang.small_page_fia`` keeps those page sizes off it (its
 selftest sweeps page sizes 16, 32 and 64 through sglang's ``forward_extend``).
 """
 import time

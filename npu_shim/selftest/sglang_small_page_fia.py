@@ -10,7 +10,8 @@ reported wrong at (16, 32 and 64: sglang issue #38196, PR #39905, CANN 9.0 on
 op's wrong results at small pages) and match the float64 causal reference; the
 row reports the largest error over the page sizes. If a call reached any other
 op, the error is reported as infinite. Page size 128 (where the patch keeps
-upstream's qlens call) is not run: the emulation has no qlens op.
+upstream's qlens call) is not run: the emulated qlens op computes what its documentation says, so it
+could not show the op's reported defect either.
 
 The backend is made with ``object.__new__`` and given what a plain prefill
 reads (its ``__init__`` needs a whole ``ModelRunner``): the model switches as a

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["NpuCall", "record_npu_calls", "unemulated_op"]
+__all__ = ["NpuCall", "record_npu_calls", "recorded_not_run", "unemulated_op"]
 
 
 class NpuCall(NamedTuple):
@@ -98,3 +98,24 @@ def unemulated_op(torch_npu_module, name):
         yield op
     finally:
         delattr(torch_npu_module, name)
+
+
+@contextlib.contextmanager
+def recorded_not_run(torch_npu_module, name):
+    """``torch_npu.<name>`` replaced for the block by an op that records its call and computes nothing,
+    whether or not the emulation has it (put back after the block).
+
+    For checking that code *dispatches* to an op with the arguments upstream passes, where the emulated op
+    would refuse them as the documented one does (``_npu_flash_attention_qlens`` at block sizes other than
+    128): as with :func:`unemulated_op`, test the dispatch with it, never a result.
+    """
+    missing = object()
+    real = torch_npu_module.__dict__.get(name, missing)
+    if real is not missing:
+        delattr(torch_npu_module, name)
+    try:
+        with unemulated_op(torch_npu_module, name) as op:
+            yield op
+    finally:
+        if real is not missing:
+            setattr(torch_npu_module, name, real)

@@ -14,8 +14,9 @@ real):
   prefixes, GQA, shuffled pages, float16);
 * page sizes 128, 256, and 8, 24 (not multiples of 16, which FIA's block_size must be):
   upstream's ``_npu_flash_attention_qlens`` call, with the
-  arguments upstream passes (recorded with ``unemulated_op``: the emulation
-  has no qlens op, and none is emulated without documented semantics);
+  arguments upstream passes (recorded, not run, with ``recorded_not_run``: the
+  emulated qlens op refuses block sizes other than 128, as op-plugin's own test
+  expects of the op; its math is tested in tests/test_emulation_qlens.py);
 * ``ASCEND_USE_FIA`` set explicitly (0 or 1) is respected;
 * uninstall restores upstream's method; switched off
   (``NPU_SHIM_SGLANG_SMALL_PAGE_FIA=0``) the patch is "disabled" and the method
@@ -76,13 +77,13 @@ def _prefill(modules, method, spec, use_fia=None):
     """(output, recorded NPU calls, batch) of one prefill of ``spec`` through ``method``."""
     import torch_npu
 
-    from npu_shim.testing import record_npu_calls, unemulated_op
+    from npu_shim.testing import record_npu_calls, recorded_not_run
 
     batch = cp_case.make_batch(spec)
     backend, layer, forward_batch, q, k, v = prefill_case.prefill_inputs(*modules, batch)
     if use_fia is not None:
         backend.use_fia = use_fia
-    with unemulated_op(torch_npu, QLENS), record_npu_calls() as calls:
+    with recorded_not_run(torch_npu, QLENS), record_npu_calls() as calls:
         out = method(backend, q, k, v, layer, forward_batch, save_kv_cache=False)
     return out, calls, batch
 

@@ -52,12 +52,12 @@ def sglang_fia_unset(monkeypatch):
 def test_radix_attention_forward_takes_the_fia_prefill(modules, spec):
     import torch_npu
 
-    from npu_shim.testing import record_npu_calls, unemulated_op
+    from npu_shim.testing import record_npu_calls, recorded_not_run
 
     batch = cp_case.make_batch(spec)
     backend, layer, forward_batch, q, k, v = prefill_case.prefill_inputs(*modules, batch)
     assert type(layer).__name__ == "RadixAttention" and forward_batch.forward_mode.is_extend()
-    with published(backend, forward_batch), unemulated_op(torch_npu, QLENS), record_npu_calls() as calls:
+    with published(backend, forward_batch), recorded_not_run(torch_npu, QLENS), record_npu_calls() as calls:
         out = layer(q, k, v, forward_batch, save_kv_cache=False)
     assert [c.name for c in calls] == [FIA], [c.name for c in calls]
     assert calls[0].kwargs["block_size"] == spec.page_size and calls[0].kwargs["input_layout"] == "TND"

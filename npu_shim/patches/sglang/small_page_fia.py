@@ -40,8 +40,9 @@ Remove when: the pinned sglang carries PR #39905 (or qlens is fixed in CANN
 
 What the tests can and cannot show: the torch_npu emulation computes what the
 documentation says, so it cannot show the op bug; it is taken from the
-hardware evidence above (the one exception to "reproduce first"; the emulation
-has no qlens op, so ``NPU_SHIM_EMULATE_DEFECTS`` has no defect for it either). The tests
+hardware evidence above (the one exception to "reproduce first"; the emulated qlens
+op refuses block sizes other than 128, as the op's newer documentation does, so
+``NPU_SHIM_EMULATE_DEFECTS`` has no defect for it either). The tests
 check the dispatch: page sizes 16/32/64 reach ``npu_fused_infer_attention_score``
 and match the float64 reference; 128 and 256, and 8 and 24 (not multiples of 16),
 make upstream's qlens call. The selftest (``npu-shim selftest``) runs the prefill at

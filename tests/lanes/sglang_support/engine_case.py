@@ -2,8 +2,12 @@
 on the emulated Ascend device (tests/lanes/test_engine_sglang.py runs it).
 
 argv: a model folder (a tiny random-weight Qwen2 the test saved), a JSON file of prompts (token
-ids). Prints one line ``ENGINE_RESULT <json>``: the greedy tokens per prompt, and the server
-arguments the engine resolved (device, attention backend). The emulation is installed here, at
+ids), the number of tokens to generate. The prompts are a list (one batch), or ``{"rounds": [[prompt,
+...], ...], "server": {...}}``: each round one batch, generated after the one before it (a later round
+can hit the prefix cache an earlier one filled), ``server`` more ``sglang.Engine`` arguments (e.g.
+``chunked_prefill_size``, ``context_length``). Prints one line ``ENGINE_RESULT <json>``: the greedy
+tokens per prompt, in order over the rounds, and the server arguments the engine resolved (device,
+attention backend, page size). The emulation is installed here, at
 module top, so sglang's spawned scheduler and detokenizer (multiprocessing spawn runs this module
 again as ``__mp_main__``) get it too, with the shim on or off (``NPU_SHIM``) alike.
 """
@@ -14,23 +18,36 @@ import sys
 from npu_shim import emulation
 
 emulation.install()
+# The engine serves float32 (dtype="float32" below): the float64 reference then decides every greedy token,
+# which half precision would not on a tiny random model. The attention and KV-cache ops refuse float32 as
+# the hardware does, except inside this math-check switch, held open for the life of the process.
+from npu_shim.emulation import dtypes  # noqa: E402
+
+_FLOAT32 = dtypes.float32_not_on_hardware()  # kept: a collected context manager would close itself
+_FLOAT32.__enter__()
 
 
 def main(model_dir, prompts_file, max_new_tokens):
     import sglang
 
     with open(prompts_file) as f:
-        prompts = json.load(f)
+        spec = json.load(f)
+    if isinstance(spec, list):
+        spec = {"rounds": [spec]}
+    server = dict(context_length=128)
+    server.update(spec.get("server", {}))
     engine = sglang.Engine(model_path=model_dir, device="npu", attention_backend="ascend",
                            disable_cuda_graph=True, skip_tokenizer_init=True, tp_size=1,
-                           mem_fraction_static=0.5, context_length=128, dtype="float32",
-                           random_seed=0, log_level="info")
+                           mem_fraction_static=0.5, dtype="float32", random_seed=0, log_level="info", **server)
     try:
         args = engine.server_args
-        outs = engine.generate(input_ids=prompts,
-                               sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
-        result = {"tokens": [o["output_ids"] for o in outs], "device": args.device,
-                  "attention_backend": args.attention_backend}
+        tokens = []
+        for prompts in spec["rounds"]:
+            outs = engine.generate(input_ids=prompts,
+                                   sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
+            tokens.extend(o["output_ids"] for o in outs)
+        result = {"tokens": tokens, "device": args.device, "attention_backend": args.attention_backend,
+                  "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size}
     finally:
         engine.shutdown()
     print("ENGINE_RESULT " + json.dumps(result), flush=True)

@@ -9,15 +9,18 @@ imports it at module top, e.g.::
 
 The code paths the sglang lanes' patch tests take (context-parallel FIA in
 ``AscendAttnBackend.do_cp_attn_fia`` and the others) never call those kernels; sglang's
-engine on the emulated device (tests/lanes/test_engine_sglang.py) reaches its first
-kernel launch at the first prefill, and is held there by the refusal below. This package
-exists only so that such import lines succeed:
+engine on the emulated device (tests/lanes/test_engine_sglang.py) launches one at every
+prefill (the NPU token allocator's ``alloc_extend_kernel``), which npu-shim's emulation
+provides (below). This package exists only so that such import lines succeed:
 
 * any submodule ``sgl_kernel_npu.<a>.<b>`` imports as an empty placeholder module;
 * ``from sgl_kernel_npu.x import name`` yields a :class:`KernelPlaceholder`;
 * calling a placeholder, launching it (``kernel[grid]``), or reading any attribute of it, raises
   :class:`PlaceholderKernelError` naming the kernel, so a test that strays onto
-  an NPU kernel fails loudly instead of silently doing nothing.
+  an NPU kernel fails loudly instead of silently doing nothing;
+* except the kernels npu-shim's emulation has (``npu_shim.emulation.sgl_kernels.EMULATED``, written
+  from the kernels' semantics, each tested against an independent reference): those names yield the
+  emulation. Every other kernel keeps refusing by name.
 
 It is put on ``PYTHONPATH`` by the sglang lanes (see ``noxfile.py``); it is never
 installed with the shim and never used outside tests.
@@ -63,12 +66,24 @@ class KernelPlaceholder:
         return f"<sgl_kernel_npu import placeholder {self._qualified_name}>"
 
 
+def _emulated(module_name, attribute):
+    """npu-shim's emulation of ``module_name.attribute``, or None where it has none."""
+    try:
+        from npu_shim.emulation.sgl_kernels import EMULATED
+    except ImportError:  # the shim is not installed: every kernel refuses
+        return None
+    return EMULATED.get(module_name, {}).get(attribute)
+
+
 def _placeholder_getattr(module_name):
     def __getattr__(attribute):
         # Dunder look-ups (introspection, pickling, inspect, import machinery) get the
         # normal answer: the attribute does not exist.
         if attribute.startswith("__") and attribute.endswith("__"):
             raise AttributeError(attribute)
+        emulated = _emulated(module_name, attribute)
+        if emulated is not None:
+            return emulated
         return KernelPlaceholder(f"{module_name}.{attribute}")
 
     return __getattr__

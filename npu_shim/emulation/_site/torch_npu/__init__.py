@@ -34,6 +34,7 @@ _npu_reshape_and_cache = _registry.PUBLIC["_npu_reshape_and_cache"]
 npu_scatter_nd_update_ = _registry.PUBLIC["npu_scatter_nd_update_"]
 npu_scatter_pa_kv_cache = _registry.PUBLIC["npu_scatter_pa_kv_cache"]
 _npu_paged_attention = _registry.PUBLIC["_npu_paged_attention"]
+_npu_flash_attention_qlens = _registry.PUBLIC["_npu_flash_attention_qlens"]
 npu_fused_infer_attention_score_v2 = _registry.PUBLIC["npu_fused_infer_attention_score_v2"]
 # The engine's layer ops (npu_shim/emulation: norms, activation, rotary, moe).
 npu_rms_norm = _registry.PUBLIC["npu_rms_norm"]

@@ -206,9 +206,10 @@ def is_jit_compile_false():
     return _compile_mode["jit_compile"] is False
 
 
-@contextlib.contextmanager
 def stream(s=None):
-    yield s
+    """``torch.npu.stream(s)``: a :class:`StreamContext`, reusable as torch.cuda's is (sglang's scheduler
+    makes one and enters it for every batch)."""
+    return StreamContext(s)
 
 
 class StreamContext:
