@@ -25,8 +25,10 @@ How: wrap ``AscendAttnBackend.forward_extend``. A call that upstream would
   The KV cache is the same memory either way (FIA views it as
   ``(-1, page_size, heads * head_dim)``); the FIA mask and host lengths it
   reads are built by ``init_forward_metadata`` whether or not FIA is on.
-  Page size 128 and above keep the qlens op (right there, and upstream's
-  fast path). So do page sizes that are not a multiple of 16: FIA takes the
+  Page size 128 keeps the qlens op (right there, and upstream's fast path).
+  So do pages above 128, as upstream sends them: no report of them; the op's
+  own page asks for ``blockSize`` 128 and op-plugin's newest test of it expects
+  a refusal naming ``blockSize=128`` (docs/limitations.md). So do page sizes that are not a multiple of 16: FIA takes the
   page size as its ``block_size``, which must be a multiple of 16 without
   quantisation (the op: "In NO_QUANT situation, block_size should aligned to
   16, but got 1", sglang issue #25169; sglang PR #29815, open, refuses such
