@@ -21,7 +21,12 @@ the same weights and processed inputs (3-D rope positions), each log-probability
 "vLLM: Qwen2.5-VL ... towers", 0.30: 0 device->host reads per tower forward): counted on the
 emulated device at dispatch around the tower's forward as ``embed_multimodal`` calls it, once for
 the request: 0 with the shim, ``UPSTREAM_READS`` without it (vLLM 0.30's tower copies
-``cu_seqlens`` and ``cu_window_seqlens`` to the host).
+``cu_seqlens`` and ``cu_window_seqlens`` to the host); with the shim, the tower's attention calls
+are the shim's ``vllm.mm_encoder_attn`` (none handed to upstream's, no host copy;
+``npu_shim.stats()`` in the child), beside ``vllm.mm_encoder_host_lengths``. The shim's encoder
+attention at the tower's head 80 keeps vllm-ascend 0.30's own pad to 128 (the emulated FIA refuses
+80 in layout TND, as CANN does). Mutant ``engine-vl-reads`` (the attention ignores vLLM's host copy)
+must fail this test.
 """
 import json
 import os
@@ -100,5 +105,11 @@ def test_image_request_on_the_emulated_npu(model_dir, processed, reference, tmp_
     reads = result["tower_reads"][0]
     if shim_on:
         assert reads == {"count": 0, "kinds": {}}, result  # the README row: 0 per tower forward
+        # through the shim's encoder attention (every call, none handed to upstream's, no host copy;
+        # counted over the process: the profile run's dummy image and the request)
+        attn = result["shim"].get("vllm.mm_encoder_attn")
+        assert attn and attn["calls"] > 0 and (attn["upstream_calls"], attn["host_copies"]) == (0, 0), result
+        assert "vllm.mm_encoder_host_lengths" in result["shim"], result
     else:
+        assert result["shim"] == {}, result
         assert reads["kinds"] == UPSTREAM_READS and reads["count"] > 0, result  # upstream's, before the fix

@@ -15,7 +15,8 @@ Device->host reads of the vision tower: forward hooks on the model's ``visual`` 
 count (installed after start-up, so the profiling run's dummy image is not counted). Prints one line
 ``ENGINE_RESULT <json>``: the greedy tokens and their log-probabilities, the prompt's token ids as the
 engine processed them, the tower's calls and reads (per call: count and kinds), the platform, and
-the encoder attention class of the tower's layers.
+the encoder attention class of the tower's layers, and the shim's counters of its applied
+encoder-attention and Qwen2.5-VL tower patches (``npu_shim.stats()``).
 """
 import contextlib
 import json
@@ -110,10 +111,16 @@ def run(model_dir, prompt_file, max_new_tokens):
     outs = llm.generate([inputs], params, use_tqdm=False)
     stage("generate")
     out = outs[0]
+    import npu_shim
+
+    # the shim's counters of the encoder-attention and tower patches (empty with NPU_SHIM=0)
+    shim = {name: {key: row.get(key) for key in ("state", "family", "calls", "upstream_calls", "host_copies")}
+            for name, row in npu_shim.stats().items()
+            if name.startswith(("vllm.mm_encoder", "vllm.qwen2_5_vl")) and row.get("state") == "applied"}
     result = {"tokens": list(out.outputs[0].token_ids), "prompt_token_ids": list(out.prompt_token_ids),
               "logprobs": [step[t].logprob for step, t in zip(out.outputs[0].logprobs, out.outputs[0].token_ids)],
               "tower_reads": [{"count": c.count, "kinds": c.by_kind()} for c in calls],
-              "encoder_attention": attention, "platform": type(current_platform).__name__,
+              "encoder_attention": attention, "shim": shim, "platform": type(current_platform).__name__,
               "device_type": current_platform.device_type}
     print("ENGINE_RESULT " + json.dumps(result), flush=True)
 
