@@ -176,6 +176,11 @@ MUTANTS = (
            "vllm-0.30", "FAILED tests/lanes/test_engine_vllm.py",
            ("npu_shim/emulation/triton_kernels.py", "    block_index = torch.where(inside, pos // block_size, 0)\n",
             "    block_index = torch.where(inside, pos * 0, 0)\n")),
+    mutant("engine-vl-reads", "vllm-ascend's encoder attention ignores the host copy vLLM made of cu_seqlens and "
+                              "reads it back once per tower forward (one read per lengths tensor)",
+           "vllm-0.30", "FAILED tests/lanes/test_engine_vllm_vl.py",
+           ("npu_shim/patches/vllm_ascend/mm_encoder/common.py",
+            "        host = vllms_host_copy(values) if copy is None else None\n", "        host = None\n")),
     mutant("device-parameters", "a Parameter of a device tensor is the device tensor itself again (PyTorch's path "
                                 "for tensor subclasses: vLLM's parameter classes and weight loaders lost)",
            "base", "FAILED tests/test_emulation_device.py",

@@ -28,7 +28,8 @@ def stage(name):
     print("ENGINE_STAGE " + name, flush=True)
 
 
-def main(model_dir, prompts_file, max_new_tokens):
+def main(model_dir, prompts_file, max_new_tokens, runner=None):
+    """``runner``: the function run inside the stand-ins (``run`` here; the image case passes its own)."""
     # vllm-ascend's NPU-only imports that exist on no package index: fla_npu (NPU kernels;
     # vllm_ascend.ops.gdn) and CANN's pyACL (``acl``: vllm_ascend.device_allocator.camem imports
     # ``acl.rt.memcpy`` at module top, for sleep mode): import placeholders whose names refuse to
@@ -58,7 +59,7 @@ def main(model_dir, prompts_file, max_new_tokens):
     from npu_shim.emulation.dtypes import float32_not_on_hardware
 
     with import_placeholders(("fla_npu", "acl")), placeholder_torchvision(), float32_not_on_hardware():
-        run(model_dir, prompts_file, max_new_tokens)
+        (runner or run)(model_dir, prompts_file, max_new_tokens)
 
 
 def run(model_dir, prompts_file, max_new_tokens):
