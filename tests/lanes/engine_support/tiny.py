@@ -35,15 +35,18 @@ def save_qwen2(folder, with_tokenizer=False, **config_overrides):
 
 
 def save_tokenizer(folder):
-    """A word-level tokenizer whose ids are the model's vocabulary (``t0`` .. ``t127``), made here."""
+    """A word-level tokenizer whose ids are the model's vocabulary (``t000`` .. ``t127``), made here.
+
+    The words are of one width: transformers matches special tokens inside words, so with ``t1`` as
+    a special token ``t17`` would split into ``t1`` and ``7``."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"t%d" % i: i for i in range(VOCAB)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t2"))
+    vocab = {"t%03d" % i: i for i in range(VOCAB)}
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="t002"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="t0", eos_token="t1",
-                                        unk_token="t2", pad_token="t1")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="t000", eos_token="t001",
+                                        unk_token="t002", pad_token="t001")
     tokenizer.save_pretrained(folder)
 
 
