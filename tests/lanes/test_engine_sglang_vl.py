@@ -23,8 +23,9 @@ processor, its Qwen2.5-VL tower and mrope, the Ascend backend's prefill and deco
   (window and full: 2) + 1 per layer (``sglang.vision_host_lengths``), as tests/lanes/test_sglang_towers.py
   counts them on the tower alone.
 * Head 80 (README row "sglang: vision towers with head dims between 64 and 128",
-  ``sglang.vision_head_pad``): shim on, the tokens equal the reference; shim off, the engine fails at
-  the image request, FIA (TND) refusing head dim 80 as the op's documentation says CANN does.
+  ``sglang.vision_head_pad``): shim on, the tokens equal the reference; shim off, or on with that patch
+  alone switched off, the engine fails at the image request, FIA (TND) refusing head dim 80 as the op's
+  documentation says CANN does.
 
 Runs on the lane that pins the newest sglang (read from the pin files).
 """
@@ -63,8 +64,9 @@ def served(tmp_path_factory):
     return models, image_file
 
 
-def _run_engine(model_dir, image_file, tmp_path, shim_on):
-    env = tiny.child_env(shim_on, pythonpath=[PLACEHOLDERS], NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB)
+def _run_engine(model_dir, image_file, tmp_path, shim_on, **switches):
+    env = tiny.child_env(shim_on, pythonpath=[PLACEHOLDERS], NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB,
+                         **switches)
     rc, output = tiny.run_child([sys.executable, CASE, model_dir, image_file, tiny_vl.PROMPT, str(tiny_vl.MAX_NEW)],
                                 env, str(tmp_path), TIMEOUT_S, "sglang.Engine with an image")
     results = [json.loads(line[len("ENGINE_RESULT "):]) for line in output.splitlines()
@@ -92,11 +94,15 @@ def test_image_request_tokens_and_tower_reads(served, tmp_path, shim_on):
     _check_served(models[64], *_run_engine(models[64][0], image_file, tmp_path, shim_on), shim_on)
 
 
-@pytest.mark.parametrize("shim_on", [True, False], ids=["shim-on", "shim-off"])
-def test_head_80_tower(served, tmp_path, shim_on):
+@pytest.mark.parametrize("shim_on,pad", [(True, True), (False, False), (True, False)],
+                         ids=["shim-on", "shim-off", "shim-on-pad-off"])
+def test_head_80_tower(served, tmp_path, shim_on, pad):
+    """shim-on-pad-off: the shim on with ``sglang.vision_head_pad`` alone switched off
+    (``NPU_SHIM_SGLANG_VISION_HEAD_PAD=0``) fails as upstream does: the padding is that patch's."""
     models, image_file = served
-    rc, output, results, reads = _run_engine(models[80][0], image_file, tmp_path, shim_on)
-    if shim_on:
+    switches = {} if pad else {"NPU_SHIM_SGLANG_VISION_HEAD_PAD": "0"}
+    rc, output, results, reads = _run_engine(models[80][0], image_file, tmp_path, shim_on, **switches)
+    if pad:
         assert "applied sglang.vision_head_pad" in output, output[-3000:]
         _check_served(models[80], rc, output, results, reads, shim_on)
     else:
