@@ -1,8 +1,8 @@
 """The tiny Qwen2.5-VL sglang's engine test serves with an image, and its independent reference.
 
 ``save(folder, vision_head)``: a random-weight ``Qwen2_5_VLForConditionalGeneration`` (text: 2 layers,
-hidden 256, 4 heads of 64, 2 KV heads, mrope; vision: 2 blocks, hidden 2 x ``vision_head``, 2 heads of
-``vision_head``, 80 being Qwen2.5-VL's own), patch 14, spatial merge 2, window 112 with block 1 full attention), float32, seeded,
+hidden 256, 4 heads of 64, 2 KV heads, mrope; vision: 2 blocks, 2 heads of ``vision_head``, 80 being
+Qwen2.5-VL's own, patch 14, spatial merge 2, window 112 with block 1 full attention), float32, seeded,
 saved with transformers, with a word-level tokenizer made here (``t0`` .. ``t127`` and Qwen2.5-VL's
 special tokens ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>`` at the
 config's ids) and Qwen2.5-VL's processor (the slow, PIL/numpy, image processor). No download.
