@@ -195,6 +195,15 @@ MUTANTS = (
                                    "mask: sglang's engine on the emulated device generates other tokens",
            "latest-sglang", "FAILED tests/lanes/test_engine_sglang.py",
            ("npu_shim/emulation/prefix_attention.py", "masks=(Band(None, 0, skv - sq),))", "masks=())")),
+    mutant("engine-sglang-vl-windows", "the emulated FIA (layout TND, sglang's vision attention on NPU) attends over "
+                                       "all tokens, not within each window or image its cumulative lengths bound: "
+                                       "sglang's engine answers an image request with other tokens",
+           "latest-sglang", "FAILED tests/lanes/test_engine_sglang_vl.py",
+           ("npu_shim/emulation/fused_infer_attention.py",
+            '    seg_q = _tnd_segments(q_cum, t, "actual_seq_lengths")\n', "    seg_q = [(0, t)]\n"),
+           ("npu_shim/emulation/fused_infer_attention.py",
+            '        seg_kv = _tnd_segments(kv_arg, key.shape[0], "actual_seq_lengths_kv")\n',
+            "        seg_kv = [(0, key.shape[0])]\n")),
 )
 
 

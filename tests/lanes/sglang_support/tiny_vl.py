@@ -1,0 +1,128 @@
+"""The tiny Qwen2.5-VL sglang's engine test serves with an image, and its independent reference.
+
+``save(folder, vision_head)``: a random-weight ``Qwen2_5_VLForConditionalGeneration`` (text: 2 layers,
+hidden 256, 4 heads of 64, 2 KV heads, mrope; vision: 2 blocks, 2 heads of ``vision_head``, 80 being
+Qwen2.5-VL's own, patch 14, spatial merge 2, window 112 with block 1 full attention), float32, seeded,
+saved with transformers, with a word-level tokenizer made here (``t0`` .. ``t127`` and Qwen2.5-VL's
+special tokens ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>`` at the
+config's ids) and Qwen2.5-VL's processor (the slow, PIL/numpy, image processor). No download.
+``image()``: an RGB picture made here (numpy). ``processed``: the processor's inputs for the prompt
+and image. ``reference_steps``: transformers' greedy decoding in float64 on the same weights and
+inputs, per generated token ``(token, log-probability, margin)``.
+"""
+VOCAB_WORDS = 128
+VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 128, 129, 130, 131
+END, UNK = 132, 133
+VOCAB = 136
+SPECIALS = {"<|vision_start|>": VISION_START, "<|vision_end|>": VISION_END, "<|image_pad|>": IMAGE_PAD,
+            "<|video_pad|>": VIDEO_PAD, "<|endoftext|>": END, "<unk>": UNK}
+# 168 x 112 pixels: a 12 x 8 grid of 14-pixel patches, 96 patches, 24 image tokens after the 2 x 2
+# merge; the window of 112 pixels (4 x 4 merged tokens) cuts it into windows.
+IMAGE_HW = (112, 168)
+PROMPT = "t5 t17 <|vision_start|><|image_pad|><|vision_end|> t9 t2 t44"
+MAX_NEW = 6
+GAIN = 2.0  # matrices of this gain (transformers' 0.02 init makes every logit a near-tie)
+VISION_DEPTH = 2
+
+
+def save(folder, vision_head=80):
+    import torch
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=END, eos_token_id=END,
+                rope_scaling={"type": "mrope", "mrope_section": [8, 12, 12]})
+    vision = dict(depth=VISION_DEPTH, hidden_size=2 * vision_head, num_heads=2, intermediate_size=256,
+                  out_hidden_size=256, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                  window_size=112, fullatt_block_indexes=[1], in_chans=3)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_PAD,
+                              video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
+                              vision_end_token_id=VISION_END, **text)
+    torch.manual_seed(0)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.copy_(torch.randn_like(param) * param[0].numel() ** -0.5 * GAIN)
+    model.save_pretrained(folder)
+    save_processor(folder)
+    return folder
+
+
+def _tokenizer():
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"t%d" % i: i for i in range(VOCAB_WORDS)}
+    vocab.update(SPECIALS)
+    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
+    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", unk_token="<unk>",
+                                   pad_token="<|endoftext|>")
+
+
+def _image_processor():
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    return Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                    min_pixels=28 * 28, max_pixels=256 * 28 * 28)
+
+
+def save_processor(folder):
+    """The tokenizer and the slow (PIL/numpy) image processor, saved as Qwen2.5-VL's processor files."""
+    _tokenizer().save_pretrained(folder)
+    _image_processor().save_pretrained(folder)
+
+
+def image():
+    """An RGB picture, 168 x 112, made here: smooth gradients and a square."""
+    import numpy as np
+    from PIL import Image
+
+    h, w = IMAGE_HW
+    y, x = np.mgrid[0:h, 0:w]
+    rgb = np.stack([(x * 255 // w), (y * 255 // h), ((x + y) * 127 // (h + w))], -1).astype(np.uint8)
+    rgb[30:70, 50:110] = (250, 20, 90)
+    return Image.fromarray(rgb, "RGB")
+
+
+def processed(model_dir, prompt=PROMPT, img=None):
+    """The processor's inputs (``input_ids``, ``pixel_values``, ``image_grid_thw``), the image pads expanded."""
+    from transformers import AutoTokenizer
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    pix = images(images=[img if img is not None else image()], return_tensors="pt")
+    merged = int(pix["image_grid_thw"].prod()) // 4
+    text = prompt.replace("<|image_pad|>", " ".join(["<|image_pad|>"] * merged))
+    ids = tokenizer(text, return_tensors="pt")
+    return {"input_ids": ids["input_ids"], "pixel_values": pix["pixel_values"],
+            "image_grid_thw": pix["image_grid_thw"]}
+
+
+def reference_steps(model_dir, inputs, max_new=MAX_NEW):
+    """transformers' Qwen2.5-VL, float64, eager attention, greedy, the whole sequence each step (no
+    cache): per generated token ``(token, log-probability, margin)``, the margin the greedy logit
+    minus the runner-up's."""
+    import torch
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        model_dir, torch_dtype=torch.float64, attn_implementation="eager").eval()
+    ids = inputs["input_ids"]
+    steps = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            # mm_token_type_ids (1: an image token): transformers 5 computes the 3-D rope positions from it
+            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                           mm_token_type_ids=(ids == IMAGE_PAD).int(),
+                           pixel_values=inputs["pixel_values"].to(torch.float64),
+                           image_grid_thw=inputs["image_grid_thw"], use_cache=False).logits[0, -1]
+            top = logits.topk(2)
+            nxt = int(top.indices[0])
+            steps.append((nxt, float(torch.log_softmax(logits, -1)[nxt]), float(top.values[0] - top.values[1])))
+            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
+    return steps

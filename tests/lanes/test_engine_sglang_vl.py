@@ -1,0 +1,111 @@
+"""sglang's real engine on the emulated Ascend device serving a tiny Qwen2.5-VL one image request
+(issue 38, items 3 and 4): its greedy tokens equal the float64 reference, shim on and off, and the
+shim's sglang vision claims hold through the engine.
+
+``sglang.Engine(device="npu", attention_backend="ascend")`` (multimodal attention: sglang's default on
+NPU, ``ascend_attn``) is started in a child process (tests/lanes/sglang_support/engine_vl_case.py) as
+the text test starts it (tests/lanes/test_engine_sglang.py: ``NPU_SHIM_EMULATE=1
+NPU_SHIM_EMULATE_DEVICE=1``, the lane's import placeholders, eager, TP 1, float32 under the
+emulation's math-check switch), on a tiny random-weight Qwen2.5-VL saved to a temporary folder with
+its tokenizer and slow image processor (tests/lanes/sglang_support/tiny_vl.py; no downloads): text
+head 64, mrope; vision tower of 2 blocks (one windowed, one full), 2 heads of 64 or of 80
+(Qwen2.5-VL's own). One request: a text prompt with one image (168 x 112 pixels, made by the test,
+24 image tokens after the merge), ``engine.generate(prompt=..., image_data=[file])``: sglang's own
+processor, its Qwen2.5-VL tower and mrope, the Ascend backend's prefill and decode.
+
+* Tokens: the 6 greedy tokens equal transformers' ``Qwen2_5_VLForConditionalGeneration`` in float64
+  (eager attention) on the same weights and the processor's inputs; the reference's top-2 margins are
+  in the assertion message (smallest 0.038, head 64, step 5).
+* Reads (README row "sglang: Qwen2.5-VL, Qwen3-VL, GLM-4V towers": 0 device->host reads per forward):
+  the device->host transfers the emulated device counts at dispatch during the tower's forward, in the
+  scheduler process (module-wide forward hooks that only count). Shim on: 0. Shim off: upstream's 3
+  reads of the tower (``sglang.qwen2_5_vl_host_lengths``) + 1 per vision attention metadata object
+  (window and full: 2) + 1 per layer (``sglang.vision_host_lengths``), as tests/lanes/test_sglang_towers.py
+  counts them on the tower alone.
+* Head 80 (README row "sglang: vision towers with head dims between 64 and 128",
+  ``sglang.vision_head_pad``): shim on, the tokens equal the reference; shim off, or on with that patch
+  alone switched off, the engine fails at the image request, FIA (TND) refusing head dim 80 as the op's
+  documentation says CANN does.
+
+Runs on the lane that pins the newest sglang (read from the pin files).
+"""
+import json
+import os
+import sys
+
+import pytest
+from engine_support import tiny  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
+from sglang_support import newest, tiny_vl  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
+CASE = os.path.join(ROOT, "tests", "lanes", "sglang_support", "engine_vl_case.py")
+
+pytestmark = pytest.mark.lanes(newest.LANE)
+
+TIMEOUT_S = 400
+DEVICE_MEMORY_MIB = "1024"
+# upstream's reads per tower forward on 0.5.16+ (tests/lanes/test_sglang_towers.py): the tower's own 3,
+# one per vision attention metadata object (window, full), one per layer
+UPSTREAM_READS = 3 + 2 + tiny_vl.VISION_DEPTH
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    """Per tower head size: (model folder, reference steps, prompt length); and the image file."""
+    folder = tmp_path_factory.mktemp("qwen2_5_vl_tiny")
+    image_file = str(folder / "image.png")
+    tiny_vl.image().save(image_file)
+    models = {}
+    for head in (64, 80):
+        model_dir = tiny_vl.save(str(folder / ("head%d" % head)), vision_head=head)
+        inputs = tiny_vl.processed(model_dir)
+        models[head] = (model_dir, tiny_vl.reference_steps(model_dir, inputs), inputs["input_ids"].shape[1])
+    return models, image_file
+
+
+def _run_engine(model_dir, image_file, tmp_path, shim_on, **switches):
+    env = tiny.child_env(shim_on, pythonpath=[PLACEHOLDERS], NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB,
+                         **switches)
+    rc, output = tiny.run_child([sys.executable, CASE, model_dir, image_file, tiny_vl.PROMPT, str(tiny_vl.MAX_NEW)],
+                                env, str(tmp_path), TIMEOUT_S, "sglang.Engine with an image")
+    results = [json.loads(line[len("ENGINE_RESULT "):]) for line in output.splitlines()
+               if line.startswith("ENGINE_RESULT ")]
+    reads = [json.loads(line[len("TOWER_READS "):]) for line in output.splitlines() if line.startswith("TOWER_READS ")]
+    return rc, output, results, reads
+
+
+def _check_served(served_model, rc, output, results, reads, shim_on):
+    _, steps, prompt_len = served_model
+    assert rc == 0 and results, output[-3000:]
+    result = results[-1]
+    assert result["device"] == "npu" and result["attention_backend"] == "ascend", result
+    assert result["prompt_tokens"] == prompt_len, result  # sglang expanded the image to the processor's 24 pads
+    assert (("applied sglang.vision_host_lengths" in output) == shim_on
+            and ("applied sglang.qwen2_5_vl_host_lengths" in output) == shim_on), output[-3000:]
+    assert result["tokens"] == [s[0] for s in steps], ("reference (token, log-probability, margin)", steps)
+    assert len(reads) == 1 and reads[0]["module"] == "sglang.srt.models.qwen2_5_vl", reads  # one tower forward
+    assert reads[0]["count"] == (0 if shim_on else UPSTREAM_READS), reads
+
+
+@pytest.mark.parametrize("shim_on", [True, False], ids=["shim-on", "shim-off"])
+def test_image_request_tokens_and_tower_reads(served, tmp_path, shim_on):
+    models, image_file = served
+    _check_served(models[64], *_run_engine(models[64][0], image_file, tmp_path, shim_on), shim_on)
+
+
+@pytest.mark.parametrize("shim_on,pad", [(True, True), (False, False), (True, False)],
+                         ids=["shim-on", "shim-off", "shim-on-pad-off"])
+def test_head_80_tower(served, tmp_path, shim_on, pad):
+    """shim-on-pad-off: the shim on with ``sglang.vision_head_pad`` alone switched off
+    (``NPU_SHIM_SGLANG_VISION_HEAD_PAD=0``) fails as upstream does: the padding is that patch's."""
+    models, image_file = served
+    switches = {} if pad else {"NPU_SHIM_SGLANG_VISION_HEAD_PAD": "0"}
+    rc, output, results, reads = _run_engine(models[80][0], image_file, tmp_path, shim_on, **switches)
+    if pad:
+        assert "applied sglang.vision_head_pad" in output, output[-3000:]
+        _check_served(models[80], rc, output, results, reads, shim_on)
+    else:
+        # upstream hands FIA (TND) the model's head dim 80, which the op refuses: the image request fails
+        assert rc != 0 and not results, output[-3000:]
+        assert "When layout is TND, queryD(80), keyD(80) and valueD(80) must be same" in output, output[-3000:]
