@@ -7,6 +7,7 @@ import torch
 from npu_shim import emulation
 from npu_shim.testing import attention_f64, dense_segments
 from npu_shim.testing.errors import Tolerance
+from npu_shim.testing.paged_kv import paged_kv
 
 emulation.install()
 import torch_npu  # noqa: E402
@@ -22,28 +23,6 @@ def close(got, want, dtype):
     assert err < TOL[dtype], err
 
 
-def paged(kv_lens, nkv, d, dv, block_size, dtype, seed=0):
-    """Per-sequence K/V, caches (num_blocks, block_size, Nkv, D) filled through a shuffled
-    int32 block table (other blocks hold garbage)."""
-    g = torch.Generator().manual_seed(seed)
-    k = [torch.randn(n, nkv, d, generator=g).to(dtype) for n in kv_lens]
-    v = [torch.randn(n, nkv, dv, generator=g).to(dtype) for n in kv_lens]
-    need = [-(-n // block_size) for n in kv_lens]
-    total = sum(need) + 2
-    order = torch.randperm(total, generator=g).tolist()
-    table = torch.zeros(len(kv_lens), max(need) + 1, dtype=torch.int32)
-    kc = torch.randn(total, block_size, nkv, d, generator=g).to(dtype)
-    vc = torch.randn(total, block_size, nkv, dv, generator=g).to(dtype)
-    for i, n in enumerate(kv_lens):
-        ids, order = order[:need[i]], order[need[i]:]
-        table[i, :need[i]] = torch.tensor(ids, dtype=torch.int32)
-        for j, blk in enumerate(ids):
-            rows = slice(j * block_size, min(n, (j + 1) * block_size))
-            kc[blk, :rows.stop - rows.start] = k[i][rows]
-            vc[blk, :rows.stop - rows.start] = v[i][rows]
-    return k, v, kc, vc, table
-
-
 def window(pre):
     """Reference visibility of a band of ``pre`` keys before the (end-aligned) diagonal."""
     def allowed(seg, sq, skv):
@@ -56,7 +35,7 @@ def window(pre):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_paged_attention_decode_gqa(dtype):
     kv_lens = [5, 40, 17]
-    k, v, kc, vc, table = paged(kv_lens, 2, 32, 32, 16, dtype, seed=1)
+    k, v, kc, vc, table = paged_kv(kv_lens, 2, 32, 32, 16, dtype, seed=1)
     q = torch.randn(3, 8, 32).to(dtype)
     out = torch.empty_like(q)
     torch_npu._npu_paged_attention(query=q, key_cache=kc, value_cache=vc, num_kv_heads=2,
@@ -68,7 +47,7 @@ def test_paged_attention_decode_gqa(dtype):
 
 
 def test_paged_attention_refusals():
-    k, v, kc, vc, table = paged([5], 2, 32, 32, 16, torch.bfloat16)
+    k, v, kc, vc, table = paged_kv([5], 2, 32, 32, 16, torch.bfloat16)
     q, out = torch.randn(1, 4, 32).bfloat16(), torch.empty(1, 4, 32).bfloat16()
     args = dict(query=q, key_cache=kc, value_cache=vc, num_kv_heads=2, num_heads=4,
                 scale_value=1.0, block_table=table, context_lens=torch.tensor([5]), out=out)
@@ -140,7 +119,7 @@ def test_fia_v2_tnd_sinks_prefill_then_paged_decode(sliding):
     assert (want - without).abs().max() > 0.05          # the sinks matter at this size
     # decode: one new token per sequence against a paged cache (block table), q cumulative
     kv_lens = [13, 30]
-    kk, vv, kc, vc, table = paged(kv_lens, nkv, d, d, 128, dtype, seed=4)
+    kk, vv, kc, vc, table = paged_kv(kv_lens, nkv, d, d, 128, dtype, seed=4)
     qd = torch.randn(2, n, d, generator=g).to(dtype)
     outd, _ = torch_npu.npu_fused_infer_attention_score_v2(
         qd, kc.flatten(2), vc.flatten(2), block_table=table, block_size=128,
@@ -163,7 +142,7 @@ def test_fia_v2_k192_v128_tnd_documented_paged_or_not():
                                                           actual_seq_kvlen=cum, **kwargs)
     assert out.shape == (10, n, 128)
     close(out, attention_f64(q, k, v, [0] + cum, causal=True), torch.bfloat16)
-    kk, vv, kc, vc, table = paged([7, 20], 2, 192, 128, 128, torch.bfloat16, seed=6)
+    kk, vv, kc, vc, table = paged_kv([7, 20], 2, 192, 128, 128, torch.bfloat16, seed=6)
     qd = q[:2]
     outd, _ = torch_npu.npu_fused_infer_attention_score_v2(
         qd, kc.flatten(2), vc.flatten(2), block_table=table, block_size=128,

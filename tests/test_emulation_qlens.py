@@ -8,6 +8,7 @@ from npu_shim import emulation
 from npu_shim.emulation import dtypes
 from npu_shim.testing import attention_f64, dense_segments
 from npu_shim.testing.errors import Tolerance
+from npu_shim.testing.paged_kv import paged_kv
 
 emulation.install()
 import torch_npu  # noqa: E402
@@ -21,24 +22,8 @@ TOL = {torch.float32: Tolerance("qlens vs float64", 1e-5, "float32"),
 
 def paged(kv_lens, nkv, d, dtype, seed=0):
     """Per-sequence K/V and caches (num_blocks, 128, Nkv, D) through a shuffled int32 block table (the other
-    blocks hold garbage)."""
-    g = torch.Generator().manual_seed(seed)
-    k = [torch.randn(n, nkv, d, generator=g).to(dtype) for n in kv_lens]
-    v = [torch.randn(n, nkv, d, generator=g).to(dtype) for n in kv_lens]
-    need = [-(-n // BLOCK) for n in kv_lens]
-    total = sum(need) + 2
-    order = torch.randperm(total, generator=g).tolist()
-    table = torch.zeros(len(kv_lens), max(need) + 1, dtype=torch.int32)
-    kc = torch.randn(total, BLOCK, nkv, d, generator=g).to(dtype)
-    vc = torch.randn(total, BLOCK, nkv, d, generator=g).to(dtype)
-    for i, n in enumerate(kv_lens):
-        ids, order = order[:need[i]], order[need[i]:]
-        table[i, :need[i]] = torch.tensor(ids, dtype=torch.int32)
-        for j, blk in enumerate(ids):
-            rows = slice(j * BLOCK, min(n, (j + 1) * BLOCK))
-            kc[blk, :rows.stop - rows.start] = k[i][rows]
-            vc[blk, :rows.stop - rows.start] = v[i][rows]
-    return k, v, kc, vc, table
+    blocks hold garbage): the decoder tests' builder at the op's one block size."""
+    return paged_kv(kv_lens, nkv, d, d, BLOCK, dtype, seed)
 
 
 def _call(op, q_lens, kv_lens, dtype, n=4, nkv=2, d=16, flat=True, seed=0):

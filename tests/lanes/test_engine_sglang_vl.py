@@ -7,7 +7,7 @@ NPU, ``ascend_attn``) is started in a child process (tests/lanes/sglang_support/
 the text test starts it (tests/lanes/test_engine_sglang.py: ``NPU_SHIM_EMULATE=1
 NPU_SHIM_EMULATE_DEVICE=1``, the lane's import placeholders, eager, TP 1, float32 under the
 emulation's math-check switch), on a tiny random-weight Qwen2.5-VL saved to a temporary folder with
-its tokenizer and slow image processor (tests/lanes/sglang_support/tiny_vl.py; no downloads): text
+its tokenizer and slow image processor (tests/lanes/engine_support/tiny_vl.py; no downloads): text
 head 64, mrope; vision tower of 2 blocks (one windowed, one full), 2 heads of 64 or of 80
 (Qwen2.5-VL's own). One request: a text prompt with one image (168 x 112 pixels, made by the test,
 24 image tokens after the merge), ``engine.generate(prompt=..., image_data=[file])``: sglang's own
@@ -34,8 +34,8 @@ import os
 import sys
 
 import pytest
-from engine_support import tiny  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
-from sglang_support import newest, tiny_vl  # noqa: E402
+from engine_support import tiny, tiny_vl  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
+from sglang_support import newest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")

@@ -1,15 +1,17 @@
-"""The tiny Qwen2.5-VL the vLLM engine test serves with an image, and its independent reference.
+"""The tiny Qwen2.5-VL the engine tests serve with an image (vLLM's and sglang's), and its
+independent reference.
 
-``save_qwen2_5_vl(folder)``: a random-weight ``Qwen2_5_VLForConditionalGeneration`` (text: 2 layers,
-hidden 256, 4 heads of 64, 2 KV heads; vision: 2 blocks, hidden 160, 2 heads of ``vision_head``,
-patch 14, spatial merge 2, window 112 with block 1 full attention), float32, seeded, saved with
-transformers, with a word-level tokenizer made here (``t0`` .. ``t127`` and Qwen2.5-VL's special
-tokens ``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>`` at the
-config's ids) and the slow (PIL/numpy) Qwen2-VL image processor (no torchvision: it has no CPU build
-for the lane's torch). No download. ``image()``: an RGB picture made here (numpy). ``processed``:
-the processor's inputs for the prompt and image (input ids with the image pads expanded, pixel
-values, ``image_grid_thw``). ``reference_steps``: transformers' greedy decoding in float64 on the
-same weights and inputs, per generated token ``(token, log-probability, margin)``.
+``save(folder, vision_head, text_head)``: a random-weight ``Qwen2_5_VLForConditionalGeneration`` (text:
+2 layers, 4 heads of ``text_head``, 2 KV heads, mrope sections in Qwen2.5-VL's proportions; vision:
+``VISION_DEPTH`` blocks, 2 heads of ``vision_head`` (80 is Qwen2.5-VL's own), patch 14, spatial merge
+2, window 112 with block 1 full attention), float32, seeded, saved with transformers, with a
+word-level tokenizer made here (``t0`` .. ``t127`` and Qwen2.5-VL's special tokens
+``<|vision_start|>``, ``<|vision_end|>``, ``<|image_pad|>``, ``<|video_pad|>`` at the config's ids)
+and the slow (PIL/numpy) Qwen2-VL image processor (no torchvision needed). No download. ``image()``:
+an RGB picture made here (numpy). ``processed``: the processor's inputs for the prompt and image
+(input ids with the image pads expanded, pixel values, ``image_grid_thw``). ``reference_steps``:
+transformers' greedy decoding in float64 on the same weights and inputs, per generated token
+``(token, log-probability, margin)``.
 """
 VOCAB_WORDS = 128
 VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD = 128, 129, 130, 131
@@ -22,27 +24,32 @@ SPECIALS = {"<|vision_start|>": VISION_START, "<|vision_end|>": VISION_END, "<|i
 IMAGE_HW = (112, 168)
 PROMPT = "t5 t17 <|vision_start|><|image_pad|><|vision_end|> t9 t2 t44"
 MAX_NEW = 6
-GAIN = 2.0
+GAIN = 2.0  # matrices of this gain (transformers' 0.02 init makes every logit a near-tie)
+VISION_DEPTH = 2
 
 
-def save_qwen2_5_vl(folder, vision_head=80):
-    """``vision_head``: the tower's head size (hidden 2 x ``vision_head``); 80 is Qwen2.5-VL's own."""
+def save(folder, vision_head=80, text_head=64):
+    """``vision_head``: the tower's head size (hidden 2 x ``vision_head``). ``text_head``: the
+    decoder's head size (hidden 4 x ``text_head``); its mrope sections are Qwen2.5-VL's proportions of
+    ``text_head / 2`` (16/24/24 at 128, 8/12/12 at 64)."""
     import torch
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    text = dict(vocab_size=VOCAB, hidden_size=512, intermediate_size=256, num_hidden_layers=2,
+    hidden = 4 * text_head
+    sections = [text_head // 8, 3 * text_head // 16, 3 * text_head // 16]
+    text = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=256, num_hidden_layers=2,
                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                 rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=END, eos_token_id=END,
-                rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
-    vision = dict(depth=2, hidden_size=2 * vision_head, num_heads=2, intermediate_size=256, out_hidden_size=512,
-                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
-                  fullatt_block_indexes=[1], in_chans=3)
+                rope_scaling={"type": "mrope", "mrope_section": sections})
+    vision = dict(depth=VISION_DEPTH, hidden_size=2 * vision_head, num_heads=2, intermediate_size=256,
+                  out_hidden_size=hidden, patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                  window_size=112, fullatt_block_indexes=[1], in_chans=3)
     config = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE_PAD,
                               video_token_id=VIDEO_PAD, vision_start_token_id=VISION_START,
                               vision_end_token_id=VISION_END, **text)
     torch.manual_seed(0)
     model = Qwen2_5_VLForConditionalGeneration(config).to(torch.float32)
-    with torch.no_grad():  # matrices of unit gain (transformers' 0.02 makes every logit a near-tie)
+    with torch.no_grad():
         for param in model.parameters():
             if param.dim() > 1:
                 param.copy_(torch.randn_like(param) * param[0].numel() ** -0.5 * GAIN)

@@ -2,7 +2,7 @@
 emulated Ascend device, serving a tiny Qwen2.5-VL one image request (tests/lanes/test_engine_sglang_vl.py
 runs it).
 
-argv: a model folder (tests/lanes/sglang_support/tiny_vl.py saved it), an image file, the prompt (text
+argv: a model folder (tests/lanes/engine_support/tiny_vl.py saved it), an image file, the prompt (text
 with one ``<|vision_start|><|image_pad|><|vision_end|>``), the number of tokens to generate. Prints
 ``ENGINE_RESULT <json>`` (the greedy tokens, the server arguments resolved) and, from the scheduler
 process, one ``TOWER_READS <json>`` line per forward of the vision tower: the device->host transfers
