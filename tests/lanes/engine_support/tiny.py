@@ -51,22 +51,8 @@ def save_tokenizer(folder):
 
 
 def reference_tokens(model_dir, prompts=PROMPTS, max_new=MAX_NEW):
-    """transformers, float64, greedy argmax: the independent reference."""
-    import torch
-    from transformers import Qwen2ForCausalLM
-
-    model = Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
-    tokens = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = []
-            for _ in range(max_new):
-                nxt = int(model(ids).logits[0, -1].argmax())
-                out.append(nxt)
-                ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-            tokens.append(out)
-    return tokens
+    """transformers, float64, greedy argmax: the independent reference's tokens per prompt."""
+    return [[token for token, _, _ in steps] for steps in reference_steps(model_dir, prompts, max_new)]
 
 
 def reference_steps(model_dir, prompts=PROMPTS, max_new=MAX_NEW):
