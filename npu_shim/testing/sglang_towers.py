@@ -163,9 +163,9 @@ def config(name, head_dim=None):
     return made
 
 
-def build(name, dtype, *, seed=0, head_dim=None):
-    """sglang's tower ``name`` from its tiny config (:func:`config`), random weights of ``seed``,
-    in ``dtype``."""
+def build(name, dtype, *, seed=0, head_dim=None, vision_config=None):
+    """sglang's tower ``name`` from its tiny config (:func:`config`; ``vision_config``: this one
+    instead, e.g. a saved model's), random weights of ``seed``, in ``dtype``."""
     import torch
 
     spec = TOWERS[name]
@@ -178,7 +178,8 @@ def build(name, dtype, *, seed=0, head_dim=None):
             # use_data_parallel: the tower whole on this rank (sglang's --mm-enable-dp-encoder), so the
             # one-rank groups are enough on every release (0.5.23 reads its TP rank from a runtime
             # context that only a scheduler process writes)
-            tower = getattr(setup()[name], spec.cls)(config(name, head_dim), prefix="visual",
+            made = vision_config if vision_config is not None else config(name, head_dim)
+            tower = getattr(setup()[name], spec.cls)(made, prefix="visual",
                                                      use_data_parallel=True, **spec.kwargs)
     finally:
         torch.set_default_dtype(previous)

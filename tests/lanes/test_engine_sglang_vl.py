@@ -20,8 +20,10 @@ processor, its Qwen2.5-VL tower and mrope, the Ascend backend's prefill and deco
   the device->host transfers the emulated device counts at dispatch during the tower's forward, in the
   scheduler process (module-wide forward hooks that only count). Shim on: 0. Shim off: upstream's 3
   reads of the tower (``sglang.qwen2_5_vl_host_lengths``) + 1 per vision attention metadata object
-  (window and full: 2) + 1 per layer (``sglang.vision_host_lengths``), as tests/lanes/test_sglang_towers.py
-  counts them on the tower alone.
+  (window and full: 2) + 1 per layer (``sglang.vision_host_lengths``) on 0.5.23, measured in the same run
+  on upstream's tower alone (``upstream_tower_reads``: the saved vision config, the image's grid, counted
+  as tests/lanes/test_sglang_towers.py counts), so the device's counter at dispatch and the tower tests'
+  counter agree on the engine's tower.
 * Head 80 (README row "sglang: vision towers with head dims between 64 and 128",
   ``sglang.vision_head_pad``): shim on, the tokens equal the reference; shim off, or on with that patch
   alone switched off, the engine fails at the image request, FIA (TND) refusing head dim 80 as the op's
@@ -45,9 +47,6 @@ pytestmark = pytest.mark.lanes(newest.LANE)
 
 TIMEOUT_S = 400
 DEVICE_MEMORY_MIB = "1024"
-# upstream's reads per tower forward on 0.5.16+ (tests/lanes/test_sglang_towers.py): the tower's own 3,
-# one per vision attention metadata object (window, full), one per layer
-UPSTREAM_READS = 3 + 2 + tiny_vl.VISION_DEPTH
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +63,29 @@ def served(tmp_path_factory):
     return models, image_file
 
 
+@pytest.fixture(scope="module")
+def upstream_tower_reads(served):
+    """Upstream's device->host reads for the request's image, measured on upstream's tower alone:
+    sglang's ``Qwen2_5_VisionTransformer`` built from the head-64 model's saved vision config, the
+    shim uninstalled for its forward, the image's grid, counted as tests/lanes/test_sglang_towers.py
+    counts (npu_shim.testing.sglang_towers.forward: ``count_host_syncs`` over CPU stand-ins; on 0.5.23
+    the tower's own 3, one per vision attention metadata object, one per layer)."""
+    import torch
+    from transformers import AutoConfig
+
+    from npu_shim.testing import sglang_towers
+
+    models, _ = served
+    model_dir = models[64][0]
+    sglang_towers.setup()
+    tower = sglang_towers.build("Qwen2.5-VL", torch.bfloat16,
+                                vision_config=AutoConfig.from_pretrained(model_dir).vision_config)
+    grid = tiny_vl.processed(model_dir)["image_grid_thw"].tolist()
+    _, syncs, _ = sglang_towers.forward("Qwen2.5-VL", tower, sglang_towers.pixel_values(tower, grid), grid,
+                                        upstream=True)
+    return syncs.count
+
+
 def _run_engine(model_dir, image_file, tmp_path, shim_on, **switches):
     env = tiny.child_env(shim_on, pythonpath=[PLACEHOLDERS], NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB,
                          **switches)
@@ -75,7 +97,7 @@ def _run_engine(model_dir, image_file, tmp_path, shim_on, **switches):
     return rc, output, results, reads
 
 
-def _check_served(served_model, rc, output, results, reads, shim_on):
+def _check_served(served_model, rc, output, results, reads, shim_on, upstream_reads=None):
     _, steps, prompt_len = served_model
     assert rc == 0 and results, output[-3000:]
     result = results[-1]
@@ -85,13 +107,17 @@ def _check_served(served_model, rc, output, results, reads, shim_on):
             and ("applied sglang.qwen2_5_vl_host_lengths" in output) == shim_on), output[-3000:]
     assert result["tokens"] == [s[0] for s in steps], ("reference (token, log-probability, margin)", steps)
     assert len(reads) == 1 and reads[0]["module"] == "sglang.srt.models.qwen2_5_vl", reads  # one tower forward
-    assert reads[0]["count"] == (0 if shim_on else UPSTREAM_READS), reads
+    if shim_on:
+        assert reads[0]["count"] == 0, reads
+    else:   # counted at dispatch through the engine: upstream's tower alone, counted as the tower tests count
+        assert upstream_reads and reads[0]["count"] == upstream_reads, (reads, upstream_reads)
 
 
 @pytest.mark.parametrize("shim_on", [True, False], ids=["shim-on", "shim-off"])
-def test_image_request_tokens_and_tower_reads(served, tmp_path, shim_on):
+def test_image_request_tokens_and_tower_reads(served, upstream_tower_reads, tmp_path, shim_on):
     models, image_file = served
-    _check_served(models[64], *_run_engine(models[64][0], image_file, tmp_path, shim_on), shim_on)
+    _check_served(models[64], *_run_engine(models[64][0], image_file, tmp_path, shim_on), shim_on,
+                  upstream_reads=upstream_tower_reads)
 
 
 @pytest.mark.parametrize("shim_on,pad", [(True, True), (False, False), (True, False)],
