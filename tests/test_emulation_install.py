@@ -156,6 +156,12 @@ def test_register_device_module_gives_torch_npu_with_import_placeholders_only():
                 assert "import placeholder" in str(exc) and cls.__name__ in str(exc), exc
             else:
                 raise AssertionError(cls)
+        try:   # imported by name by sglang 0.5.11's npu_communicator; a call refuses, naming it
+            torch_npu.npu_dynamic_quant(torch.ones(2, 4), dst_type=torch.int8)
+        except ImportPlaceholderError as exc:
+            assert "torch_npu.npu_dynamic_quant is an import placeholder" in str(exc), exc
+        else:
+            raise AssertionError("npu_dynamic_quant computed")
         quant = (torch_npu.float4_e2m1fn_x2, torch_npu.hifloat8, torch_npu.float8_e8m0fnu)
         assert all(d not in quant for d in (torch.float16, torch.bfloat16, torch.int8, 0, 1))
         assert "placeholder" in repr(torch_npu.hifloat8)

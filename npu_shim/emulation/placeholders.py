@@ -24,7 +24,7 @@ Each placeholder says in its ``repr`` that it is one. Nothing here exists in a p
 uses the real torch_npu.
 """
 
-__all__ = ["DtypePlaceholder", "ImportPlaceholderError", "placeholder_class"]
+__all__ = ["DtypePlaceholder", "ImportPlaceholderError", "placeholder_class", "placeholder_function"]
 
 
 class ImportPlaceholderError(RuntimeError):
@@ -55,6 +55,23 @@ def placeholder_class(qualified_name):
     })
     cls.__qualname__ = name
     return cls
+
+
+def placeholder_function(qualified_name):
+    """A function named after ``qualified_name`` (``"torch_npu.npu_dynamic_quant"``) that refuses
+    every call, naming it: for an op upstream imports by name at module top but calls only on a path
+    the emulation does not serve (sglang 0.5.11's ``npu_communicator`` imports ``npu_dynamic_quant``
+    for its quantized all-reduce, which a one-rank engine never runs)."""
+    module, _, name = qualified_name.rpartition(".")
+
+    def placeholder(*args, **kwargs):
+        _refuse(qualified_name)
+
+    placeholder.__name__ = placeholder.__qualname__ = name
+    placeholder.__module__ = module
+    placeholder.__doc__ = "Import placeholder for %s (npu-shim emulation): not implemented." % qualified_name
+    placeholder.npu_shim_import_placeholder = True
+    return placeholder
 
 
 class DtypePlaceholder:

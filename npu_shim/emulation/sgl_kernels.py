@@ -26,7 +26,8 @@ Kernels:
 """
 import torch
 
-__all__ = ["EMULATED", "KernelLaunchError", "TritonKernel", "alloc_extend_kernel"]
+__all__ = ["EMULATED", "KernelLaunchError", "SGLANG_KERNELS", "TritonKernel", "alloc_extend_kernel",
+           "compute_position_kernel", "install_sglang_kernels", "write_req_to_token_pool_triton"]
 
 
 class KernelLaunchError(ValueError):
@@ -159,3 +160,120 @@ alloc_extend_kernel = TritonKernel(_ALLOC_EXTEND, _alloc_extend_body, _alloc_ext
 EMULATED = {
     "sgl_kernel_npu.mem_cache.allocator": {"alloc_extend_kernel": alloc_extend_kernel},
 }
+
+
+# --------------------------------------------------------------------------- sglang's own Triton kernels
+# Releases whose ``support_triton(backend)`` is true on an NPU (it reads only the backend's name) launch
+# sglang's own Triton kernels on the engine's text path, which triton-ascend compiles on the device:
+# ``write_req_to_token_pool_triton`` (``mem_cache.common.write_cache_indices``) and
+# ``compute_position_kernel`` (``forward_batch_info.compute_position``). Later releases ask the platform
+# (``supports_triton``, false on NPU) and take sglang's pure-torch branches instead.
+
+_WRITE_REQ = "sglang.srt.mem_cache.common.write_req_to_token_pool_triton"
+
+
+def _host_int64(address, count, kernel, pid):
+    """``count`` int64 at ``address``: a pointer into the emulated device's memory (a device tensor's
+    ``data_ptr()`` is its held host data's address), read as the kernel's ``tl.load`` reads it."""
+    import ctypes
+
+    if count <= 0:
+        return torch.empty(0, dtype=torch.int64)
+    if not address:
+        raise KernelLaunchError("%s: program %d reads %d values at a null pointer" % (kernel, pid, count))
+    return torch.frombuffer((ctypes.c_int64 * count).from_address(address), dtype=torch.int64).clone()
+
+
+def _write_req_prepare(req_to_token_ptr, req_pool_indices, prefix_tensors, pre_lens, seq_lens, extend_lens,
+                       out_cache_loc, req_to_token_ptr_stride):
+    k = _WRITE_REQ
+    _same_device(k, req_to_token=req_to_token_ptr, req_pool_indices=req_pool_indices,
+                 prefix_tensors=prefix_tensors, pre_lens=pre_lens, seq_lens=seq_lens, extend_lens=extend_lens,
+                 out_cache_loc=out_cache_loc)
+    if prefix_tensors.dtype not in (torch.uint64, torch.int64):
+        raise KernelLaunchError("%s: prefix_tensors must hold pointers (uint64), got %s" % (k, prefix_tensors.dtype))
+    if req_to_token_ptr.dim() != 2 or int(req_to_token_ptr_stride) != req_to_token_ptr.stride(0):
+        raise KernelLaunchError("%s: req_to_token_ptr_stride %r is not req_to_token's row stride (shape %s)"
+                                % (k, req_to_token_ptr_stride, tuple(req_to_token_ptr.shape)))
+    return {"table": _data(req_to_token_ptr, k, "req_to_token"),
+            "rows": _data(req_pool_indices, k, "req_pool_indices").tolist(),
+            "prefix": _data(prefix_tensors, k, "prefix_tensors").view(torch.int64).tolist(),
+            "pre": _data(pre_lens, k, "pre_lens").tolist(), "seq": _data(seq_lens, k, "seq_lens").tolist(),
+            "extend": _data(extend_lens, k, "extend_lens").tolist(), "out": _data(out_cache_loc, k, "out_cache_loc")}
+
+
+def _write_req_body(pid, state, req_to_token_ptr, req_pool_indices, prefix_tensors, pre_lens, seq_lens,
+                    extend_lens, out_cache_loc, req_to_token_ptr_stride):
+    """Row ``req_pool_indices[pid]`` of ``req_to_token``: ``[0, pre_len)`` from the prefix tensor the
+    pointer addresses, ``[pre_len, seq_len)`` from ``out_cache_loc`` after the earlier programs'
+    ``extend_lens``."""
+    k = _WRITE_REQ
+    table, stride = state["table"], int(req_to_token_ptr_stride)
+    row, pre_len, seq_len = state["rows"][pid], state["pre"][pid], state["seq"][pid]
+    start = row * stride
+    if not 0 <= pre_len <= seq_len <= stride or start + stride > table.numel():
+        raise KernelLaunchError("%s: program %d writes row %d [0, %d) of a table of %d rows of %d"
+                                % (k, pid, row, seq_len, table.numel() // stride, stride))
+    table[start:start + pre_len] = _host_int64(state["prefix"][pid], pre_len, k, pid).to(table.dtype)
+    cumsum_start = sum(state["extend"][:pid])
+    out = state["out"]
+    if cumsum_start + seq_len - pre_len > out.numel():
+        raise KernelLaunchError("%s: program %d reads out_cache_loc[%d:%d], which has %d elements"
+                                % (k, pid, cumsum_start, cumsum_start + seq_len - pre_len, out.numel()))
+    table[start + pre_len:start + seq_len] = out[cumsum_start:cumsum_start + seq_len - pre_len].to(table.dtype)
+
+
+write_req_to_token_pool_triton = TritonKernel(_WRITE_REQ, _write_req_body, _write_req_prepare)
+
+_POSITION = "sglang.srt.model_executor.forward_batch_info.compute_position_kernel"
+
+
+def _position_prepare(positions, extend_start_loc, extend_prefix_lens, extend_seq_lens, has_prefix):
+    k = _POSITION
+    _same_device(k, positions=positions, extend_start_loc=extend_start_loc, extend_prefix_lens=extend_prefix_lens,
+                 extend_seq_lens=extend_seq_lens)
+    return {"positions": _data(positions, k, "positions"), "start": _data(extend_start_loc, k, "extend_start_loc"),
+            "prefix": _data(extend_prefix_lens, k, "extend_prefix_lens").tolist() if has_prefix else None,
+            "seq": _data(extend_seq_lens, k, "extend_seq_lens").tolist()}
+
+
+def _position_body(pid, state, positions, extend_start_loc, extend_prefix_lens, extend_seq_lens, has_prefix):
+    """``positions[cumsum_start + i] = prefix_len + i`` for ``i < seq_len``; ``extend_start_loc[pid] =
+    cumsum_start``, the sum of the earlier programs' ``extend_seq_lens`` (``prefix_len`` 0 without
+    ``has_prefix``)."""
+    k = _POSITION
+    seq_len = state["seq"][pid]
+    prefix_len = state["prefix"][pid] if state["prefix"] is not None else 0
+    cumsum_start = sum(state["seq"][:pid])
+    out = state["positions"]
+    if cumsum_start + seq_len > out.numel():
+        raise KernelLaunchError("%s: program %d writes positions[%d:%d], which has %d elements"
+                                % (k, pid, cumsum_start, cumsum_start + seq_len, out.numel()))
+    out[cumsum_start:cumsum_start + seq_len] = torch.arange(prefix_len, prefix_len + seq_len, dtype=out.dtype)
+    state["start"][pid] = cumsum_start
+
+
+compute_position_kernel = TritonKernel(_POSITION, _position_body, _position_prepare)
+
+# sglang's own kernels: "module of sglang" -> {name: emulation}; ``install_sglang_kernels`` puts them in
+# place of the Triton functions (an engine test's child, before the engine starts).
+SGLANG_KERNELS = {
+    "sglang.srt.mem_cache.common": {"write_req_to_token_pool_triton": write_req_to_token_pool_triton},
+    "sglang.srt.model_executor.forward_batch_info": {"compute_position_kernel": compute_position_kernel},
+}
+
+
+def install_sglang_kernels():
+    """Put the emulations of :data:`SGLANG_KERNELS` in place of sglang's Triton functions of those names
+    (those the installed sglang defines; a later release without them keeps its code). Returns the
+    names replaced. Tests and development only: on the NPU, triton-ascend compiles the real kernels."""
+    import importlib
+
+    replaced = []
+    for module_name, kernels in SGLANG_KERNELS.items():
+        module = importlib.import_module(module_name)
+        for name, emulation in kernels.items():
+            if hasattr(module, name):
+                setattr(module, name, emulation)
+                replaced.append(module_name + "." + name)
+    return replaced

@@ -37,13 +37,13 @@ import sys
 
 import pytest
 from engine_support import tiny, tiny_vl  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
-from sglang_support import newest  # noqa: E402
+from sglang_support import engine_lanes  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
 CASE = os.path.join(ROOT, "tests", "lanes", "sglang_support", "engine_vl_case.py")
 
-pytestmark = pytest.mark.lanes(newest.LANE)
+pytestmark = pytest.mark.lanes(*engine_lanes.LANES)
 
 TIMEOUT_S = 400
 DEVICE_MEMORY_MIB = "1024"

@@ -18,6 +18,11 @@ import sys
 from npu_shim import emulation
 
 emulation.install()
+from npu_shim.emulation import sgl_kernels  # noqa: E402
+
+# sglang's own Triton kernels, where the release launches them on an NPU (triton-ascend compiles them
+# there): their emulations, before the engine starts (sgl_kernels.install_sglang_kernels)
+sgl_kernels.install_sglang_kernels()
 # The engine serves float32 (dtype="float32" below): the float64 reference then decides every greedy token,
 # which half precision would not on a tiny random model. The attention and KV-cache ops refuse float32 as
 # the hardware does, except inside this math-check switch, held open for the life of the process.

@@ -21,6 +21,11 @@ import torch
 from npu_shim import emulation
 
 emulation.install()
+from npu_shim.emulation import sgl_kernels  # noqa: E402
+
+# sglang's own Triton kernels, where the release launches them on an NPU (triton-ascend compiles them
+# there): their emulations, before the engine starts (sgl_kernels.install_sglang_kernels)
+sgl_kernels.install_sglang_kernels()
 from npu_shim.emulation import device, dtypes  # noqa: E402
 
 # float32 engine: the float64 reference then decides every greedy token (see engine_case.py)

@@ -79,6 +79,11 @@ from npu_shim.emulation.placeholders import DtypePlaceholder as _DtypePlaceholde
 float4_e2m1fn_x2 = _DtypePlaceholder("torch_npu.float4_e2m1fn_x2")
 float8_e8m0fnu = _DtypePlaceholder("torch_npu.float8_e8m0fnu")
 hifloat8 = _DtypePlaceholder("torch_npu.hifloat8")
+# imported by name at the top of sglang 0.5.11's npu_communicator (its quantized all-reduce, never
+# run by a one-rank engine); calling it refuses, naming it
+from npu_shim.emulation.placeholders import placeholder_function as _placeholder_function  # noqa: E402
+
+npu_dynamic_quant = _placeholder_function("torch_npu.npu_dynamic_quant")
 
 # NPU_SHIM_EMULATE_DEVICE=1: ``npu`` becomes a device of this process (npu_shim.emulation.device),
 # as importing the real torch_npu makes it one.
