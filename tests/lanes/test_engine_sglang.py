@@ -19,7 +19,11 @@ chunked prefill (128-token chunks), a prefix-cache hit (a later prompt sharing a
 decode across a page edge (page size 128), its tokens equal the reference too. The blockers met on the
 way, in order, are in docs/validation.md ("sglang's engine on the emulated device").
 
-Runs on the lane that pins the newest sglang (read from the pin files).
+Runs on the lanes that pin the newest and the oldest sglang (sglang_support/engine_lanes.py, read from the
+pin files). On the oldest, ``support_triton`` is true on an NPU and the engine launches sglang's own Triton
+kernels (``write_req_to_token_pool_triton``, ``compute_position_kernel``: emulated,
+npu_shim/emulation/sgl_kernels.py, put in place by the child), and its scheduler logs each prefill's
+page-rounded budget as ``#new-token``.
 """
 import json
 import os
