@@ -191,6 +191,12 @@ MUTANTS = (
            "base", "FAILED tests/test_emulation_sgl_kernels.py",
            ("npu_shim/emulation/sgl_kernels.py", "start_loc = page(new_page_start_loc + self_pages - 1)",
             "start_loc = page(new_page_start_loc + self_pages)")),
+    mutant("sgl-compute-position", "the emulated compute_position_kernel (sglang's own Triton kernel, launched on an NPU "
+                                    "by the oldest sglang lane's engine) numbers a chunk's positions from 0, not after "
+                                    "its prefix",
+           "sglang-0.5.11", "FAILED tests/lanes/test_sglang_own_kernels.py",
+           ("npu_shim/emulation/sgl_kernels.py",
+            "torch.arange(prefix_len, prefix_len + seq_len, dtype=out.dtype)", "torch.arange(0, seq_len, dtype=out.dtype)")),
     mutant("engine-sglang-causal", "the emulated _npu_flash_attention_qlens (sglang's Ascend prefill) drops the causal "
                                    "mask: sglang's engine on the emulated device generates other tokens",
            "latest-sglang", "FAILED tests/lanes/test_engine_sglang.py",
