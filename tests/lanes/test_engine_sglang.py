@@ -102,8 +102,8 @@ def test_chunked_prefill_prefix_hit_and_decode_across_a_page(model_dir, tmp_path
     assert rc == 0 and results, output[-3000:]
     result = json.loads(results[-1][len("ENGINE_RESULT "):])
     assert result["device"] == "npu" and result["chunked_prefill_size"] == 128, result
-    assert result["page_size"] == 128, result  # sglang's NPU default, resolved at start-up
-    assert re.search(r"""['"]?page_size['"]?(: |=)128\b""", output), output[-3000:]  # and logged so
+    # sglang's NPU default, resolved at start-up in the scheduler (the launcher's server_args may keep None)
+    assert re.search(r"""['"]?page_size['"]?(: |=)128\b""", output), output[-3000:]
     chunks = [(128, 0), (12, 0), (125, 0), (128, 0), (72, 0), (22, 128)]
     # the oldest lane's scheduler logs each batch's page-rounded budget as #new-token (its PrefillAdder adds
     # ceil_paged_tokens(extend_input_len) to log_input_tokens): the same six batches, the same cached page
