@@ -53,3 +53,78 @@ def test_compute_slot_mapping_refuses_what_it_does_not_emulate(overrides, word):
     with pytest.raises(triton_kernels.UnsupportedKernelError, match=word):
         _launch(1, 1, 1, qsl, torch.zeros(1, dtype=torch.int64), table, 4, torch.zeros(1, dtype=torch.int32),
                 **overrides)
+
+
+def _fused_launch(kernel, grid, num_tokens, max_num_tokens, qsl, positions, tables, slots, circular, **constexprs):
+    addresses = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
+    kernel[grid](num_tokens, max_num_tokens, qsl, positions, addresses(tables), addresses(slots),
+                 torch.tensor([t.stride(0) for t in tables], dtype=torch.int64),
+                 torch.tensor([size for size, _ in circular], dtype=torch.int32),
+                 torch.tensor([int(c) for _, c in circular], dtype=torch.int32), PAD_ID=PAD, HAS_CIRCULAR=True,
+                 **constexprs)
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "tiled"])
+def test_fused_groups_write_every_group_through_its_addresses(adaptive):
+    """Two KV-cache groups (block sizes 4 and 2, tables of different widths), three requests, and a
+    third, circular group: each group's slots are the one-group reference's on its own table, the
+    circular one's block 0 (PAD where the position is negative); the tail is PAD in every group."""
+    qsl = torch.tensor([0, 6, 7, 10, 10], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 0, 0], dtype=torch.int64)
+    tables = [torch.tensor([[3, 9, 0, 0], [5, 2, 0, 0], [7, 1, 6, 0], [0, 0, 0, 0]], dtype=torch.int32),
+              torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18],
+                            [0] * 6], dtype=torch.int32),
+              torch.tensor([[4, 0], [6, 0], [8, 0], [0, 0]], dtype=torch.int32)]
+    circular = [(4, False), (2, False), (4, True)]
+    slots = [torch.full((12,), 99, dtype=torch.int32) for _ in tables]
+    before = [s.clone() for s in slots]
+    if adaptive:
+        _fused_launch(triton_kernels.compute_slot_mapping_fused_groups_adaptive, (3, 4), 10, 12, qsl, positions,
+                      tables, slots, circular, SMALL_TILE_BLOCK_SIZE=16, SMALL_BLOCK_TABLE_WINDOW_SIZE=8,
+                      LARGE_BLOCK_TABLE_WINDOW_SIZE=512)
+    else:
+        _fused_launch(triton_kernels.compute_slot_mapping_fused_groups, (3, 3 * 2 + 1), 10, 12, qsl, positions,
+                      tables, slots, circular, TILE_BLOCK_SIZE=16, PARALLEL_TILES=2, BLOCK_TABLE_WINDOW_SIZE=8)
+    for g in range(2):
+        assert slots[g].tolist() == _reference(3, 10, 12, qsl, positions, tables[g], circular[g][0], before[g]), g
+    assert slots[1][:6].tolist() == [2, 3, 4, 5, 6, 7]         # block size 2: its own table's blocks
+    ring = [int(tables[2][r, 0]) * 4 + int(p) % 4 for r, (a, b) in enumerate([(0, 6), (6, 7), (7, 10)])
+            for p in positions[a:b]]
+    assert slots[2].tolist() == ring + [PAD, PAD]
+
+
+def test_fused_groups_circular_pads_negative_positions():
+    qsl = torch.tensor([0, 2], dtype=torch.int32)
+    table = torch.tensor([[5, 0]], dtype=torch.int32)
+    slots = torch.zeros(3, dtype=torch.int32)
+    _fused_launch(triton_kernels.compute_slot_mapping_fused_groups_adaptive, (1, 2), 2, 3, qsl,
+                  torch.tensor([-1, 6]), [table], [slots], [(4, True)], SMALL_TILE_BLOCK_SIZE=16,
+                  SMALL_BLOCK_TABLE_WINDOW_SIZE=8, LARGE_BLOCK_TABLE_WINDOW_SIZE=512)
+    assert slots.tolist() == [PAD, 22, PAD]
+
+
+def test_fused_groups_on_the_emulated_device_write_the_device_tensors():
+    """On the emulated device (vllm-ascend's case: the tables, slot mappings and address tensors on
+    ``npu``): the slots land in the device tensors whose ``data_ptr()`` the addresses hold, with no
+    device->host read counted."""
+    from npu_shim import emulation
+    from npu_shim.emulation import device
+
+    emulation.install()
+    device.activate()
+    npu = torch.device("npu")
+    qsl = torch.tensor([0, 3, 4], dtype=torch.int32, device=npu)
+    positions = torch.tensor([0, 1, 2, 5], dtype=torch.int64, device=npu)
+    tables = [torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device=npu),
+              torch.tensor([[4, 0, 0], [6, 7, 8]], dtype=torch.int32, device=npu)]
+    slots = [torch.zeros(6, dtype=torch.int32, device=npu) for _ in tables]
+    addresses = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64, device=npu)  # noqa: E731
+    with device.count_transfers() as counter:
+        triton_kernels.compute_slot_mapping_fused_groups_adaptive[(2, 3)](
+            4, 6, qsl, positions, addresses(tables), addresses(slots),
+            torch.tensor([2, 3], dtype=torch.int64, device=npu), torch.tensor([4, 2], dtype=torch.int32, device=npu),
+            torch.zeros(2, dtype=torch.int32, device=npu), HAS_CIRCULAR=True, PAD_ID=PAD, SMALL_TILE_BLOCK_SIZE=16,
+            SMALL_BLOCK_TABLE_WINDOW_SIZE=8, LARGE_BLOCK_TABLE_WINDOW_SIZE=512)
+        assert counter.count == 0
+    assert slots[0].cpu().tolist() == [8, 9, 10, 13, PAD, PAD]          # block 4: table[1][1] = 3
+    assert slots[1].cpu().tolist() == [8, 9, 0, 17, PAD, PAD]           # block 2: table[0][1] = 0, table[1][2] = 8

@@ -8,7 +8,9 @@ number of tokens to generate. In-process engine core
 (``VLLM_PLUGINS`` unset: vllm-ascend's ``ascend`` platform and its general plugins, and the shim's,
 which ``NPU_SHIM=0`` turns off). Prints ``ENGINE_STAGE <name>`` as it passes each stage and, when it
 generates, one line ``ENGINE_RESULT <json>``: per call, the greedy tokens and the prefix-cache hit
-(``num_cached_tokens``) and the log-probability of each generated token per prompt; the platform vLLM resolved; the scheduler's and cache's settings.
+(``num_cached_tokens``) and the log-probability of each generated token per prompt; the platform vLLM resolved; the scheduler's and cache's settings;
+the attention layers and MoE blocks the engine built (:func:`describe_layers`); the shim's applied patches;
+the calls of each emulated op during start-up and generation (:func:`count_emulated_ops`).
 """
 import json
 import os
@@ -70,19 +72,26 @@ def run(model_dir, prompts_file, max_new_tokens):
     from vllm.platforms import current_platform
 
     stage("platform " + type(current_platform).__name__ + " device_type=" + str(current_platform.device_type))
-    # vllm-ascend's Triton kernel for the KV slots of the scheduled tokens (triton-ascend on the NPU box,
-    # no Triton here): the emulated launch (npu_shim.emulation.triton_kernels), in the name the block
-    # table launches.
+    # vllm-ascend's Triton kernels for the KV slots of the scheduled tokens (triton-ascend on the NPU box,
+    # no Triton here): the emulated launches (npu_shim.emulation.triton_kernels), in the names that
+    # launch them: one KV-cache group's kernel in the block table's module, and the fused kernels for
+    # several groups (full and sliding-window layers) in their own module's.
+    from vllm_ascend.ops.triton import compute_slot_mapping
     from vllm_ascend.worker import block_table
 
     from npu_shim.emulation import triton_kernels
 
     block_table._compute_slot_mapping_kernel = triton_kernels.compute_slot_mapping
+    compute_slot_mapping._compute_slot_mapping_fused_groups_kernel = triton_kernels.compute_slot_mapping_fused_groups
+    compute_slot_mapping._compute_slot_mapping_fused_groups_adaptive_kernel = (
+        triton_kernels.compute_slot_mapping_fused_groups_adaptive)
+    ops = count_emulated_ops()
     llm = vllm.LLM(model=model_dir, enforce_eager=True, tensor_parallel_size=1, dtype="float32",
                    max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.5, seed=0, max_num_seqs=4,
                    block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                    enable_chunked_prefill=True, enable_prefix_caching=True)
     stage("engine")
+    layers = llm.apply_model(describe_layers)[0]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, logprobs=1)
     tokens, cached, logprobs = [], [], []
     for prompts in calls:  # one llm.generate per call, in order, on the same engine (its prefix cache)
@@ -98,8 +107,54 @@ def run(model_dir, prompts_file, max_new_tokens):
               "device_type": current_platform.device_type,
               "chunked_prefill": scheduler.enable_chunked_prefill,
               "max_num_batched_tokens": scheduler.max_num_batched_tokens,
-              "prefix_caching": cache.enable_prefix_caching, "block_size": cache.block_size}
+              "prefix_caching": cache.enable_prefix_caching, "block_size": cache.block_size,
+              "layers": layers, "shim": shim_patches(), "ops": dict(sorted(ops.items()))}
     print("ENGINE_RESULT " + json.dumps(result), flush=True)
+
+def count_emulated_ops():
+    """A dict counting the calls of each emulated torch_npu / ``_C_ascend`` op from here on (the
+    emulation's hook around every op body, chained to the one installed before)."""
+    import collections
+    import contextlib
+
+    from npu_shim.emulation import _registry
+
+    counts = collections.Counter()
+    previous = None
+
+    def hook(name, args, kwargs):
+        counts[name] += 1
+        return previous(name, args, kwargs) if previous is not None else contextlib.nullcontext()
+
+    previous = _registry.set_body_hook(hook)
+    return counts
+
+
+def describe_layers(model):
+    """What the engine built, per attention layer (vLLM's ``Attention``: its backend's impl class, head
+    sizes, sliding window, sinks) and per MoE block (the experts' class, their count and top-k)."""
+    from vllm.model_executor.layers.attention import Attention
+
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, Attention):
+            impl = module.impl
+            out[name] = {"impl": type(impl).__name__, "head_size": module.head_size,
+                         "head_size_v": getattr(module, "head_size_v", module.head_size),
+                         "sliding_window": getattr(impl, "sliding_window", None),
+                         "sinks": getattr(impl, "sinks", None) is not None}
+        elif name.endswith(".experts"):
+            out[name] = {"experts": type(module).__name__}
+    return out
+
+
+def shim_patches():
+    """The shim's applied patches in this process and their counters (empty with ``NPU_SHIM=0``)."""
+    import npu_shim
+
+    return {name: {key: row.get(key) for key in ("family", "calls", "upstream_calls")}
+            for name, row in npu_shim.stats().items() if row.get("state") == "applied"}
+
 
 if __name__ == "__main__":
     main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
