@@ -3,10 +3,10 @@ defects"; issue 38, item 4): ``sglang.Engine(device="npu", attention_backend="as
 KV pages smaller than 128, on the emulated device, as tests/lanes/test_engine_sglang.py starts it
 (tests/lanes/sglang_support/engine_case.py: tiny random-weight Qwen2, float32, eager, TP 1).
 
-The case, per page size: prompts of 3, 9 and 41 tokens in one batch, then a prompt of 45 tokens whose
-first 41 are the third prompt's (a prefix-cache hit of whole pages: the extend's queries attend to
-cached pages and to their own), then one of 200 tokens prefilled in 128-token chunks (the second chunk
-after a 128-token prefix). Greedy tokens must equal transformers' float64 greedy argmax on the same
+The case, per page size: prompts of 3, 9 and 41 tokens in one batch, then one of 200 tokens prefilled
+in 128-token chunks (the second chunk after a 128-token prefix), then a prompt of 154 tokens whose first
+150 are the 200-token prompt's (a prefix-cache hit of whole pages: 144 tokens at page 16, 128 at page
+64; the extend's queries attend to cached pages and to their own). Greedy tokens must equal transformers' float64 greedy argmax on the same
 weights.
 
 * Shim on: every prefill takes sglang's own FIA prefill branch (``sglang.small_page_fia``), and the
@@ -37,9 +37,9 @@ pytestmark = pytest.mark.lanes(newest.LANE)
 TIMEOUT_S = 300
 DEVICE_MEMORY_MIB = "1024"
 _rng = random.Random(11)
-SHARED = tiny.PROMPTS[2] + [_rng.randint(2, 127) for _ in range(4)]      # the 41-token prompt's pages cached
 CHUNKED = [_rng.randint(2, 127) for _ in range(200)]                      # 128 + 72, the second after 128
-ROUNDS = [list(tiny.PROMPTS), [SHARED], [CHUNKED]]
+SHARED = CHUNKED[:150] + [_rng.randint(2, 127) for _ in range(4)]         # CHUNKED's whole pages cached
+ROUNDS = [list(tiny.PROMPTS), [CHUNKED], [SHARED]]
 QLENS_REFUSAL = "_npu_flash_attention_qlens: blockSize=128 is required"
 # Head dim 128 (hidden 256, 2 query heads, 1 K/V head): sglang's FIA prefill takes layout TND, paged, for
 # head dims 128/192/256 (``AscendAttnBackend._can_use_tnd``), the path the patch's tests measured; other head
@@ -82,8 +82,8 @@ def test_small_pages_served_with_the_shim(model_dir, reference, tmp_path, page_s
     assert (result["device"], result["attention_backend"], result["page_size"]) == ("npu", "ascend", page_size), \
         result
     assert "applied sglang.small_page_fia" in output, output[-3000:]
-    # the shared prompt found the 41-token prompt's whole pages in the cache
-    assert 41 // page_size * page_size in _cached_tokens(output), _cached_tokens(output)
+    # the shared prompt found the 200-token prompt's whole pages among its first 150 tokens in the cache
+    assert _cached_tokens(output)[-1] == 150 // page_size * page_size, _cached_tokens(output)
     assert result["tokens"] == reference
 
 
