@@ -102,29 +102,3 @@ def test_fused_groups_circular_pads_negative_positions():
                   SMALL_BLOCK_TABLE_WINDOW_SIZE=8, LARGE_BLOCK_TABLE_WINDOW_SIZE=512)
     assert slots.tolist() == [PAD, 22, PAD]
 
-
-def test_fused_groups_on_the_emulated_device_write_the_device_tensors():
-    """On the emulated device (vllm-ascend's case: the tables, slot mappings and address tensors on
-    ``npu``): the slots land in the device tensors whose ``data_ptr()`` the addresses hold, with no
-    device->host read counted."""
-    from npu_shim import emulation
-    from npu_shim.emulation import device
-
-    emulation.install()
-    device.activate()
-    npu = torch.device("npu")
-    qsl = torch.tensor([0, 3, 4], dtype=torch.int32, device=npu)
-    positions = torch.tensor([0, 1, 2, 5], dtype=torch.int64, device=npu)
-    tables = [torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device=npu),
-              torch.tensor([[4, 0, 0], [6, 7, 8]], dtype=torch.int32, device=npu)]
-    slots = [torch.zeros(6, dtype=torch.int32, device=npu) for _ in tables]
-    addresses = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64, device=npu)  # noqa: E731
-    with device.count_transfers() as counter:
-        triton_kernels.compute_slot_mapping_fused_groups_adaptive[(2, 3)](
-            4, 6, qsl, positions, addresses(tables), addresses(slots),
-            torch.tensor([2, 3], dtype=torch.int64, device=npu), torch.tensor([4, 2], dtype=torch.int32, device=npu),
-            torch.zeros(2, dtype=torch.int32, device=npu), HAS_CIRCULAR=True, PAD_ID=PAD, SMALL_TILE_BLOCK_SIZE=16,
-            SMALL_BLOCK_TABLE_WINDOW_SIZE=8, LARGE_BLOCK_TABLE_WINDOW_SIZE=512)
-        assert counter.count == 0
-    assert slots[0].cpu().tolist() == [8, 9, 10, 13, PAD, PAD]          # block 4: table[1][1] = 3
-    assert slots[1].cpu().tolist() == [8, 9, 0, 17, PAD, PAD]           # block 2: table[0][1] = 0, table[1][2] = 8
