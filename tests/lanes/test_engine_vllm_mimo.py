@@ -5,7 +5,7 @@ MiMo-V2-Flash-shaped model (issue 38, items 2 and 4; README row "MiMo-V2-Flash (
 As tests/lanes/test_engine_vllm.py: ``vllm.LLM(...)`` in a child process
 (tests/lanes/engine_support/vllm_case.py), ``NPU_SHIM_EMULATE=1 NPU_SHIM_EMULATE_DEVICE=1`` (a 1 GiB
 device), the in-process engine core, every vLLM plugin on, eager, TP 1, float32, blocks of 128,
-chunked prefill at 48 tokens a step, prefix caching; the model is a tiny random-weight
+chunked prefill at 48 tokens a step, prefix caching, 512 positions; the model is a tiny random-weight
 MiMo-V2-Flash saved with transformers' own ``MiMoV2FlashForCausalLM``
 (tests/lanes/engine_support/tiny_mimo.py): K 192 / V 128, full-attention layers (0, 3) and
 sliding-window layers (1, 2; window 64, learnable sinks, twice the KV heads), a dense MLP in layer 0
@@ -16,9 +16,10 @@ Shim on: the engine builds every layer on vllm-ascend's own ``AscendAttentionBac
 separate K 192 / V 128 caches, the sliding layers with their window and sinks, the MoE blocks on
 vllm-ascend's ``AscendMoERunner``; the attention runs through ``npu_fused_infer_attention_score_v2``
 (TND; band for the sliding layers) and the experts through the emulated MoE ops (gating top-k,
-init-routing v2, grouped matmul, token unpermute); the greedy tokens of three calls (as
-test_engine_vllm.py's ``CALLS``) equal transformers' float64 greedy argmax on the same weights, and
-the log-probabilities are within ``LOGPROB_TOL``.
+init-routing v2, grouped matmul, token unpermute); the greedy tokens of five calls (``CALLS``: those
+of test_engine_vllm.py, then a 300-token prompt and one sharing its first 270 tokens, a prefix-cache
+hit of 256) equal transformers' float64 greedy argmax on the same weights, and the log-probabilities
+are within ``LOGPROB_TOL``.
 
 Where the README says upstream fails, the engine fails there, with upstream's own error:
 * shim off: the first forward (the profile run) raises in the model's q/k/v split: vllm-ascend's
@@ -28,9 +29,10 @@ Where the README says upstream fails, the engine fails there, with upstream's ow
 * shim on with the runner's K/V byte split left to upstream (``NPU_SHIM_DISABLE=
   vllm.ascend_kv_split_exact``): KV-cache set-up asserts on the page size.
 
-Not shown: a prefix-cache hit (vLLM's hybrid KV-cache manager gives the full-attention group blocks of
-256 tokens beside the sliding group's 128, the page sizes made equal, and 256 is the model length
-here; ``num_cached_tokens`` is 0 in every call).
+Prefix caching with the two KV-cache groups: vLLM's hybrid KV-cache manager gives the full-attention
+group blocks of 256 tokens beside the sliding group's 128 (the page sizes made equal; kernel blocks of
+128 in both), so hits come in steps of 256: call 3's 150 shared tokens hit nothing, call 5's 270 hit
+256 (both groups; the sliding layers then read their window, keys 192..255, from the cache).
 """
 import json
 import os
@@ -61,7 +63,7 @@ TIMEOUT_S = 300
 PLATFORM = "ENGINE_STAGE platform NPUPlatform device_type=npu"
 DEVICE_MEMORY_MIB = "1024"
 BLOCK = 128
-# max |engine log-probability - float64| of the 36 generated tokens, float32 weights and KV cache:
+# max |engine log-probability - float64| of the 48 generated tokens, float32 weights and KV cache:
 # measured 8.2e-6 on vllm-0.30 (the router's gate is float32 on both sides, as the model defines it);
 # the smallest float64 greedy margin of these prompts is 3.3e-3
 LOGPROB_TOL = Tolerance("vLLM engine, MiMo-V2-Flash shape: log-probabilities vs float64", 5e-5, "float32")
@@ -70,9 +72,15 @@ _LONG = [(7 * i + 3) % tiny.VOCAB for i in range(200)]
 # beside a 125-token one (its decode crosses the sliding group's block boundary at 128); a prompt
 # sharing 150 tokens with the long one. Window 64: every prompt past 64 tokens has keys outside the
 # sliding layers' window.
+_LONGER = [(5 * i + 2) % tiny.VOCAB for i in range(300)]
+# then a 300-token prompt, and one sharing its first 270 tokens (a hit of one 256-token block)
 CALLS = [tiny.PROMPTS,
          [_LONG, [(11 * i + 5) % tiny.VOCAB for i in range(125)]],
-         [_LONG[:150] + [(13 * i + 1) % tiny.VOCAB for i in range(20)]]]
+         [_LONG[:150] + [(13 * i + 1) % tiny.VOCAB for i in range(20)]],
+         [_LONGER],
+         [_LONGER[:270] + [(3 * i + 7) % tiny.VOCAB for i in range(10)]]]
+CACHED = [[0, 0, 0], [0, 0], [0], [0], [256]]  # num_cached_tokens per call and prompt (see the docstring)
+MAX_MODEL_LEN = "512"
 FULL, SLIDING = (0, 3), (1, 2)
 MOE = (1, 2, 3)
 SHIM_PATCHES = ("vllm.mimo_v2_v_head_dim", "vllm.ascend_qkv_v_head_size", "vllm.ascend_kv_split_exact",
@@ -104,7 +112,8 @@ def _run_engine(model_dir, tmp_path, shim_on, **extra):
     prompts = tmp_path / "prompts.json"
     prompts.write_text(json.dumps(CALLS))
     env = tiny.child_env(shim_on, drop=("NPU_SHIM", "VLLM_"), VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
-                          NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB, **extra)
+                          NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB, ENGINE_CASE_MAX_MODEL_LEN=MAX_MODEL_LEN,
+                          **extra)
     return tiny.run_child([sys.executable, CASE, model_dir, str(prompts), str(tiny.MAX_NEW)], env,
                           str(tmp_path), TIMEOUT_S, "vllm.LLM (MiMo-V2-Flash shape)")
 
@@ -135,7 +144,9 @@ def test_engine_serves_mimo_shape_shim_on(model_dir, reference, tmp_path):
     assert rc == 0 and results, output[-3000:]
     result = json.loads(results[-1][len("ENGINE_RESULT "):])
     assert (result["platform"], result["device_type"]) == ("NPUPlatform", "npu"), result
-    assert (result["chunked_prefill"], result["max_num_batched_tokens"], result["block_size"]) == (True, 48, BLOCK)
+    assert (result["chunked_prefill"], result["max_num_batched_tokens"], result["prefix_caching"],
+            result["block_size"]) == (True, 48, True, BLOCK), result
+    assert result["cached"] == CACHED, result["cached"]
     # what the engine built: vllm-ascend's backend for every layer, K 192 / V 128, the sliding layers
     # with their window and sinks, the full ones without; vllm-ascend's MoE runner in the MoE layers
     layers = result["layers"]

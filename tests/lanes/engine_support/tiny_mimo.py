@@ -34,7 +34,7 @@ def config_fields(**overrides):
         num_hidden_layers=len(LAYER_TYPES), num_attention_heads=4, num_key_value_heads=2, head_dim=192,
         v_head_dim=128, sliding_window=WINDOW, layer_types=LAYER_TYPES, mlp_layer_types=MLP_TYPES,
         n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, n_group=1, topk_group=1, norm_topk_prob=True,
-        max_position_embeddings=256, tie_word_embeddings=False, initializer_range=0.1, attention_value_scale=0.707,
+        max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.1, attention_value_scale=0.707,
         rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.334},
                          "sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
                                                "partial_rotary_factor": 0.334}},

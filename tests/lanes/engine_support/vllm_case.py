@@ -23,7 +23,8 @@ emulation.install()
 
 # 256: the tiny model's positions; 48 tokens a step: a longer prompt is prefilled in chunks, one of
 # which spans a block boundary; blocks of 128 tokens (a prefix-cache hit is a whole block).
-MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, BLOCK_SIZE = 256, 48, 128
+# ENGINE_CASE_MAX_MODEL_LEN (set by a test) raises the model length for a model with more positions.
+MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, BLOCK_SIZE = int(os.environ.get("ENGINE_CASE_MAX_MODEL_LEN", 256)), 48, 128
 
 
 def stage(name):
