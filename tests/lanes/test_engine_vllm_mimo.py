@@ -32,7 +32,8 @@ Where the README says upstream fails, the engine fails there, with upstream's ow
 Prefix caching with the two KV-cache groups: vLLM's hybrid KV-cache manager gives the full-attention
 group blocks of 256 tokens beside the sliding group's 128 (the page sizes made equal; kernel blocks of
 128 in both), so hits come in steps of 256: call 3's 150 shared tokens hit nothing, call 5's 270 hit
-256 (both groups; the sliding layers then read their window, keys 192..255, from the cache).
+256 (both groups; the sliding layers then read the part of their window before position 256 from
+the cache).
 """
 import json
 import os
