@@ -204,6 +204,10 @@ MUTANTS = (
            ("npu_shim/emulation/fused_infer_attention.py",
             '        seg_kv = _tnd_segments(kv_arg, key.shape[0], "actual_seq_lengths_kv")\n',
             "        seg_kv = [(0, key.shape[0])]\n")),
+    mutant("engine-small-page", "sglang.small_page_fia leaves pages of 16 and 64 on upstream's qlens prefill (its "
+                                "threshold at 16, not 128): sglang's engine with small KV pages does not serve",
+           "latest-sglang", "FAILED tests/lanes/test_engine_sglang_small_page.py",
+           ("npu_shim/patches/sglang/small_page_fia.py", "SMALLEST_SAFE_PAGE = 128", "SMALLEST_SAFE_PAGE = 16")),
 )
 
 
