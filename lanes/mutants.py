@@ -218,6 +218,10 @@ MUTANTS = (
             "and not (learnable_sink.dtype == torch.float32\n"
             "                                                       and dtypes.float32_allowed()):",
             "and not (learnable_sink.dtype == torch.float32):")),
+    mutant("engine-small-page", "sglang.small_page_fia leaves pages of 16 and 64 on upstream's qlens prefill (its "
+                                "threshold at 16, not 128): sglang's engine with small KV pages does not serve",
+           "latest-sglang", "FAILED tests/lanes/test_engine_sglang_small_page.py",
+           ("npu_shim/patches/sglang/small_page_fia.py", "SMALLEST_SAFE_PAGE = 128", "SMALLEST_SAFE_PAGE = 16")),
 )
 
 
