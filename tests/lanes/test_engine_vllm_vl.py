@@ -44,6 +44,8 @@ from npu_shim.testing.errors import Tolerance
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASE = os.path.join(ROOT, "tests", "lanes", "engine_support", "vllm_vl_case.py")
 
+# The newest of the engine's lanes (transformers 5): tiny_vl's slow image processor and the reference's
+# mm_token_type_ids are transformers 5's (docs/validation.md, the image case on the older lane).
 pytestmark = pytest.mark.lanes(LANES[-1])
 
 TIMEOUT_S = 300
