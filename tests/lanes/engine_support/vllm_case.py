@@ -125,7 +125,8 @@ def run(model_dir, prompts_file, max_new_tokens):
     stage("platform " + type(current_platform).__name__ + " device_type=" + str(current_platform.device_type))
     # vllm-ascend's Triton kernel for the KV slots of the scheduled tokens (triton-ascend on the NPU box,
     # no Triton here): the emulated launch (npu_shim.emulation.triton_kernels), in the name the block
-    # table launches.
+    # table launches. vllm-ascend 0.18's block table computes the slots in numpy, upstream's own code,
+    # and never reads this name.
     from vllm_ascend.worker import block_table
 
     from npu_shim.emulation import triton_kernels
