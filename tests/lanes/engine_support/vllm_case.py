@@ -50,6 +50,7 @@ def main(model_dir, prompts_file, max_new_tokens, runner=None):
 
     sys.modules["vllm_ascend.vllm_ascend_C"] = types.ModuleType(
         "vllm_ascend.vllm_ascend_C", "npu-shim test stand-in: vllm-ascend's compiled extension (empty)")
+    _declare_meta_registered_ops()
     from npu_shim.testing.mimo import import_placeholders
     from npu_shim.testing.towers import placeholder_torchvision
 
@@ -61,8 +62,60 @@ def main(model_dir, prompts_file, max_new_tokens, runner=None):
     # float32_not_on_hardware() (its rule for math checks).
     from npu_shim.emulation.dtypes import float32_not_on_hardware
 
-    with import_placeholders(("fla_npu", "acl")), placeholder_torchvision(), float32_not_on_hardware():
+    # torchair: torch_npu's graph-mode compiler (shipped with torch_npu, not on a package index);
+    # vllm-ascend 0.18's worker patches import patch_npugraph_ex_triton, which imports torchair's
+    # npu_fx_compiler and core._concrete_graph at module top, sets a class on them and reloads
+    # torchair.fx_summary (graph mode only; the eager engine never calls them): placeholders as well,
+    # fx_summary imported first so that upstream's reload finds it.
+    import importlib
+
+    # torch.compile: vLLM 0.18's sampler counts logprob ranks in a function compiled with the platform's
+    # simple_compile_backend, "eager" on vllm-ascend (the same ops, run as written). Dynamo cannot trace
+    # the emulated device's tensor subclass (its allocation registers a weakref.finalize, and the frame's
+    # guard on that registry fails: "Guard failed on the same frame it was created"): dynamo is off in
+    # the child, so such a frame runs as written, the ops the eager backend would run, on the device.
+    import torch._dynamo
+
+    torch._dynamo.config.disable = True
+    with import_placeholders(("fla_npu", "acl", "torchair")), placeholder_torchvision(), float32_not_on_hardware():
+        importlib.import_module("torchair.fx_summary")
         (runner or run)(model_dir, prompts_file, max_new_tokens)
+
+
+# vllm-ascend's compiled ops that its ``vllm_ascend.meta_registration`` (imported by
+# ``enable_custom_op()`` after the extension, in vllm-ascend 0.18; absent in 0.30) gives Meta kernels:
+# ``torch.library.Library("_C_ascend", "IMPL").impl`` needs the op defined, which the compiled extension
+# does. Their schemas (vllm-ascend's csrc/torch_binding.cpp, the meta functions' signatures), each with a
+# kernel that refuses, naming the op: vocab-parallel masking (vllm-ascend's embedding computes it in
+# Python) and the LoRA kernels, none of which this engine calls. An op the emulation registers is left
+# to it.
+_META_REGISTERED_OPS = {
+    "get_masked_input_and_mask": "get_masked_input_and_mask(Tensor input, int org_vocab_start_index, "
+                                 "int org_vocab_end_index, int num_org_vocab_padding, int added_vocab_start_index, "
+                                 "int added_vocab_end_index) -> (Tensor, Tensor)",
+    "bgmv_expand": "bgmv_expand(Tensor x, Tensor weight, Tensor indices, Tensor y, int slice_offset, "
+                   "int slice_size) -> Tensor",
+    "sgmv_expand": "sgmv_expand(Tensor x, Tensor weight, Tensor lora_indices, Tensor seq_len, Tensor y, "
+                   "int slice_offset, int slice_size) -> Tensor",
+}
+_declared = []
+
+
+def _declare_meta_registered_ops():
+    import torch
+
+    lib = torch.library.Library("_C_ascend", "FRAGMENT")
+    for name, schema in _META_REGISTERED_OPS.items():
+        if hasattr(torch.ops._C_ascend, name):
+            continue
+
+        def refuse(*args, _name=name, **kwargs):
+            raise NotImplementedError("torch.ops._C_ascend.%s: vllm-ascend's compiled op, not emulated "
+                                      "(npu-shim's engine test declares its schema only)" % _name)
+
+        lib.define(schema)
+        lib.impl(name, refuse, "CompositeExplicitAutograd")
+    _declared.append(lib)  # kept for the process: the ops stay defined
 
 
 def run(model_dir, prompts_file, max_new_tokens):
@@ -76,16 +129,23 @@ def run(model_dir, prompts_file, max_new_tokens):
     # vllm-ascend's Triton kernels for the KV slots of the scheduled tokens (triton-ascend on the NPU box,
     # no Triton here): the emulated launches (npu_shim.emulation.triton_kernels), in the names that
     # launch them: one KV-cache group's kernel in the block table's module, and the fused kernels for
-    # several groups (full and sliding-window layers) in their own module's.
-    from vllm_ascend.ops.triton import compute_slot_mapping
+    # several groups (full and sliding-window layers) in their own module's, where the release has it.
+    # vllm-ascend 0.18's block table computes the slots in numpy, upstream's own code, and never reads
+    # these names.
+    import importlib.util
+
+    compute_slot_mapping = None
+    if importlib.util.find_spec("vllm_ascend.ops.triton.compute_slot_mapping") is not None:
+        from vllm_ascend.ops.triton import compute_slot_mapping
     from vllm_ascend.worker import block_table
 
     from npu_shim.emulation import triton_kernels
 
     block_table._compute_slot_mapping_kernel = triton_kernels.compute_slot_mapping
-    compute_slot_mapping._compute_slot_mapping_fused_groups_kernel = triton_kernels.compute_slot_mapping_fused_groups
-    compute_slot_mapping._compute_slot_mapping_fused_groups_adaptive_kernel = (
-        triton_kernels.compute_slot_mapping_fused_groups_adaptive)
+    if compute_slot_mapping is not None:
+        compute_slot_mapping._compute_slot_mapping_fused_groups_kernel = triton_kernels.compute_slot_mapping_fused_groups
+        compute_slot_mapping._compute_slot_mapping_fused_groups_adaptive_kernel = (
+            triton_kernels.compute_slot_mapping_fused_groups_adaptive)
     ops = count_emulated_ops()
     llm = vllm.LLM(model=model_dir, enforce_eager=True, tensor_parallel_size=1, dtype="float32",
                    max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.5, seed=0, max_num_seqs=4,
