@@ -210,6 +210,24 @@ MUTANTS = (
            ("npu_shim/emulation/fused_infer_attention.py",
             '        seg_kv = _tnd_segments(kv_arg, key.shape[0], "actual_seq_lengths_kv")\n',
             "        seg_kv = [(0, key.shape[0])]\n")),
+    mutant("engine-mimo-slot-groups", "the emulated fused slot-mapping kernels read every KV-cache group's slots "
+                                      "from the first group's block table (MiMo-V2-Flash's full and sliding-window "
+                                      "groups): vLLM's engine answers the MiMo shape with other tokens",
+           "vllm-0.30", "FAILED tests/lanes/test_engine_vllm_mimo.py",
+           ("npu_shim/emulation/triton_kernels.py",
+            "            table = _int32_at(table_address, num_reqs * stride).view(num_reqs, stride)\n",
+            "            table = _int32_at(addresses[0][0], num_reqs * stride).view(num_reqs, stride)\n")),
+    mutant("fia-v2-float32-sink", "the emulated FIA v2 takes float32 learnable sinks outside the math-check switch "
+                                  "(the op page lists bfloat16 only)",
+           "base", "FAILED tests/test_emulation_decoder.py",
+           ("npu_shim/emulation/decoder_attention.py",
+            "and not (learnable_sink.dtype == torch.float32\n"
+            "                                                       and dtypes.float32_allowed()):",
+            "and not (learnable_sink.dtype == torch.float32):")),
+    mutant("engine-small-page", "sglang.small_page_fia leaves pages of 16 and 64 on upstream's qlens prefill (its "
+                                "threshold at 16, not 128): sglang's engine with small KV pages does not serve",
+           "latest-sglang", "FAILED tests/lanes/test_engine_sglang_small_page.py",
+           ("npu_shim/patches/sglang/small_page_fia.py", "SMALLEST_SAFE_PAGE = 128", "SMALLEST_SAFE_PAGE = 16")),
 )
 
 

@@ -16,6 +16,8 @@ MASK2048 = torch.ones(2048, 2048, dtype=torch.bool).triu(1)
 # max |out - float64| (|ref| <= ~3), measured worst on the base lane: bfloat16 7.5e-3, float16 4.1e-4
 TOL = {torch.bfloat16: Tolerance("decoder ops vs float64", 3e-2, "bfloat16"),
        torch.float16: Tolerance("decoder ops vs float64", 4e-3, "float16")}
+# float32 inside float32_not_on_hardware() (|ref| <= ~3): measured 4.8e-7 (K 192 / V 128, sinks, window)
+FLOAT32_TOL = Tolerance("decoder ops vs float64, float32 math check", 1e-5, "float32")
 
 
 def close(got, want, dtype):
@@ -128,6 +130,30 @@ def test_fia_v2_tnd_sinks_prefill_then_paged_decode(sliding):
     wantd = attention_f64(qd, torch.cat(kk), torch.cat(vv), dense_segments([1, 1]),
                           dense_segments(kv_lens), causal=True, allowed=allowed, sinks=sinks)
     close(outd, wantd, dtype)
+
+
+def test_fia_v2_float32_sinks_only_in_the_math_check_switch():
+    """The page lists bfloat16 sinks only: float32 sinks are refused, except inside
+    ``float32_not_on_hardware()`` (the engine tests' float32 model), where they count as bf16 ones
+    would: equal to the float64 reference with the sinks, a window of 3 and K 192 / V 128."""
+    from npu_shim.emulation.dtypes import float32_not_on_hardware
+
+    n, g = 4, torch.Generator().manual_seed(8)
+    q = torch.randn(7, n, 192, generator=g)
+    k = torch.randn(7, 2, 192, generator=g)
+    v = torch.randn(7, 2, 128, generator=g)
+    sinks = torch.randn(n, generator=g) * 2
+    kwargs = dict(num_query_heads=n, num_key_value_heads=2, input_layout="TND", sparse_mode=4, pre_tokens=3,
+                  next_tokens=0, atten_mask=MASK2048, softmax_scale=192 ** -0.5, actual_seq_qlen=[7],
+                  actual_seq_kvlen=[7], learnable_sink=sinks)
+    with pytest.raises(ValueError, match="learnable_sink must be bfloat16"):
+        torch_npu.npu_fused_infer_attention_score_v2(q.bfloat16(), k.bfloat16(), v.bfloat16(), **kwargs)
+    with float32_not_on_hardware():
+        out, _ = torch_npu.npu_fused_infer_attention_score_v2(q, k, v, **kwargs)
+    # pre_tokens 3: keys i - 3 .. i (the band as the emulation reads it, :func:`window`)
+    want = attention_f64(q, k, v, [0, 7], causal=True, allowed=window(3), sinks=sinks)
+    assert (out.double() - want).abs().max() < FLOAT32_TOL
+    assert (want - attention_f64(q, k, v, [0, 7], causal=True, allowed=window(3))).abs().max() > 0.05
 
 
 def test_fia_v2_k192_v128_tnd_documented_paged_or_not():

@@ -431,6 +431,34 @@ def test_ops_registered_for_the_device_run_their_kernel_on_device_tensors():
         torch.ops.npu_shim_device_test.host_only(x)
 
 
+@child_only
+def test_fused_slot_mapping_kernels_write_the_device_tensors_their_addresses_name():
+    """vllm-ascend's fused slot-mapping kernels (emulated launches, npu_shim.emulation.triton_kernels)
+    on the device, as vllm-ascend calls them: the groups' tables and slot mappings handed as the
+    ``data_ptr()`` addresses of device tensors; the slots land in those device tensors, with no
+    device->host read counted (the kernel reads device memory)."""
+    from npu_shim.emulation import triton_kernels
+
+    npu, pad = torch.device("npu"), -1
+    qsl = torch.tensor([0, 3, 4], dtype=torch.int32, device=npu)
+    positions = torch.tensor([0, 1, 2, 5], dtype=torch.int64, device=npu)
+    tables = [torch.tensor([[2, 0], [1, 3]], dtype=torch.int32, device=npu),
+              torch.tensor([[4, 0, 0], [6, 7, 8]], dtype=torch.int32, device=npu)]
+    slots = [torch.zeros(6, dtype=torch.int32, device=npu) for _ in tables]
+    addresses = [torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64, device=npu) for ts in (tables, slots)]
+    strides = torch.tensor([2, 3], dtype=torch.int64, device=npu)
+    sizes = torch.tensor([4, 2], dtype=torch.int32, device=npu)
+    circular = torch.zeros(2, dtype=torch.int32, device=npu)
+    with D.count_transfers() as counter:
+        triton_kernels.compute_slot_mapping_fused_groups_adaptive[(2, 3)](
+            4, 6, qsl, positions, *addresses, strides, sizes, circular, HAS_CIRCULAR=True, PAD_ID=pad,
+            SMALL_TILE_BLOCK_SIZE=16, SMALL_BLOCK_TABLE_WINDOW_SIZE=8, LARGE_BLOCK_TABLE_WINDOW_SIZE=512)
+    assert counter.count == 0
+    assert all(isinstance(s, D.NpuTensor) for s in slots)
+    assert slots[0].cpu().tolist() == [8, 9, 10, 13, pad, pad]      # block size 4: table[1][1] = 3
+    assert slots[1].cpu().tolist() == [8, 9, 0, 17, pad, pad]       # block size 2: table[0][1] = 0, table[1][2] = 8
+
+
 # The cases run in the child only: in the lane's process they are not collected (not skipped).
 CASES = sum(1 for name in list(globals()) if name.startswith("test_") and name != "test_in_own_process")
 if not CHILD:

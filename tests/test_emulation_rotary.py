@@ -21,6 +21,9 @@ def torch_npu():
 
 def _pairs(rot, mode):
     half = rot // 2
+    if mode == "quarter":       # neox pairs within each half: (i, i + R/4) and (R/2 + i, R/2 + i + R/4)
+        quarter = rot // 4
+        return [(i, i + quarter) for i in range(quarter)] + [(half + i, half + i + quarter) for i in range(quarter)]
     return [(i, i + half) if mode == "half" else (2 * i, 2 * i + 1) for i in range(half)]
 
 
@@ -111,7 +114,50 @@ def test_rotary_embedding_in_place(torch_npu, neox, mode):
                     torch.testing.assert_close(out[i, h * d:(h + 1) * d].double(), ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["half", "quarter", "interleave"])
+def test_apply_rotary_pos_emb_in_place(torch_npu, mode):
+    """vllm-ascend's 310P M-RoPE: query and key (BSND) rotated in place and returned, cos/sin
+    (1, S, 1, D) taken per element (the frequency of each pair from the element's own cos/sin)."""
+    torch.manual_seed(4)
+    s, nq, nk, d = 5, 3, 1, 16
+    pairs = _pairs(d, mode)
+    angles = torch.rand(s, d // 2).double() * 6
+    cos, sin = torch.zeros(s, d, dtype=torch.float64), torch.zeros(s, d, dtype=torch.float64)
+    for f, (a, b) in enumerate(pairs):      # each pair's two elements carry its angle
+        cos[:, a] = cos[:, b] = angles[:, f].cos()
+        sin[:, a] = sin[:, b] = angles[:, f].sin()
+    q, k = torch.randn(1, s, nq, d), torch.randn(1, s, nk, d)
+    for op in (torch_npu.npu_apply_rotary_pos_emb, torch.ops.npu.npu_apply_rotary_pos_emb):
+        qi, ki = q.clone(), k.clone()
+        qo, ko = op(qi, ki, cos.float()[None, :, None], sin.float()[None, :, None], rotary_mode=mode)
+        assert qo.data_ptr() == qi.data_ptr() and ko.data_ptr() == ki.data_ptr()   # in place, returned
+        for x, out, n in ((q, qi, nq), (k, ki, nk)):
+            for t in range(s):
+                for h in range(n):
+                    ref = x[0, t, h].double().clone()
+                    for f, (a, b) in enumerate(pairs):
+                        c, sn = math.cos(angles[t, f]), math.sin(angles[t, f])
+                        ref[a] = x[0, t, h, a] * c - x[0, t, h, b] * sn
+                        ref[b] = x[0, t, h, b] * c + x[0, t, h, a] * sn
+                    torch.testing.assert_close(out[0, t, h].double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_apply_rotary_pos_emb_takes_no_bfloat16_on_310p(torch_npu, monkeypatch):
+    """aclnnApplyRotaryPosEmb: BFLOAT16 only on Atlas A2/A3, not on Atlas inference products (310P)."""
+    monkeypatch.setenv("NPU_SHIM_EMULATE_SOC", "Ascend310P3")
+    x = torch.randn(1, 2, 1, 8, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="bfloat16.*310P"):
+        torch_npu.npu_apply_rotary_pos_emb(x, x.clone(), x.clone(), x.clone())
+
+
 @pytest.mark.parametrize("call, error, message", [
+    (lambda t: t.npu_apply_rotary_pos_emb(*[torch.randn(1, 2, 1, 8) for _ in range(4)], layout="TND"),
+     ValueError, "layout"),
+    (lambda t: t.npu_apply_rotary_pos_emb(*[torch.randn(1, 2, 1, 8) for _ in range(4)], rotary_mode="neox"),
+     ValueError, "rotary_mode"),
+    (lambda t: t.npu_apply_rotary_pos_emb(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8),
+                                          torch.randn(1, 3, 1, 8), torch.randn(1, 3, 1, 8)),
+     ValueError, "broadcast"),
     (lambda t: t.npu_rotary_mul(torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4), torch.randn(1, 2, 1, 4),
                                 rotary_mode="interleaved"), ValueError, "rotary_mode"),
     (lambda t: t.npu_mrope(torch.arange(2), torch.randn(2, 8), torch.randn(2, 8), torch.randn(4, 8), 8,

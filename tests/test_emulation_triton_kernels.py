@@ -53,3 +53,52 @@ def test_compute_slot_mapping_refuses_what_it_does_not_emulate(overrides, word):
     with pytest.raises(triton_kernels.UnsupportedKernelError, match=word):
         _launch(1, 1, 1, qsl, torch.zeros(1, dtype=torch.int64), table, 4, torch.zeros(1, dtype=torch.int32),
                 **overrides)
+
+
+def _fused_launch(kernel, grid, num_tokens, max_num_tokens, qsl, positions, tables, slots, circular, **constexprs):
+    addresses = lambda ts: torch.tensor([t.data_ptr() for t in ts], dtype=torch.uint64)  # noqa: E731
+    kernel[grid](num_tokens, max_num_tokens, qsl, positions, addresses(tables), addresses(slots),
+                 torch.tensor([t.stride(0) for t in tables], dtype=torch.int64),
+                 torch.tensor([size for size, _ in circular], dtype=torch.int32),
+                 torch.tensor([int(c) for _, c in circular], dtype=torch.int32), PAD_ID=PAD, HAS_CIRCULAR=True,
+                 **constexprs)
+
+
+@pytest.mark.parametrize("adaptive", [True, False], ids=["adaptive", "tiled"])
+def test_fused_groups_write_every_group_through_its_addresses(adaptive):
+    """Two KV-cache groups (block sizes 4 and 2, tables of different widths), three requests, and a
+    third, circular group: each group's slots are the one-group reference's on its own table, the
+    circular one's block 0 (PAD where the position is negative); the tail is PAD in every group."""
+    qsl = torch.tensor([0, 6, 7, 10, 10], dtype=torch.int32)
+    positions = torch.tensor([0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 0, 0], dtype=torch.int64)
+    tables = [torch.tensor([[3, 9, 0, 0], [5, 2, 0, 0], [7, 1, 6, 0], [0, 0, 0, 0]], dtype=torch.int32),
+              torch.tensor([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12], [13, 14, 15, 16, 17, 18],
+                            [0] * 6], dtype=torch.int32),
+              torch.tensor([[4, 0], [6, 0], [8, 0], [0, 0]], dtype=torch.int32)]
+    circular = [(4, False), (2, False), (4, True)]
+    slots = [torch.full((12,), 99, dtype=torch.int32) for _ in tables]
+    before = [s.clone() for s in slots]
+    if adaptive:
+        _fused_launch(triton_kernels.compute_slot_mapping_fused_groups_adaptive, (3, 4), 10, 12, qsl, positions,
+                      tables, slots, circular, SMALL_TILE_BLOCK_SIZE=16, SMALL_BLOCK_TABLE_WINDOW_SIZE=8,
+                      LARGE_BLOCK_TABLE_WINDOW_SIZE=512)
+    else:
+        _fused_launch(triton_kernels.compute_slot_mapping_fused_groups, (3, 3 * 2 + 1), 10, 12, qsl, positions,
+                      tables, slots, circular, TILE_BLOCK_SIZE=16, PARALLEL_TILES=2, BLOCK_TABLE_WINDOW_SIZE=8)
+    for g in range(2):
+        assert slots[g].tolist() == _reference(3, 10, 12, qsl, positions, tables[g], circular[g][0], before[g]), g
+    assert slots[1][:6].tolist() == [2, 3, 4, 5, 6, 7]         # block size 2: its own table's blocks
+    ring = [int(tables[2][r, 0]) * 4 + int(p) % 4 for r, (a, b) in enumerate([(0, 6), (6, 7), (7, 10)])
+            for p in positions[a:b]]
+    assert slots[2].tolist() == ring + [PAD, PAD]
+
+
+def test_fused_groups_circular_pads_negative_positions():
+    qsl = torch.tensor([0, 2], dtype=torch.int32)
+    table = torch.tensor([[5, 0]], dtype=torch.int32)
+    slots = torch.zeros(3, dtype=torch.int32)
+    _fused_launch(triton_kernels.compute_slot_mapping_fused_groups_adaptive, (1, 2), 2, 3, qsl,
+                  torch.tensor([-1, 6]), [table], [slots], [(4, True)], SMALL_TILE_BLOCK_SIZE=16,
+                  SMALL_BLOCK_TABLE_WINDOW_SIZE=8, LARGE_BLOCK_TABLE_WINDOW_SIZE=512)
+    assert slots.tolist() == [PAD, 22, PAD]
+

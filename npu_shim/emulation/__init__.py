@@ -18,7 +18,7 @@ What the emulated package provides (details in each op module's docstring):
 and the decoder ops (``decoder_attention``): ``_npu_paged_attention``,
 ``npu_fused_infer_attention_score_v2``, ``npu_scatter_pa_kv_cache``; the layer ops vllm-ascend's
 registered layers call (docs/emulation-ops.md): ``npu_rms_norm``, ``npu_add_rms_norm`` (``norms``),
-``npu_swiglu`` (``activation``), ``npu_rotary_mul``, ``npu_mrope``, ``_npu_rotary_embedding`` (``rotary``),
+``npu_swiglu`` (``activation``), ``npu_rotary_mul``, ``npu_mrope``, ``_npu_rotary_embedding``, ``npu_apply_rotary_pos_emb`` (``rotary``),
 ``npu_moe_gating_top_k``, ``npu_moe_init_routing_v2``, ``npu_grouped_matmul``,
 ``npu_moe_token_unpermute`` (``moe``), all as ``torch_npu.X`` and ``torch.ops.npu.X``; vllm-ascend's
 own ``torch.ops._C_ascend.npu_add_rms_norm_bias`` and ``torch.ops._C_ascend.moe_gating_top_k``; ``torch_npu.npu`` with ``is_available() == False``,

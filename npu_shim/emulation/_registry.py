@@ -171,6 +171,11 @@ SCHEMAS = {
         "_npu_rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!) key, int head_size, "
         "Tensor cos_sin_cache, bool is_neox_style) -> ()",
     ),
+    "npu_apply_rotary_pos_emb": (
+        rotary.npu_apply_rotary_pos_emb,
+        "npu_apply_rotary_pos_emb(Tensor(a!) query, Tensor(b!) key, Tensor cos, Tensor sin, str layout=\"BSH\", "
+        "str rotary_mode=\"half\") -> (Tensor(a!), Tensor(b!))",
+    ),
     "npu_moe_gating_top_k": (
         moe.npu_moe_gating_top_k,
         "npu_moe_gating_top_k(Tensor x, int k, *, Tensor? bias=None, int k_group=1, int group_count=1, "

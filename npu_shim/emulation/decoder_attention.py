@@ -330,7 +330,10 @@ def npu_fused_infer_attention_score_v2(
         if dv > SINK_MAX_V_DIM:
             raise C.not_implemented(FIA_V2, "learnable_sink", "with V_D=%d (\"仅支持value的d小于等于"
                                     "128\")" % dv)
-        if learnable_sink.dtype != SINK_DTYPE:
+        # float32 sinks only inside dtypes.float32_not_on_hardware() (math checks against float64, as
+        # for the op's other float32 inputs there)
+        if learnable_sink.dtype != SINK_DTYPE and not (learnable_sink.dtype == torch.float32
+                                                       and dtypes.float32_allowed()):
             raise ValueError("%s: learnable_sink must be bfloat16 (the op page, op-plugin 5e735e5: "
                              "\"数据类型支持`bfloat16`\"), got %s" % (FIA_V2, learnable_sink.dtype))
         sink = learnable_sink

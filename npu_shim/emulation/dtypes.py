@@ -110,6 +110,9 @@ SUPPORTED = {
     # query, key, cos_sin_cache. Unverified (no page read): the norms' list; vllm-ascend's 310P
     # rotary calls it too.
     "_npu_rotary_embedding": {"A2": (F32, F16, BF16), "310P": (F32, F16)},
+    # query, key, cos, sin. CANN aclnnApplyRotaryPosEmb: "数据类型支持BFLOAT16(仅Atlas A2 ...)、FLOAT16、
+    # FLOAT32"; 产品支持情况 lists Atlas 推理系列产品 ("不支持BFLOAT16").
+    "npu_apply_rotary_pos_emb": {"A2": (F32, F16, BF16), "310P": (F32, F16)},
     # x. torch_npu.npu_moe_gating_top_k (7.0.0): "x … 数据类型支持float16、bfloat16、float32";
     # CANN aclnnMoeGatingTopK 产品支持情况: "Atlas 推理系列产品 ×".
     "npu_moe_gating_top_k": {"A2": (F32, F16, BF16), "310P": ()},

@@ -33,6 +33,16 @@ Documented behaviour implemented:
   pairs when ``is_neox_style`` else adjacent pairs; ``cos_sin_cache.shape[-1]`` is the rotary
   dim (the caller passes the rotary slice with ``head_size = rotary_dim`` for partial rotary).
 
+* ``npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSH", rotary_mode="half") -> (query, key)``
+  (op-plugin ``ApplyRotaryPosEmbNpuOpApi.cpp``; CANN aclnnApplyRotaryPosEmb / aclnnApplyRotaryPosEmbV2,
+  "计算结果执行原地更新"): query and key 4-D in ``layout`` (``"BSH"``/``"BSND"``, ``"SBND"``,
+  ``"BNSD"``; TND is not emulated), rotated **in place** and returned: ``q_embed = q * cos +
+  rotate(q) * sin`` (key alike), ``cos`` and ``sin`` broadcast to them (one head axis of 1);
+  ``"half"``: ``rotate(x) = cat(-x2, x1)`` of the two halves; ``"quarter"``: the same within each
+  half (``cat(-x2, x1, -x4, x3)`` of the four quarters); ``"interleave"``: adjacent pairs. dtypes:
+  float16, float32, and bfloat16 on A2 only ("Atlas 推理系列产品: 不支持BFLOAT16"). vllm-ascend's 310P
+  M-RoPE (``AscendMRotaryEmbedding310``) calls it with rotary dims 64 or 128.
+
 Computed in float32 (float64 in a test) and rounded to the input dtype once.
 """
 import torch
@@ -42,7 +52,10 @@ from npu_shim.emulation import dtypes
 ROTARY_MUL = "npu_rotary_mul"
 MROPE = "npu_mrope"
 ROTARY_EMBEDDING = "_npu_rotary_embedding"
+APPLY_ROTARY = "npu_apply_rotary_pos_emb"
 MODES = ("half", "interleave")
+APPLY_MODES = ("half", "quarter", "interleave")
+APPLY_LAYOUTS = ("BSH", "BSND", "SBND", "BNSD")
 
 
 def _dt(x):
@@ -50,6 +63,9 @@ def _dt(x):
 
 
 def _rotate(x, mode):
+    if mode == "quarter":
+        first, second = x.chunk(2, dim=-1)
+        return torch.cat((_rotate(first, "half"), _rotate(second, "half")), dim=-1)
     if mode == "half":
         first, second = x.chunk(2, dim=-1)
         return torch.cat((-second, first), dim=-1)
@@ -157,3 +173,32 @@ def _npu_rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_ne
     cos, sin = _mrope_cos_sin(positions, cos_sin_cache.to(_dt(query)), None)
     query.copy_(_apply(query, head_size, cos, sin, mode))
     key.copy_(_apply(key, head_size, cos, sin, mode))
+
+
+def npu_apply_rotary_pos_emb(query, key, cos, sin, layout="BSH", rotary_mode="half"):
+    dtypes.check(APPLY_ROTARY, query=query, key=key, cos=cos, sin=sin)
+    if rotary_mode not in APPLY_MODES:
+        raise ValueError("%s: rotary_mode %r is not one of %s" % (APPLY_ROTARY, rotary_mode, APPLY_MODES))
+    if layout not in APPLY_LAYOUTS:
+        raise ValueError("%s: layout %r is not one of %s (TND is not emulated)" % (APPLY_ROTARY, layout, APPLY_LAYOUTS))
+    for name, x in (("query", query), ("key", key), ("cos", cos), ("sin", sin)):
+        if x.dim() != 4:
+            raise ValueError("%s: %s must be 4-D (%s), got %s" % (APPLY_ROTARY, name, layout, tuple(x.shape)))
+    d = query.shape[-1]
+    if key.shape[-1] != d or cos.shape != sin.shape or cos.shape[-1] != d or d % (4 if rotary_mode == "quarter" else 2):
+        raise ValueError("%s: the last dims of query %s, key %s, cos %s and sin %s must agree (and divide by the "
+                         "mode's parts)" % (APPLY_ROTARY, tuple(query.shape), tuple(key.shape), tuple(cos.shape),
+                                            tuple(sin.shape)))
+    for name, x in (("query", query), ("key", key)):
+        try:
+            if torch.broadcast_shapes(x.shape, cos.shape) != x.shape:
+                raise RuntimeError
+        except RuntimeError:
+            raise ValueError("%s: cos/sin %s do not broadcast to %s %s"
+                             % (APPLY_ROTARY, tuple(cos.shape), name, tuple(x.shape))) from None
+    dt = _dt(query)
+    c, s = cos.to(dt), sin.to(dt)
+    for x in (query, key):
+        y = x.to(dt)
+        x.copy_(y * c + _rotate(y, rotary_mode) * s)
+    return query, key

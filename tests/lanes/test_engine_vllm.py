@@ -15,8 +15,8 @@ each generated token within ``LOGPROB_TOL`` of float64. The child's stand-ins ar
 there and in docs/validation.md ("vLLM's engine with vllm-ascend on the emulated device"), with the
 blockers passed on the way.
 
-Runs on the lane that pins the newest vllm-ascend with the vLLM of its own minor release (read from
-the pin files).
+Runs on one lane per transformers major release: the one that pins the newest vllm-ascend with the
+vLLM of its own minor release among those on that major (read from the pin files; ``LANES``).
 """
 import json
 import os
@@ -39,9 +39,18 @@ def _same_minor(pins):
 
 _LANES = {lane: pins for lane, pins in lane_table(ROOT).items()
           if "vllm-ascend" in pins and lane not in variant_lanes(ROOT) and _same_minor(pins)}
-LANE = max(_LANES, key=lambda lane: (Version(_LANES[lane]["vllm-ascend"]), lane))
+# One lane per transformers major release: the one pinning the newest vllm-ascend (with the vLLM of its
+# own minor) among the same-minor lanes on that major. Each lane runs its own engine (vllm-ascend's
+# attention backend, model runner and ops differ between them).
+_NEWEST = {}
+for _lane, _pins in _LANES.items():
+    _major = Version(_pins["transformers"]).major
+    _best = _NEWEST.get(_major)
+    if _best is None or (Version(_pins["vllm-ascend"]), _lane) > (Version(_LANES[_best]["vllm-ascend"]), _best):
+        _NEWEST[_major] = _lane
+LANES = tuple(_NEWEST[major] for major in sorted(_NEWEST))
 
-pytestmark = pytest.mark.lanes(LANE)
+pytestmark = pytest.mark.lanes(*LANES)
 
 TIMEOUT_S = 300
 PLATFORM = "ENGINE_STAGE platform NPUPlatform device_type=npu"

@@ -43,6 +43,7 @@ npu_swiglu = _registry.PUBLIC["npu_swiglu"]
 npu_rotary_mul = _registry.PUBLIC["npu_rotary_mul"]
 npu_mrope = _registry.PUBLIC["npu_mrope"]
 _npu_rotary_embedding = _registry.PUBLIC["_npu_rotary_embedding"]
+npu_apply_rotary_pos_emb = _registry.PUBLIC["npu_apply_rotary_pos_emb"]  # vllm-ascend's 310P M-RoPE
 npu_moe_gating_top_k = _registry.PUBLIC["npu_moe_gating_top_k"]
 npu_moe_init_routing_v2 = _registry.PUBLIC["npu_moe_init_routing_v2"]
 npu_grouped_matmul = _registry.PUBLIC["npu_grouped_matmul"]
@@ -106,6 +107,7 @@ __all__ = [
     "npu_rotary_mul",
     "npu_mrope",
     "_npu_rotary_embedding",
+    "npu_apply_rotary_pos_emb",
     "npu_moe_gating_top_k",
     "npu_moe_init_routing_v2",
     "npu_grouped_matmul",
