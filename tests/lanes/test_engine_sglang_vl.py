@@ -74,26 +74,20 @@ def served(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def upstream_tower_reads(served):
+def upstream_tower_reads(served, tmp_path_factory):
     """Upstream's device->host reads for the request's image, measured on upstream's tower alone:
     sglang's ``Qwen2_5_VisionTransformer`` built from the head-64 model's saved vision config, the
     shim uninstalled for its forward, the image's grid, counted as tests/lanes/test_sglang_towers.py
     counts (npu_shim.testing.sglang_towers.forward: ``count_host_syncs`` over CPU stand-ins; on 0.5.23
-    the tower's own 3, one per vision attention metadata object, one per layer)."""
-    import torch
-    from transformers import AutoConfig
-
-    from npu_shim.testing import sglang_towers
-
+    the tower's own 3, one per vision attention metadata object, one per layer), in a child process
+    (tests/lanes/sglang_support/tower_reads_case.py says why)."""
     models, _ = served
-    model_dir = models[64][0]
-    sglang_towers.setup()
-    tower = sglang_towers.build("Qwen2.5-VL", torch.bfloat16,
-                                vision_config=AutoConfig.from_pretrained(model_dir).vision_config)
-    grid = tiny_vl.processed(model_dir)["image_grid_thw"].tolist()
-    _, syncs, _ = sglang_towers.forward("Qwen2.5-VL", tower, sglang_towers.pixel_values(tower, grid), grid,
-                                        upstream=True)
-    return syncs.count
+    case = os.path.join(ROOT, "tests", "lanes", "sglang_support", "tower_reads_case.py")
+    rc, output = tiny.run_child([sys.executable, case, models[64][0]], dict(os.environ),
+                                str(tmp_path_factory.getbasetemp()), TIMEOUT_S, "upstream's tower alone")
+    counts = [int(line.split()[1]) for line in output.splitlines() if line.startswith("UPSTREAM_TOWER_READS ")]
+    assert rc == 0 and len(counts) == 1, output[-3000:]
+    return counts[0]
 
 
 def _claimed_here(patch):
