@@ -55,13 +55,16 @@ def reference_tokens(model_dir, prompts=PROMPTS, max_new=MAX_NEW):
     return [[token for token, _, _ in steps] for steps in reference_steps(model_dir, prompts, max_new)]
 
 
-def reference_steps(model_dir, prompts=PROMPTS, max_new=MAX_NEW):
+def reference_steps(model_dir, prompts=PROMPTS, max_new=MAX_NEW, model_class=None):
     """transformers, float64, greedy: per prompt, per generated token, ``(token, log-probability,
-    margin)``, the margin being the greedy logit minus the runner-up's (how far from a tie)."""
+    margin)``, the margin being the greedy logit minus the runner-up's (how far from a tie).
+    ``model_class``: transformers' class for the saved model (default ``Qwen2ForCausalLM``)."""
     import torch
-    from transformers import Qwen2ForCausalLM
 
-    model = Qwen2ForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
+    if model_class is None:
+        from transformers import Qwen2ForCausalLM as model_class
+
+    model = model_class.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
     steps = []
     with torch.no_grad():
         for prompt in prompts:
