@@ -201,6 +201,12 @@ MUTANTS = (
                                    "mask: sglang's engine on the emulated device generates other tokens",
            "latest-sglang", "FAILED tests/lanes/test_engine_sglang.py",
            ("npu_shim/emulation/prefix_attention.py", "masks=(Band(None, 0, skv - sq),))", "masks=())")),
+    mutant("engine-sglang-mimo-decode-scale", "the emulated FIA v2 (the TND decode sglang.npu_decode_v_head_dim sends a "
+                                              "K 192 / V 128 layer to) scales the logits 1.3x: sglang's engine serving "
+                                              "the tiny MiMo-V2-Flash shape answers other tokens",
+           "latest-sglang", "FAILED tests/lanes/test_engine_sglang_mimo.py",
+           ("npu_shim/emulation/decoder_attention.py", "out[q0:q1], scale=float(softmax_scale),",
+            "out[q0:q1], scale=float(softmax_scale) * 1.3,")),
     mutant("engine-sglang-vl-windows", "the emulated FIA (layout TND, sglang's vision attention on NPU) attends over "
                                        "all tokens, not within each window or image its cumulative lengths bound: "
                                        "sglang's engine answers an image request with other tokens",

@@ -66,7 +66,8 @@ def save_mimo_v2_flash(folder, **overrides):
         elif name.endswith("mlp.gate.e_score_correction_bias"):
             weights[name] = 0.1 * torch.randn(weights[name].shape, generator=generator)
             drawn += 1
-    expected = LAYER_TYPES.count("sliding_attention") + MLP_TYPES.count("sparse")
+    fields = config_fields(**overrides)
+    expected = fields["layer_types"].count("sliding_attention") + fields["mlp_layer_types"].count("sparse")
     if drawn != expected:
         raise RuntimeError("the saved MiMo-V2-Flash has %d sink/bias tensors, expected %d (names changed?)"
                            % (drawn, expected))

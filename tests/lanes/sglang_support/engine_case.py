@@ -7,7 +7,8 @@ ids), the number of tokens to generate. The prompts are a list (one batch), or `
 can hit the prefix cache an earlier one filled), ``server`` more ``sglang.Engine`` arguments (e.g.
 ``chunked_prefill_size``, ``context_length``). Prints one line ``ENGINE_RESULT <json>``: the greedy
 tokens per prompt, in order over the rounds, and the server arguments the engine resolved (device,
-attention backend, page size). The emulation is installed here, at
+attention backend, page size). With ``ENGINE_CASE_OPS_DIR`` set, each process writes the calls of
+each emulated op it made there (:func:`record_ops`). The emulation is installed here, at
 module top, so sglang's spawned scheduler and detokenizer (multiprocessing spawn runs this module
 again as ``__mp_main__``) get it too, with the shim on or off (``NPU_SHIM``) alike.
 """
@@ -30,6 +31,51 @@ from npu_shim.emulation import dtypes  # noqa: E402
 
 _FLOAT32 = dtypes.float32_not_on_hardware()  # kept: a collected context manager would close itself
 _FLOAT32.__enter__()
+
+
+def record_ops(folder):
+    """Count the calls of each emulated torch_npu op in this process (the emulation's hook around every
+    op body, chained to the one installed before) and write them, with the shim's applied patches and
+    their counters, to ``folder/ops-<pid>.json`` at each call: sglang's scheduler is ended by a signal,
+    so nothing could be written at its exit. ``{"ops": {name: calls}, "shim": {patch: {"family",
+    "calls", "upstream_calls"}}}``, the patch counters as they stood at the process's last op call."""
+    import collections
+    import contextlib
+
+    from npu_shim.emulation import _registry
+
+    counts = collections.Counter()
+    path = os.path.join(folder, "ops-%d.json" % os.getpid())
+    previous = None
+
+    def hook(name, args, kwargs):
+        counts[name] += 1
+        import npu_shim
+
+        shim = {patch: {key: row.get(key) for key in ("family", "calls", "upstream_calls")}
+                for patch, row in npu_shim.stats().items() if row.get("state") == "applied"}
+        with open(path + ".tmp", "w") as f:
+            json.dump({"ops": dict(counts), "shim": shim}, f)
+        os.replace(path + ".tmp", path)
+        return previous(name, args, kwargs) if previous is not None else contextlib.nullcontext()
+
+    # The emulated device sets its own hook when sglang imports torch_npu, replacing the one in place
+    # (importing torch_npu here first would change sglang's import-time choices): a hook set after this
+    # one is chained inside it.
+    set_hook = _registry.set_body_hook
+
+    def set_inside(inner):
+        nonlocal previous
+        replaced, previous = previous, inner
+        return replaced
+
+    previous = set_hook(hook)
+    _registry.set_body_hook = set_inside
+
+
+# ENGINE_CASE_OPS_DIR (set by a test): every process of the engine records its emulated op calls there
+if os.environ.get("ENGINE_CASE_OPS_DIR"):
+    record_ops(os.environ["ENGINE_CASE_OPS_DIR"])
 
 
 def main(model_dir, prompts_file, max_new_tokens):

@@ -1,0 +1,121 @@
+"""sglang's real engine serves a tiny MiMo-V2-Flash shape (K head dim 192, V head dim 128) on the emulated
+Ascend device (issue 38, items 3 and 4; README row "sglang: models whose V head dim differs from K's").
+
+``sglang.Engine(device="npu", attention_backend="ascend")`` in a child process, as
+tests/lanes/test_engine_sglang.py starts it (tests/lanes/sglang_support/engine_case.py: eager, TP 1,
+float32 inside the emulation's math-check switch, token ids in), on transformers' own
+``MiMoV2FlashForCausalLM`` saved by tests/lanes/engine_support/tiny_mimo.py with its overrides for this
+stage: **two full-attention layers, dense MLPs** (4 query heads, 2 KV heads, K 192 / V 128, partial
+rotary 0.334, value scale 0.707). sglang builds the model with its own ``mimo_v2`` module.
+
+Server arguments the tiny checkpoint needs (not the shim's business, said where they are used):
+
+* ``disable_hybrid_swa_memory``: sglang gives every MiMo architecture the hybrid SWA pool, which
+  asserts at least one sliding-window layer; with none, the plain NPU MHA pool (the one
+  ``sglang.npu_mha_v_head_dim`` builds). ``swa_num_key_value_heads`` is set to the full layers' 2: the
+  patch refuses a plain pool for a config whose SWA geometry differs, SWA layers or not.
+* ``json_model_override_args`` ``rope_parameters`` flat: transformers 5.x's ``MiMoV2FlashConfig`` keeps
+  them per layer type (``{"full_attention": {...}, "sliding_attention": {...}}``), which sglang's
+  ``mimo_v2`` passes to ``get_rope`` as its ``rope_scaling``: ``TypeError: unhashable type: 'dict'``
+  while building the first layer (met first; a checkpoint served with its own remote config code does
+  not carry the nested form). sglang then takes ``rope_theta`` and ``partial_rotary_factor`` from the
+  config, the values the reference's per-type parameters hold for full layers.
+
+Shim on: the pool's V is 128 wide (the log's K and V sizes 3 : 2), prefill of the full layers is
+upstream's (head 192 > 128: its torch-native SDPA path), each decode step of each layer is upstream's
+FIA v2 TND call through ``sglang.npu_decode_v_head_dim``, and the greedy tokens equal transformers'
+float64 greedy argmax. Shim off: upstream builds V 192 wide and the first prefill's KV write fails. The
+pool patch on with the decode patch off: the first decode step's ``_npu_paged_attention`` is refused.
+"""
+import glob
+import json
+import os
+import re
+import sys
+
+import pytest
+from engine_support import tiny, tiny_mimo  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
+from sglang_support import newest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
+CASE = os.path.join(ROOT, "tests", "lanes", "sglang_support", "engine_case.py")
+
+pytestmark = pytest.mark.lanes(newest.LANE)
+
+TIMEOUT_S = 400
+DEVICE_MEMORY_MIB = "1024"
+FULL_DENSE = dict(num_hidden_layers=2, layer_types=["full_attention"] * 2, mlp_layer_types=["dense"] * 2,
+                  hybrid_layer_pattern=[0, 0], moe_layer_freq=[0, 0], swa_num_key_value_heads=2)
+FLAT_ROPE = {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.334}
+SERVER = {"disable_hybrid_swa_memory": True, "json_model_override_args": json.dumps({"rope_parameters": FLAT_ROPE})}
+DECODE_STEPS = tiny.MAX_NEW - 1   # the first token comes from the prefill
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return tiny_mimo.save_mimo_v2_flash(str(tmp_path_factory.mktemp("mimo_full_dense")), **FULL_DENSE)
+
+
+def _run(model_dir, tmp_path, shim_on, **env):
+    spec = tmp_path / "prompts.json"
+    spec.write_text(json.dumps({"rounds": [tiny.PROMPTS], "server": SERVER}))
+    ops_dir = tmp_path / "ops"
+    ops_dir.mkdir()
+    child_env = tiny.child_env(shim_on, pythonpath=[PLACEHOLDERS], NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB,
+                               ENGINE_CASE_OPS_DIR=str(ops_dir), **env)
+    rc, output = tiny.run_child([sys.executable, CASE, model_dir, str(spec), str(tiny.MAX_NEW)], child_env,
+                                str(tmp_path), TIMEOUT_S, "sglang.Engine")
+    recorded = [json.loads(open(path).read()) for path in glob.glob(str(ops_dir / "ops-*.json"))]
+    ops = {}
+    for record in recorded:
+        for name, calls in record["ops"].items():
+            ops[name] = ops.get(name, 0) + calls
+    shim = {name: row for record in recorded for name, row in record["shim"].items()}
+    return rc, output, ops, shim
+
+
+def _kv_sizes(output):
+    found = re.findall(r"KV Cache is allocated\. dtype: \S+, #tokens: \d+, K size: ([\d.]+) GB, V size: ([\d.]+) GB",
+                       output)
+    assert found, output[-3000:]
+    return tuple(float(x) for x in found[-1])
+
+
+def test_shim_on_tokens_equal_float64(model_dir, tmp_path):
+    rc, output, ops, shim = _run(model_dir, tmp_path, True)
+    results = [line for line in output.splitlines() if line.startswith("ENGINE_RESULT ")]
+    assert rc == 0 and results, output[-3000:]
+    result = json.loads(results[-1][len("ENGINE_RESULT "):])
+    assert result["device"] == "npu" and result["attention_backend"] == "ascend", result
+    k_size, v_size = _kv_sizes(output)
+    assert abs(k_size / v_size - 192 / 128) < 0.05, (k_size, v_size)   # V 128 wide
+    layers, prompts = FULL_DENSE["num_hidden_layers"], len(tiny.PROMPTS)
+    assert shim["sglang.npu_mha_v_head_dim"]["calls"] == 1, shim
+    # one batched decode per step and layer, each through upstream's FIA v2 TND call
+    assert shim["sglang.npu_decode_v_head_dim"]["calls"] == layers * DECODE_STEPS, shim
+    assert ops.get("npu_fused_infer_attention_score_v2") == layers * DECODE_STEPS, ops
+    assert "_npu_paged_attention" not in ops, ops
+    assert ops.get("_npu_reshape_and_cache") == layers * tiny.MAX_NEW, ops
+    assert len(result["tokens"]) == prompts
+    assert result["tokens"] == [[t for t, _, _ in steps] for steps in tiny_mimo.reference_steps(model_dir, tiny.PROMPTS)]
+
+
+def test_shim_off_v_built_k_wide_first_write_fails(model_dir, tmp_path):
+    rc, output, ops, shim = _run(model_dir, tmp_path, False)
+    assert rc != 0 and "ENGINE_RESULT" not in output, output[-3000:]
+    k_size, v_size = _kv_sizes(output)
+    assert k_size == v_size, (k_size, v_size)   # upstream: V as wide as K (192)
+    assert "cache heads/dims (2, 192) / (2, 192) do not match key/value (2, 192) / (2, 128)" in output, output[-3000:]
+    assert not shim, shim
+
+
+def test_decode_patch_off_first_decode_refused(model_dir, tmp_path):
+    """The pool patch alone: the prefill runs, the first decode step's ATB paged attention (one head size
+    for both caches) is refused."""
+    rc, output, ops, shim = _run(model_dir, tmp_path, True, NPU_SHIM_DISABLE="sglang.npu_decode_v_head_dim")
+    assert rc != 0 and "ENGINE_RESULT" not in output, output[-3000:]
+    k_size, v_size = _kv_sizes(output)
+    assert abs(k_size / v_size - 192 / 128) < 0.05, (k_size, v_size)
+    assert "_npu_paged_attention: argument 'value_cache' is not implemented" in output, output[-3000:]
+    assert ops.get("_npu_paged_attention") == 1 and "npu_fused_infer_attention_score_v2" not in ops, ops
