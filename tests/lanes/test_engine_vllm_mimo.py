@@ -41,28 +41,18 @@ import sys
 
 import pytest
 from engine_support import tiny, tiny_mimo  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
-from packaging.version import Version
+from test_engine_vllm import DEVICE_MEMORY_MIB, LANES, PLATFORM
 
-from npu_shim.reference import lane_table, variant_lanes
 from npu_shim.testing.errors import Tolerance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASE = os.path.join(ROOT, "tests", "lanes", "engine_support", "vllm_case.py")
-
-
-def _same_minor(pins):
-    return Version(pins["vllm"]).release[:2] == Version(pins["vllm-ascend"]).release[:2]
-
-
-_LANES = {lane: pins for lane, pins in lane_table(ROOT).items()
-          if "vllm-ascend" in pins and lane not in variant_lanes(ROOT) and _same_minor(pins)}
-LANE = max(_LANES, key=lambda lane: (Version(_LANES[lane]["vllm-ascend"]), lane))
+# the newest of the text test's engine lanes (its rule: the newest same-minor vllm / vllm-ascend pair)
+LANE = LANES[-1]
 
 pytestmark = pytest.mark.lanes(LANE)
 
 TIMEOUT_S = 300
-PLATFORM = "ENGINE_STAGE platform NPUPlatform device_type=npu"
-DEVICE_MEMORY_MIB = "1024"
 BLOCK = 128
 # max |engine log-probability - float64| of the 48 generated tokens, float32 weights and KV cache:
 # measured 8.2e-6 on vllm-0.30 (the router's gate is float32 on both sides, as the model defines it);
