@@ -65,9 +65,7 @@ def _run_engine(model_dir, tmp_path, shim_on, spec=PROMPTS):
 @pytest.mark.parametrize("shim_on", [True, False], ids=["shim-on", "shim-off"])
 def test_engine_on_the_emulated_npu(model_dir, tmp_path, shim_on):
     rc, output = _run_engine(model_dir, tmp_path, shim_on)
-    results = [line for line in output.splitlines() if line.startswith("ENGINE_RESULT ")]
-    assert rc == 0 and results, output[-3000:]
-    result = json.loads(results[-1][len("ENGINE_RESULT "):])
+    result = tiny.engine_result(rc, output)
     assert result["device"] == "npu" and result["attention_backend"] == "ascend", result
     assert "KV Cache is allocated" in output, output[-3000:]  # in the emulated device's memory
     # the shim's sglang patches reach the scheduler process (which ones apply is the release's: on the
@@ -98,9 +96,7 @@ def test_chunked_prefill_prefix_hit_and_decode_across_a_page(model_dir, tmp_path
     and the prefix hit (one page of 128 tokens cached, 22 new); the 125-token prompt decodes across the
     page edge. Every greedy token equals the float64 reference."""
     rc, output = _run_engine(model_dir, tmp_path, shim_on, CASES)
-    results = [line for line in output.splitlines() if line.startswith("ENGINE_RESULT ")]
-    assert rc == 0 and results, output[-3000:]
-    result = json.loads(results[-1][len("ENGINE_RESULT "):])
+    result = tiny.engine_result(rc, output)
     assert result["device"] == "npu" and result["chunked_prefill_size"] == 128, result
     # sglang's NPU default, resolved at start-up in the scheduler (the launcher's server_args may keep None)
     assert re.search(r"""['"]?page_size['"]?(: |=)128\b""", output), output[-3000:]

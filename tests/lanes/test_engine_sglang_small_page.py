@@ -76,9 +76,7 @@ def _cached_tokens(output):
 @pytest.mark.parametrize("page_size", [16, 64])
 def test_small_pages_served_with_the_shim(model_dir, reference, tmp_path, page_size):
     rc, output = _run_engine(model_dir, tmp_path, True, page_size)
-    results = [line for line in output.splitlines() if line.startswith("ENGINE_RESULT ")]
-    assert rc == 0 and results, output[-3000:]
-    result = json.loads(results[-1][len("ENGINE_RESULT "):])
+    result = tiny.engine_result(rc, output)
     assert (result["device"], result["attention_backend"], result["page_size"]) == ("npu", "ascend", page_size), \
         result
     assert "applied sglang.small_page_fia" in output, output[-3000:]

@@ -100,9 +100,7 @@ def _run_engine(model_dir, tmp_path, shim_on):
 def test_engine_on_the_emulated_npu(model_dir, reference, tmp_path, shim_on):
     rc, output = _run_engine(model_dir, tmp_path, shim_on)
     assert PLATFORM in output, output[-3000:]  # vllm-ascend's platform, not a CPU path
-    results = [line for line in output.splitlines() if line.startswith("ENGINE_RESULT ")]
-    assert rc == 0 and results, output[-3000:]
-    result = json.loads(results[-1][len("ENGINE_RESULT "):])
+    result = tiny.engine_result(rc, output)
     assert (result["platform"], result["device_type"]) == ("NPUPlatform", "npu"), result
     # the cases are what the settings make them: chunked prefill, 48 tokens a step, prefix caching, blocks of 128
     assert (result["chunked_prefill"], result["max_num_batched_tokens"], result["prefix_caching"],

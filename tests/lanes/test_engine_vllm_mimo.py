@@ -131,9 +131,7 @@ def test_reference_is_the_mimo_shape(model_dir):
 def test_engine_serves_mimo_shape_shim_on(model_dir, reference, tmp_path):
     rc, output = _run_engine(model_dir, tmp_path, True)
     assert PLATFORM in output, output[-3000:]
-    results = [line for line in output.splitlines() if line.startswith("ENGINE_RESULT ")]
-    assert rc == 0 and results, output[-3000:]
-    result = json.loads(results[-1][len("ENGINE_RESULT "):])
+    result = tiny.engine_result(rc, output)
     assert (result["platform"], result["device_type"]) == ("NPUPlatform", "npu"), result
     assert (result["chunked_prefill"], result["max_num_batched_tokens"], result["prefix_caching"],
             result["block_size"]) == (True, 48, True, BLOCK), result

@@ -121,9 +121,7 @@ def _run_engine(model_dir, tmp_path, shim_on):
 def test_image_request_on_the_emulated_npu(model_dir, processed, reference, upstream_tower_reads, tmp_path, shim_on):
     rc, output = _run_engine(model_dir, tmp_path, shim_on)
     assert PLATFORM in output, output[-3000:]
-    results = [line for line in output.splitlines() if line.startswith("ENGINE_RESULT ")]
-    assert rc == 0 and results, output[-3000:]
-    result = json.loads(results[-1][len("ENGINE_RESULT "):])
+    result = tiny.engine_result(rc, output)
     assert (result["platform"], result["device_type"]) == ("NPUPlatform", "npu"), result
     assert result["encoder_attention"] == ENCODER_ATTENTION, result
     assert result["prompt_token_ids"] == processed["input_ids"][0].tolist(), result

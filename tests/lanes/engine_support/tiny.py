@@ -6,6 +6,7 @@ tokenizer built here (a word-level ``tokenizers`` model over the vocabulary, no 
 engines that load one. ``reference_tokens``: transformers' greedy argmax in float64 on the same
 weights, the token ids each prompt continues with.
 """
+import json
 import os
 import subprocess
 
@@ -91,6 +92,14 @@ def child_env(shim_on, *, pythonpath=(), drop=("NPU_SHIM",), **extra):
     env.update(NPU_SHIM_EMULATE="1", NPU_SHIM_EMULATE_DEVICE="1", NPU_SHIM="1" if shim_on else "0",
                PYTHONPATH=os.pathsep.join([*pythonpath, bootstrap]), **extra)
     return env
+
+
+def engine_result(rc, output):
+    """The last ``ENGINE_RESULT <json>`` line an engine child printed, parsed; the child must have
+    exited 0 and printed one (the assertion shows the output's tail)."""
+    results = [line for line in output.splitlines() if line.startswith("ENGINE_RESULT ")]
+    assert rc == 0 and results, output[-3000:]
+    return json.loads(results[-1][len("ENGINE_RESULT "):])
 
 
 def run_child(argv, env, cwd, timeout_s, what):
