@@ -42,7 +42,8 @@ a lane, moves the test with no edit here. Keywords narrow or change the selectio
 Several ``claimed`` markers on one node add up; a test's own markers replace its module's. A
 selection that yields no lane, or an unknown keyword, fails collection naming the test.
 ``pytest.mark.lanes(*names)`` names lanes literally: for the base lane and for the tests of this
-mechanism.
+mechanism. ``pytest.mark.engine`` (tests/lanes/test_engine_*.py: a whole engine started, 20-60 s)
+keeps a test out of the Python-variant lanes: it runs once per stack, in its lane.
 
 The markers are checked over every collected test, selected or not: a lane name
 that nox does not define (a pin file ``lanes/<name>.txt`` whose name does not
@@ -77,6 +78,8 @@ def pytest_configure(config):
                                        "float32_math module")
     config.addinivalue_line("markers", "keeps_process_state: sets up process-wide state and keeps it (sglang's "
                                        "one-rank process group); runs after the lane's other tests")
+    config.addinivalue_line("markers", "engine: starts a whole engine on the emulated device (20-60 s); runs in "
+                                       "its lanes, not in their Python variants (see engine_in_variant)")
 
 
 def defined_lanes(lanes_dir=LANES_DIR):
@@ -175,6 +178,15 @@ def _lanes_of(item, selections, variant=False):
     return {BASE_LANE}
 
 
+def engine_in_variant(item, variant):
+    """A test marked ``engine`` in a Python-variant run (``NPU_SHIM_LANE_VARIANT=1``). A variant
+    shows the shim on another interpreter with its base lane's tests; an engine test's subject is
+    the stack (vllm-ascend's or sglang's start-up, model and backend), the same on either Python,
+    so it runs once per stack, in the base lane, and keeps a variant's CI time that of its unit
+    tests."""
+    return variant and item.get_closest_marker("engine") is not None
+
+
 def patches_of(item):
     """The patch names of every ``patch`` marker on the test (module, class and function)."""
     names = []
@@ -214,7 +226,8 @@ def pytest_collection_modifyitems(config, items):
     variant = os.environ.get("NPU_SHIM_LANE_VARIANT") == "1"
     selected, deselected = [], []
     for item in items:
-        (selected if lane in _lanes_of(item, selections, variant) else deselected).append(item)
+        wanted = lane in _lanes_of(item, selections, variant) and not engine_in_variant(item, variant)
+        (selected if wanted else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = selected

@@ -202,6 +202,42 @@ def test_per_family_runs_on_one_lane_per_family_and_not_in_variants(tmp_path):
         variant.stdout + variant.stderr
 
 
+ENGINE_SOURCE = """
+    import pytest
+
+    pytestmark = pytest.mark.lanes("base")
+
+    @pytest.mark.engine
+    def test_starts_an_engine():
+        pass
+
+    def test_unit():
+        pass
+"""
+
+
+def test_an_engine_test_runs_in_its_lane_and_not_in_its_python_variants(tmp_path):
+    in_lane = run_pytest(tmp_path, ENGINE_SOURCE, "-vv", lane="base")
+    assert "2 passed" in in_lane.stdout and "test_starts_an_engine PASSED" in in_lane.stdout, \
+        in_lane.stdout + in_lane.stderr
+    env = clean_env(NPU_SHIM_LANE="base", NPU_SHIM_LANE_VARIANT="1")
+    variant = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sample.py", "-vv"],
+                             cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
+    assert "1 passed, 1 deselected" in variant.stdout and "test_unit PASSED" in variant.stdout, \
+        variant.stdout + variant.stderr
+
+
+def test_every_engine_test_module_is_marked_engine():
+    """The files that start an engine (tests/lanes/test_engine_*.py) carry the marker, so a new one
+    left unmarked would not run again in every Python variant unnoticed."""
+    import glob
+    import re
+
+    unmarked = [path for path in sorted(glob.glob(os.path.join(REPO, "tests", "lanes", "test_engine_*.py")))
+                if not re.search(r"^pytestmark = \[.*pytest\.mark\.engine\]$", open(path).read(), re.M)]
+    assert glob.glob(os.path.join(REPO, "tests", "lanes", "test_engine_*.py")) and unmarked == [], unmarked
+
+
 def test_per_family_lanes_are_claimed_one_per_family_newest_release_no_variant():
     from packaging.version import Version
 

@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
 CASE = os.path.join(ROOT, "tests", "lanes", "sglang_support", "engine_case.py")
 
-pytestmark = pytest.mark.lanes(*engine_lanes.LANES)
+pytestmark = [pytest.mark.lanes(*engine_lanes.LANES), pytest.mark.engine]
 
 PROMPTS = tiny.PROMPTS
 MAX_NEW = tiny.MAX_NEW

@@ -32,7 +32,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
 CASE = os.path.join(ROOT, "tests", "lanes", "sglang_support", "engine_case.py")
 
-pytestmark = pytest.mark.lanes(newest.LANE)
+pytestmark = [pytest.mark.lanes(newest.LANE), pytest.mark.engine]
 
 TIMEOUT_S = 300
 DEVICE_MEMORY_MIB = "1024"

@@ -53,7 +53,7 @@ LANE = os.environ.get("NPU_SHIM_LANE", "")
 PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
 CASE = os.path.join(ROOT, "tests", "lanes", "sglang_support", "engine_vl_case.py")
 
-pytestmark = pytest.mark.lanes(*engine_lanes.VL_LANES)
+pytestmark = [pytest.mark.lanes(*engine_lanes.VL_LANES), pytest.mark.engine]
 
 TIMEOUT_S = 400
 DEVICE_MEMORY_MIB = "1024"

@@ -50,7 +50,7 @@ for _lane, _pins in _LANES.items():
         _NEWEST[_major] = _lane
 LANES = tuple(_NEWEST[major] for major in sorted(_NEWEST))
 
-pytestmark = pytest.mark.lanes(*LANES)
+pytestmark = [pytest.mark.lanes(*LANES), pytest.mark.engine]
 
 TIMEOUT_S = 300
 PLATFORM = "ENGINE_STAGE platform NPUPlatform device_type=npu"

@@ -50,7 +50,7 @@ CASE = os.path.join(ROOT, "tests", "lanes", "engine_support", "vllm_case.py")
 # the newest of the text test's engine lanes (its rule: the newest same-minor vllm / vllm-ascend pair)
 LANE = LANES[-1]
 
-pytestmark = pytest.mark.lanes(LANE)
+pytestmark = [pytest.mark.lanes(LANE), pytest.mark.engine]
 
 TIMEOUT_S = 300
 BLOCK = 128

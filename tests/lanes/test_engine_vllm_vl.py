@@ -46,7 +46,7 @@ CASE = os.path.join(ROOT, "tests", "lanes", "engine_support", "vllm_vl_case.py")
 
 # The newest of the engine's lanes (transformers 5): tiny_vl's slow image processor and the reference's
 # mm_token_type_ids are transformers 5's (docs/validation.md, the image case on the older lane).
-pytestmark = pytest.mark.lanes(LANES[-1])
+pytestmark = [pytest.mark.lanes(LANES[-1]), pytest.mark.engine]
 
 TIMEOUT_S = 300
 # The decoder's head size: at 128 the mrope sections are [16, 24, 24], the ones for which vllm-ascend

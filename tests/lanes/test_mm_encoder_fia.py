@@ -554,6 +554,7 @@ print(json.dumps({"state": row["state"], "forward_file": cls.forward_oot.__code_
 '''
 
 
+@pytest.mark.claimed(PATCH_NAME, implemented_in=FUSED_INFER, per_family=True)   # fresh interpreters: one lane per family
 def test_disabled_is_exactly_upstream(stack, run_python, make_env, tmp_path):
     import json
 

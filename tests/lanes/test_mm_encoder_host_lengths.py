@@ -227,6 +227,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.claimed(PATCH_NAME, per_family=True)   # a worker process killed: one lane per family
 def test_record_of_a_worker_killed_after_the_tower_forward(stack, tmp_path):
     """A worker process runs the tower's forward and is killed with SIGKILL (vLLM's shutdown of its
     EngineCore): its record in NPU_SHIM_STATS_DIR holds the patch's family and the calls it made."""

@@ -19,7 +19,8 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.claimed("vllm.mm_encoder_host_lengths"),
+# Two fresh interpreters, 14 s a lane: one lane per family of the patch it names (tests/conftest.py).
+pytestmark = [pytest.mark.claimed("vllm.mm_encoder_host_lengths", per_family=True),
               pytest.mark.patch("vllm.mm_encoder_host_lengths")]
 
 PATCH_NAME = "vllm.mm_encoder_host_lengths"
