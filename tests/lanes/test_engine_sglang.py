@@ -25,28 +25,18 @@ kernels (``write_req_to_token_pool_triton``, ``compute_position_kernel``: emulat
 npu_shim/emulation/sgl_kernels.py, put in place by the child), and its scheduler logs each prefill's
 page-rounded budget as ``#new-token``.
 """
-import json
-import os
 import random
 import re
-import sys
 
 import pytest
 from engine_support import tiny  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
-from sglang_support import engine_lanes  # noqa: E402
+from sglang_support import engine_lanes, engine_run  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
-CASE = os.path.join(ROOT, "tests", "lanes", "sglang_support", "engine_case.py")
 
 pytestmark = [pytest.mark.lanes(*engine_lanes.LANES), pytest.mark.engine]
 
 PROMPTS = tiny.PROMPTS
 MAX_NEW = tiny.MAX_NEW
-TIMEOUT_S = 300
-# The emulated device's memory: sglang sizes its KV cache as a fraction of the device's free memory, and
-# the emulated device's memory is host memory (the default 64 GiB card would take 32 GiB of host RAM).
-DEVICE_MEMORY_MIB = "1024"
 
 
 @pytest.fixture(scope="module")
@@ -55,11 +45,7 @@ def model_dir(tmp_path_factory):
 
 
 def _run_engine(model_dir, tmp_path, shim_on, spec=PROMPTS):
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(spec))
-    env = tiny.child_env(shim_on, pythonpath=[PLACEHOLDERS], NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB)
-    return tiny.run_child([sys.executable, CASE, model_dir, str(prompts), str(MAX_NEW)], env, str(tmp_path),
-                          TIMEOUT_S, "sglang.Engine")
+    return engine_run.run(model_dir, tmp_path, shim_on, spec)
 
 
 @pytest.mark.parametrize("shim_on", [True, False], ids=["shim-on", "shim-off"])

@@ -29,22 +29,16 @@ pool patch on with the decode patch off: the first decode step's ``_npu_paged_at
 """
 import glob
 import json
-import os
 import re
-import sys
 
 import pytest
 from engine_support import tiny, tiny_mimo  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
-from sglang_support import newest  # noqa: E402
+from sglang_support import engine_run, newest  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
-CASE = os.path.join(ROOT, "tests", "lanes", "sglang_support", "engine_case.py")
 
 pytestmark = [pytest.mark.lanes(newest.LANE), pytest.mark.engine]
 
 TIMEOUT_S = 400
-DEVICE_MEMORY_MIB = "1024"
 FULL_DENSE = dict(num_hidden_layers=2, layer_types=["full_attention"] * 2, mlp_layer_types=["dense"] * 2,
                   hybrid_layer_pattern=[0, 0], moe_layer_freq=[0, 0], swa_num_key_value_heads=2)
 FLAT_ROPE = {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.334}
@@ -58,14 +52,10 @@ def model_dir(tmp_path_factory):
 
 
 def _run(model_dir, tmp_path, shim_on, **env):
-    spec = tmp_path / "prompts.json"
-    spec.write_text(json.dumps({"rounds": [tiny.PROMPTS], "server": SERVER}))
     ops_dir = tmp_path / "ops"
     ops_dir.mkdir()
-    child_env = tiny.child_env(shim_on, pythonpath=[PLACEHOLDERS], NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB,
-                               ENGINE_CASE_OPS_DIR=str(ops_dir), **env)
-    rc, output = tiny.run_child([sys.executable, CASE, model_dir, str(spec), str(tiny.MAX_NEW)], child_env,
-                                str(tmp_path), TIMEOUT_S, "sglang.Engine")
+    rc, output = engine_run.run(model_dir, tmp_path, shim_on, {"rounds": [tiny.PROMPTS], "server": SERVER},
+                                timeout_s=TIMEOUT_S, ENGINE_CASE_OPS_DIR=str(ops_dir), **env)
     recorded = [json.loads(open(path).read()) for path in glob.glob(str(ops_dir / "ops-*.json"))]
     ops = {}
     for record in recorded:

@@ -19,23 +19,15 @@ weights.
 
 Runs on the lane that pins the newest sglang (read from the pin files).
 """
-import json
-import os
 import random
-import sys
 
 import pytest
 from engine_support import tiny  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
-from sglang_support import newest  # noqa: E402
+from sglang_support import engine_run, newest  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
-CASE = os.path.join(ROOT, "tests", "lanes", "sglang_support", "engine_case.py")
 
 pytestmark = [pytest.mark.lanes(newest.LANE), pytest.mark.engine]
 
-TIMEOUT_S = 300
-DEVICE_MEMORY_MIB = "1024"
 _rng = random.Random(11)
 CHUNKED = [_rng.randint(2, 127) for _ in range(200)]                      # 128 + 72, the second after 128
 SHARED = CHUNKED[:150] + [_rng.randint(2, 127) for _ in range(4)]         # CHUNKED's whole pages cached
@@ -58,12 +50,9 @@ def reference(model_dir):
 
 
 def _run_engine(model_dir, tmp_path, shim_on, page_size):
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps({"rounds": ROUNDS, "server": {"page_size": page_size, "context_length": 256,
-                                                                "chunked_prefill_size": 128}}))
-    env = tiny.child_env(shim_on, pythonpath=[PLACEHOLDERS], NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB)
-    return tiny.run_child([sys.executable, CASE, model_dir, str(prompts), str(tiny.MAX_NEW)], env, str(tmp_path),
-                          TIMEOUT_S, "sglang.Engine (page size %d)" % page_size)
+    server = {"page_size": page_size, "context_length": 256, "chunked_prefill_size": 128}
+    return engine_run.run(model_dir, tmp_path, shim_on, {"rounds": ROUNDS, "server": server},
+                          what="sglang.Engine (page size %d)" % page_size)
 
 
 def _cached_tokens(output):
