@@ -234,6 +234,12 @@ MUTANTS = (
                                 "threshold at 16, not 128): sglang's engine with small KV pages does not serve",
            "latest-sglang", "FAILED tests/lanes/test_engine_sglang_small_page.py",
            ("npu_shim/patches/sglang/small_page_fia.py", "SMALLEST_SAFE_PAGE = 128", "SMALLEST_SAFE_PAGE = 16")),
+    mutant("engine-bf16-switch", "the bfloat16 engine case serves with the emulation's float32 switch held open, "
+                                 "so an op given a dtype the hardware rejects would pass unseen",
+           "vllm-0.30", "FAILED tests/lanes/test_engine_vllm.py::test_bfloat16_engine_with_the_hardware_dtypes",
+           ("tests/lanes/engine_support/vllm_case.py",
+            'math_check = float32_not_on_hardware() if DTYPE == "float32" else contextlib.nullcontext()',
+            "math_check = float32_not_on_hardware()")),
 )
 
 

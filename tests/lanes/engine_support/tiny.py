@@ -81,6 +81,26 @@ def reference_steps(model_dir, prompts=PROMPTS, max_new=MAX_NEW, model_class=Non
     return steps
 
 
+def scored_steps(model_dir, prompt, tokens, model_class=None):
+    """transformers, float64, one forward over ``prompt + tokens`` (an engine's continuation): per
+    generated token, ``(log-probability, gap)``, the gap being float64's top logit minus that token's
+    (0 where the token is float64's greedy pick). For a dtype whose error can swap near-ties: each of the
+    engine's tokens is scored where the engine stood, so no step is left unchecked after a tie."""
+    import torch
+
+    if model_class is None:
+        from transformers import Qwen2ForCausalLM as model_class
+
+    model = model_class.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([list(prompt) + list(tokens)])).logits[0]
+    steps = []
+    for i, token in enumerate(tokens):
+        row = logits[len(prompt) - 1 + i]
+        steps.append((float(torch.log_softmax(row, -1)[token]), float(row.max() - row[token])))
+    return steps
+
+
 def child_env(shim_on, *, pythonpath=(), drop=("NPU_SHIM",), **extra):
     """The engine child's environment: this one without ``NPU_SHIM*``, the ``drop`` prefixes and
     ``PYTHONPATH``; the emulated device on, the shim on or off (``NPU_SHIM``), its bootstrap last on

@@ -25,6 +25,10 @@ emulation.install()
 # which spans a block boundary; blocks of 128 tokens (a prefix-cache hit is a whole block).
 # ENGINE_CASE_MAX_MODEL_LEN (set by a test) raises the model length for a model with more positions.
 MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, BLOCK_SIZE = int(os.environ.get("ENGINE_CASE_MAX_MODEL_LEN", 256)), 48, 128
+# The model's dtype: float32 (default) inside the emulation's math-check switch, to compare with the
+# float64 reference; ENGINE_CASE_DTYPE=bfloat16 (set by a test) serves in the dtype the hardware takes,
+# the switch closed: every attention and KV-cache op then gets the dtypes its page documents.
+DTYPE = os.environ.get("ENGINE_CASE_DTYPE", "float32")
 
 
 def stage(name):
@@ -77,7 +81,10 @@ def main(model_dir, prompts_file, max_new_tokens, runner=None):
     import torch._dynamo
 
     torch._dynamo.config.disable = True
-    with import_placeholders(("fla_npu", "acl", "torchair")), placeholder_torchvision(), float32_not_on_hardware():
+    import contextlib
+
+    math_check = float32_not_on_hardware() if DTYPE == "float32" else contextlib.nullcontext()
+    with import_placeholders(("fla_npu", "acl", "torchair")), placeholder_torchvision(), math_check:
         importlib.import_module("torchair.fx_summary")
         (runner or run)(model_dir, prompts_file, max_new_tokens)
 
@@ -147,7 +154,7 @@ def run(model_dir, prompts_file, max_new_tokens):
         compute_slot_mapping._compute_slot_mapping_fused_groups_adaptive_kernel = (
             triton_kernels.compute_slot_mapping_fused_groups_adaptive)
     ops = count_emulated_ops()
-    llm = vllm.LLM(model=model_dir, enforce_eager=True, tensor_parallel_size=1, dtype="float32",
+    llm = vllm.LLM(model=model_dir, enforce_eager=True, tensor_parallel_size=1, dtype=DTYPE,
                    max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.5, seed=0, max_num_seqs=4,
                    block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                    enable_chunked_prefill=True, enable_prefix_caching=True)
@@ -162,6 +169,8 @@ def run(model_dir, prompts_file, max_new_tokens):
         logprobs.append([[step[t].logprob for step, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                          for o in outs])
     stage("generate")
+    from npu_shim.emulation.dtypes import float32_allowed
+
     scheduler = llm.llm_engine.vllm_config.scheduler_config
     cache = llm.llm_engine.vllm_config.cache_config
     result = {"tokens": tokens, "cached": cached, "logprobs": logprobs, "platform": type(current_platform).__name__,
@@ -169,6 +178,7 @@ def run(model_dir, prompts_file, max_new_tokens):
               "chunked_prefill": scheduler.enable_chunked_prefill,
               "max_num_batched_tokens": scheduler.max_num_batched_tokens,
               "prefix_caching": cache.enable_prefix_caching, "block_size": cache.block_size,
+              "dtype": str(llm.llm_engine.vllm_config.model_config.dtype), "float32_allowed": float32_allowed(),
               "layers": layers, "shim": shim_patches(), "ops": dict(sorted(ops.items()))}
     print("ENGINE_RESULT " + json.dumps(result), flush=True)
 
