@@ -87,18 +87,21 @@ def reference(model_dir):
     return [tiny.reference_steps(model_dir, prompts) for prompts in CALLS]
 
 
-def _run_engine(model_dir, tmp_path, shim_on, **extra):
+def run_engine(model_dir, tmp_path, shim_on, calls=CALLS, what="vllm.LLM", **extra):
+    """engine_support/vllm_case.py on ``model_dir`` with ``calls`` written to ``tmp_path``: the in-process
+    engine core, the emulated device with DEVICE_MEMORY_MIB, the shim on or off, ``extra`` added to the
+    child's environment. Returns (returncode, stdout + stderr)."""
     prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(CALLS))
+    prompts.write_text(json.dumps(calls))
     env = tiny.child_env(shim_on, drop=("NPU_SHIM", "VLLM_"), VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
                           NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB, **extra)
     return tiny.run_child([sys.executable, CASE, model_dir, str(prompts), str(tiny.MAX_NEW)], env,
-                          str(tmp_path), TIMEOUT_S, "vllm.LLM")
+                          str(tmp_path), TIMEOUT_S, what)
 
 
 @pytest.mark.parametrize("shim_on", [True, False], ids=["shim-on", "shim-off"])
 def test_engine_on_the_emulated_npu(model_dir, reference, tmp_path, shim_on):
-    rc, output = _run_engine(model_dir, tmp_path, shim_on)
+    rc, output = run_engine(model_dir, tmp_path, shim_on)
     assert PLATFORM in output, output[-3000:]  # vllm-ascend's platform, not a CPU path
     result = tiny.engine_result(rc, output)
     assert (result["platform"], result["device_type"]) == ("NPUPlatform", "npu"), result
@@ -125,7 +128,7 @@ BF16_LOGPROB_TOL = Tolerance("vLLM engine on the emulated device: log-probabilit
 
 @pytest.mark.lanes(LANES[-1])
 def test_bfloat16_engine_with_the_hardware_dtypes(model_dir, tmp_path):
-    rc, output = _run_engine(model_dir, tmp_path, True, ENGINE_CASE_DTYPE="bfloat16")
+    rc, output = run_engine(model_dir, tmp_path, True, ENGINE_CASE_DTYPE="bfloat16")
     assert PLATFORM in output, output[-3000:]
     result = tiny.engine_result(rc, output)
     # served in bfloat16, the attention ops called with the math-check switch closed (float32 fails them)

@@ -35,24 +35,17 @@ group blocks of 256 tokens beside the sliding group's 128 (the page sizes made e
 256 (both groups; the sliding layers then read the part of their window before position 256 from
 the cache).
 """
-import json
-import os
-import sys
-
 import pytest
 from engine_support import tiny, tiny_mimo  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
-from test_engine_vllm import DEVICE_MEMORY_MIB, LANES, PLATFORM
+from test_engine_vllm import LANES, PLATFORM, run_engine
 
 from npu_shim.testing.errors import Tolerance
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-CASE = os.path.join(ROOT, "tests", "lanes", "engine_support", "vllm_case.py")
 # the newest of the text test's engine lanes (its rule: the newest same-minor vllm / vllm-ascend pair)
 LANE = LANES[-1]
 
 pytestmark = [pytest.mark.lanes(LANE), pytest.mark.engine]
 
-TIMEOUT_S = 300
 BLOCK = 128
 # max |engine log-probability - float64| of the 48 generated tokens, float32 weights and KV cache:
 # measured 8.2e-6 on vllm-0.30 (the router's gate is float32 on both sides, as the model defines it);
@@ -100,13 +93,8 @@ def reference(model_dir):
 
 
 def _run_engine(model_dir, tmp_path, shim_on, **extra):
-    prompts = tmp_path / "prompts.json"
-    prompts.write_text(json.dumps(CALLS))
-    env = tiny.child_env(shim_on, drop=("NPU_SHIM", "VLLM_"), VLLM_ENABLE_V1_MULTIPROCESSING="0", HF_HUB_OFFLINE="1",
-                          NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB, ENGINE_CASE_MAX_MODEL_LEN=MAX_MODEL_LEN,
-                          **extra)
-    return tiny.run_child([sys.executable, CASE, model_dir, str(prompts), str(tiny.MAX_NEW)], env,
-                          str(tmp_path), TIMEOUT_S, "vllm.LLM (MiMo-V2-Flash shape)")
+    return run_engine(model_dir, tmp_path, shim_on, CALLS, "vllm.LLM (MiMo-V2-Flash shape)",
+                      ENGINE_CASE_MAX_MODEL_LEN=MAX_MODEL_LEN, **extra)
 
 
 def test_reference_is_the_mimo_shape(model_dir):
