@@ -35,7 +35,7 @@ def npu_rotary():
     with attributes_set() as put:
         try:
             server_args.get_global_server_args()
-        except ValueError:
+        except (ValueError, RuntimeError):     # none published (from 0.5.22 the accessor is retired and raises)
             server_args.set_global_server_args_for_scheduler(server_args.ServerArgs(model_path="dummy", device="cpu"))
         for name in MODULES:
             module = importlib.import_module(name)

@@ -24,7 +24,9 @@ How: ``forward_npu`` is upstream's own method with one expression edited
   ``NPU_SHIM_SGLANG_NPU_MROPE_POSITIONS=0`` turns the patch off.
 Upstream fix: sglang 0.5.23 (``if positions.ndim == 2 or query.shape[1] > 4096: return
   self.forward_native(...)``, "The NPU call below selects ordinary RoPE, which requires 1D
-  positions"): sglang PR #38499.
+  positions"); the PR or commit that added it is not identified yet (read from the 0.5.23 wheel).
+  sglang PRs #38499 (a Triton kernel for 2-D positions) and #36959 (forward_native always) are
+  other fixes of the same defect, open.
 Remove when: the pinned sglang is 0.5.23 or later (the window ends there; the structural check
   refuses the guarded method).
 """
