@@ -101,7 +101,7 @@ def test_above_the_window_upstream_has_the_guard(rotary):
     method = vars(module.MRotaryEmbedding)[patch.METHOD]
     assert not hasattr(method, "__npu_shim_patch__")
     with pytest.raises(TargetMismatch, match="not the unguarded 'query.shape\\[1\\] > 4096'"):
-        patch.UNGUARDED_FAMILY.check(module, FamilyContext(NAME))
+        patch.UNGUARDED.check(module, FamilyContext(NAME))
 
 
 @pytest.mark.claimed(NAME)
@@ -114,13 +114,13 @@ def test_the_check_refuses_a_method_with_the_guard_or_without_the_op(rotary):
         return types.SimpleNamespace(**{patch.LAYER: cls})
 
     context = FamilyContext(NAME)
-    assert patch.LAYER + "." + patch.METHOD in patch.UNGUARDED_FAMILY.check(holding(upstream), context)
+    assert patch.LAYER + "." + patch.METHOD in patch.UNGUARDED.check(holding(upstream), context)
     for method in (_guarded, _no_guard):
         with pytest.raises(TargetMismatch, match="if tests are .*, not the unguarded"):
-            patch.UNGUARDED_FAMILY.check(holding(method), context)
+            patch.UNGUARDED.check(holding(method), context)
             pytest.fail(method.__name__)
     with pytest.raises(TargetMismatch, match="does not call npu_mrope"):
-        patch.UNGUARDED_FAMILY.check(holding(_no_op), context)
+        patch.UNGUARDED.check(holding(_no_op), context)
 
 
 def _guarded(self, positions, query, key, fused_set_kv_buffer_arg=None):   # 0.5.23's shape

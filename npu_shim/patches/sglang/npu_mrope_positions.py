@@ -45,9 +45,9 @@ METHOD = "forward_npu"
 OP = "npu_mrope"
 
 # upstream's guard before the npu_mrope call, and the one it becomes (sglang 0.5.23's)
-UNGUARDED = "query.shape[1] > 4096"
-GUARDED = "positions.ndim == 2 or query.shape[1] > 4096"
-EDITS = (ReplaceExpression(UNGUARDED, GUARDED),)
+UNGUARDED_TEST = "query.shape[1] > 4096"
+GUARDED_TEST = "positions.ndim == 2 or query.shape[1] > 4096"
+EDITS = (ReplaceExpression(UNGUARDED_TEST, GUARDED_TEST),)
 KEEPS = ("upstream's npu_mrope call (mrope_section [0, 0, 0], rotary_mode) for 1-D positions; forward_native for "
          "2-D positions and for query.shape[1] > 4096, as sglang 0.5.23")
 
@@ -68,10 +68,10 @@ class _Unguarded:
     def edited(self, module):
         original = own_function(module_class(module, LAYER), METHOD)
         tests = if_tests(original)
-        if UNGUARDED not in tests or any("positions.ndim" in test for test in tests):
+        if UNGUARDED_TEST not in tests or any("positions.ndim" in test for test in tests):
             raise TargetMismatch("%s.%s's if tests are %s, not the unguarded %r (a release that already routes "
                                  "2-D positions away from %s, as 0.5.23 does, needs no patch)"
-                                 % (LAYER, METHOD, tests, UNGUARDED, OP))
+                                 % (LAYER, METHOD, tests, UNGUARDED_TEST, OP))
         if OP not in code_names(original):
             raise TargetMismatch("%s.%s does not call %s" % (LAYER, METHOD, OP))
         return original, edit_function(original, EDITS)
@@ -96,7 +96,7 @@ class _Unguarded:
         return forward_npu
 
 
-UNGUARDED_FAMILY = _Unguarded()
+UNGUARDED = _Unguarded()
 
 PATCH = Patch(
     name="sglang.npu_mrope_positions",
@@ -107,7 +107,7 @@ PATCH = Patch(
                               "positions to forward_native itself"},
     needs_npu=True,
     families=(
-        Family(__name__ + ":UNGUARDED_FAMILY", id="unguarded", fence=">=0.5.11,<0.5.23", keeps=KEEPS),
+        Family(__name__ + ":UNGUARDED", fence=">=0.5.11,<0.5.23", keeps=KEEPS),
     ),
     summary="M-RoPE with 2-D (multimodal) positions on NPU goes to sglang's forward_native, not to npu_mrope with "
             "mrope_section [0, 0, 0] (ordinary RoPE: silently corrupted rotary on the hardware, sglang PRs #38499, "
