@@ -137,3 +137,32 @@ def _no_op(self, positions, query, key, fused_set_kv_buffer_arg=None):
     if query.shape[1] > 4096:
         return self.forward_native(positions, query, key, fused_set_kv_buffer_arg)
     return query, key
+
+
+SUBPROCESS = """
+import importlib, json
+import npu_shim
+from npu_shim.patches.sglang import npu_mrope_positions as declaration
+m = importlib.import_module(declaration.TARGET)
+row = next(r for r in npu_shim.status() if r["name"] == declaration.PATCH.name)
+f = vars(getattr(m, declaration.LAYER))[declaration.METHOD]
+print(json.dumps([row["state"], row["reason"], hasattr(f, "__npu_shim_patch__")]))
+"""
+
+
+@pytest.mark.claimed(NAME, per_family=True)
+def test_its_switch_leaves_upstreams_method(run_python, make_env):
+    """``NPU_SHIM_SGLANG_NPU_MROPE_POSITIONS=0`` in a fresh interpreter: the patch shows as disabled, naming the
+    switch, and ``forward_npu`` is upstream's; unset, it applies."""
+    import json
+    import os
+
+    placeholders = os.path.join(os.path.dirname(os.path.dirname(__file__)), "placeholders")
+    seen = {}
+    for value in ("0", None):
+        switches = {} if value is None else {"NPU_SHIM_SGLANG_NPU_MROPE_POSITIONS": value}
+        proc = run_python(SUBPROCESS, env=make_env(NPU_SHIM_EMULATE="1", PYTHONPATH=placeholders, **switches),
+                          timeout=600)
+        seen[value] = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["0"] == ["disabled", "NPU_SHIM_SGLANG_NPU_MROPE_POSITIONS=0", False], seen
+    assert seen[None][0] == "applied" and seen[None][2] is True, seen
