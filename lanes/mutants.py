@@ -240,6 +240,11 @@ MUTANTS = (
            ("tests/lanes/engine_support/vllm_case.py",
             'math_check = float32_not_on_hardware() if DTYPE == "float32" else contextlib.nullcontext()',
             "math_check = float32_not_on_hardware()")),
+    mutant("sgl-mrope-2d", "sglang.npu_mrope_positions drops the 2-D positions condition from its edit of forward_npu: "
+                           "multimodal positions still reach npu_mrope as ordinary RoPE (mrope_section [0, 0, 0])",
+           "sglang-0.5.12", "FAILED tests/lanes/test_sglang_npu_mrope_positions.py",
+           ("npu_shim/patches/sglang/npu_mrope_positions.py",
+            'GUARDED_TEST = "positions.ndim == 2 or query.shape[1] > 4096"', 'GUARDED_TEST = "query.shape[1] > 4096"')),
 )
 
 

@@ -20,6 +20,7 @@ MM_ENCODER_FUSION_SWITCH = "NPU_SHIM_MM_ENCODER_FUSION_ATTENTION"
 PATCH_SWITCHES = {
     "sglang.small_page_fia": "NPU_SHIM_SGLANG_SMALL_PAGE_FIA",
     "sglang.vision_head_pad": "NPU_SHIM_SGLANG_VISION_HEAD_PAD",
+    "sglang.npu_mrope_positions": "NPU_SHIM_SGLANG_NPU_MROPE_POSITIONS",
     "vllm.mimo_v2_v_head_dim": "NPU_SHIM_VLLM_MIMO_V_HEAD_DIM",
     "vllm.mimo_v2_flash_v_head_dim": "NPU_SHIM_VLLM_MIMO_V_HEAD_DIM",
 }
@@ -74,6 +75,9 @@ VARIABLES = (
     ("NPU_SHIM_SGLANG_VISION_HEAD_PAD", "boolean, default 1",
      "0 turns the patch off (it shows as disabled): VisionAscendAttention then hands FIA's TND call the "
      "model's head dim as upstream does", "sglang.vision_head_pad"),
+    ("NPU_SHIM_SGLANG_NPU_MROPE_POSITIONS", "boolean, default 1",
+     "0 turns the patch off (it shows as disabled): MRotaryEmbedding.forward_npu hands 2-D (multimodal) positions "
+     "to npu_mrope with mrope_section [0, 0, 0] as upstream does before 0.5.23", "sglang.npu_mrope_positions"),
     ("NPU_SHIM_VLLM_MIMO_V_HEAD_DIM", "boolean, default 1",
      "0 turns off vllm.mimo_v2_v_head_dim and vllm.mimo_v2_flash_v_head_dim: MiMo-V2-Flash takes upstream's "
      "DiffKV backend (which fails on Ascend at build or KV-cache initialisation)", "vllm.mimo_v2_v_head_dim"),

@@ -46,6 +46,7 @@ BUILTIN_PATCHES = (
     ("sglang.vision_head_pad", "npu_shim.patches.sglang.vision_head_pad"),
     ("sglang.qwen2_5_vl_host_lengths", "npu_shim.patches.sglang.qwen2_5_vl_host_lengths"),
     ("sglang.qwen2_5_vl_rotary_ids", "npu_shim.patches.sglang.qwen2_5_vl_rotary_ids"),
+    ("sglang.npu_mrope_positions", "npu_shim.patches.sglang.npu_mrope_positions"),
     ("sglang.glm4v_host_lengths", "npu_shim.patches.sglang.glm4v_host_lengths"),
     ("sglang.qwen3_vl_host_lengths", "npu_shim.patches.sglang.qwen3_vl_host_lengths"),
     ("sglang.npu_mha_v_head_dim", "npu_shim.patches.sglang.npu_mha_v_head_dim"),

@@ -29,7 +29,7 @@ import math
 
 import torch
 
-__all__ = ["attention_f64", "dense_segments"]
+__all__ = ["attention_f64", "dense_segments", "mrope_f64"]
 
 _ROW_BUDGET_BYTES = 64 << 20
 
@@ -127,3 +127,29 @@ def dense_segments(lengths):
     for n in lengths:
         cum.append(cum[-1] + int(n))
     return cum
+
+
+def mrope_f64(positions, x, head_size, rotary_dim, base, mrope_section):
+    """Multimodal rotary (M-RoPE, Qwen2-VL) of ``x`` (T, heads * head_size) in float64, from the
+    definition: frequency ``j`` (0 <= j < rotary_dim / 2) turns by ``p * base ** (-2 j / rotary_dim)``
+    where ``p`` is the position of row ``r(j)`` of ``positions`` (3, T): row 0 (time) for the first
+    ``mrope_section[0]`` frequencies, row 1 (height) for the next ``mrope_section[1]``, row 2
+    (width) for the rest. 1-D positions (T,) are one row for every frequency. Neox pairs
+    ``(j, j + rotary_dim / 2)`` of each head are rotated: ``(a, b) -> (a cos - b sin, b cos + a sin)``;
+    the dims past ``rotary_dim`` pass through. Returns float64 (T, heads * head_size)."""
+    half = rotary_dim // 2
+    pos = torch.as_tensor(positions).to("cpu", torch.float64)
+    rows = pos.reshape(1, -1) if pos.dim() == 1 else pos
+    if rows.dim() == 2 and rows.shape[0] != 1 and (len(mrope_section) != rows.shape[0] or sum(mrope_section) != half):
+        raise ValueError("mrope_f64: mrope_section %s must have one entry per positions row (%d) summing to %d"
+                         % (list(mrope_section), rows.shape[0], half))
+    owner = [0] * half if rows.shape[0] == 1 else [r for r, n in enumerate(mrope_section) for _ in range(n)]
+    tokens = rows.shape[1]
+    out = x.to("cpu", torch.float64).reshape(tokens, -1, head_size).clone()
+    for t in range(tokens):
+        for j in range(half):
+            angle = float(rows[owner[j], t]) * base ** (-2.0 * j / rotary_dim)
+            c, s = math.cos(angle), math.sin(angle)
+            a, b = out[t, :, j].clone(), out[t, :, j + half].clone()
+            out[t, :, j], out[t, :, j + half] = a * c - b * s, b * c + a * s
+    return out.reshape(tokens, -1)

@@ -33,12 +33,13 @@ Runs on the lane that pins the newest sglang and on the lane above the oldest (s
 read from the pin files: the oldest's NPU image-processor wrapper refuses transformers' call). There the
 shim's tower patches of that release's families (``sglang.qwen2_5_vl_host_lengths``,
 ``sglang.vision_device_lengths``; ``sglang.vision_host_lengths`` has no family there) must apply, and the
-tower's reads through the engine are 0 shim on and upstream's measured count shim off; the request then
-stops in upstream's text rope (``MRotaryEmbedding.forward_npu`` hands the 2-D mrope positions to
-``npu_mrope`` with ``mrope_section=[0, 0, 0]``, which the emulated op refuses as undocumented; the newest
-release routes them to ``forward_native``), asserted as such, so the tokens are compared on the newest lane
-only. The head-80 test skips, naming ``sglang.vision_head_pad``'s fences, where no family of it claims the
-lane's release.
+tower's reads through the engine are 0 shim on and upstream's measured count shim off. Shim off, the request
+then stops in upstream's text rope (``MRotaryEmbedding.forward_npu`` hands the 2-D mrope positions to
+``npu_mrope`` with ``mrope_section=[0, 0, 0]``, which the emulated op refuses; the hardware returns wrong
+rotary instead, sglang PRs #38499, #36959), asserted as such; shim on, ``sglang.npu_mrope_positions`` (applied
+there, asserted) routes them to ``forward_native`` as the newest release does, and the greedy tokens equal the
+float64 reference on both lanes. The head-80 test skips, naming ``sglang.vision_head_pad``'s fences, where no
+family of it claims the lane's release.
 """
 import json
 import os
@@ -136,12 +137,13 @@ def _run_engine(model_dir, image_file, tmp_path, shim_on, **switches):
 
 def _check_served(served_model, rc, output, results, reads, shim_on, upstream_reads=None):
     _, steps, prompt_len = served_model
-    for patch in ("sglang.vision_host_lengths", "sglang.qwen2_5_vl_host_lengths", "sglang.vision_device_lengths"):
-        # the tower patches whose family claims this release reach the scheduler; the others do not apply
+    for patch in ("sglang.vision_host_lengths", "sglang.qwen2_5_vl_host_lengths", "sglang.vision_device_lengths",
+                  "sglang.npu_mrope_positions"):
+        # the patches whose family claims this release reach the scheduler; the others do not apply
         assert ("applied %s " % patch in output) == (shim_on and _claimed_here(patch)), (patch, output[-3000:])
-    if _mrope_hands_npu_2d_positions():
-        # upstream's own text rope stops the request after the tower forward: the tokens cannot be served
-        # on this release, shim on or off; the tower's reads are measured all the same (below)
+    if _mrope_hands_npu_2d_positions() and not (shim_on and _claimed_here("sglang.npu_mrope_positions")):
+        # upstream's own text rope stops the request after the tower forward (sglang.npu_mrope_positions routes
+        # the 2-D positions to forward_native); the tower's reads are measured all the same (below)
         assert rc != 0 and not results and MROPE_REFUSAL in output, output[-3000:]
     else:
         assert rc == 0 and results, output[-3000:]
