@@ -92,6 +92,8 @@ REPORTS = os.path.join(HERE, ".nox", "reports")
 # pycs shared between the lanes (lanes/report.py: seed_bytecode, keep_bytecode); emptied at the
 # start of each `nox -s lanes` run, so it holds what this run's lanes compiled
 BYTECODE = os.path.join(HERE, ".nox", "bytecode")
+# the lanes of the tests' pytest.mark.claimed, computed once for all lanes (tests/conftest.py, _selection_cache)
+SELECTION_CACHE = os.path.join(HERE, ".nox", "test-selection")
 PLACEHOLDERS = os.path.join(HERE, "tests", "placeholders")
 
 KIND_ENV = {
@@ -258,7 +260,7 @@ def lane(session, lane):
         "-q",
         "-p",
         "no:cacheprovider",
-        env=dict(KIND_ENV[spec["kind"]], PYTHONDONTWRITEBYTECODE=""),
+        env=dict(KIND_ENV[spec["kind"]], PYTHONDONTWRITEBYTECODE="", NPU_SHIM_TEST_SELECTION_CACHE=SELECTION_CACHE),
     )
 
 
@@ -357,6 +359,7 @@ def lanes(session):
     jobs = lane_jobs()
     names = schedule(selected, recorded_costs())
     shutil.rmtree(BYTECODE, ignore_errors=True)
+    shutil.rmtree(SELECTION_CACHE, ignore_errors=True)
     session.log("%d lanes, %d at a time", len(names), jobs)
     failed = run_lanes(session, names, jobs)
     session.run(sys.executable, os.path.join("lanes", "report.py"), "summary", REPORTS, *selected,

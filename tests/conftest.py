@@ -52,6 +52,7 @@ not list fails collection, naming the test and the name, instead of leaving the
 test in no lane or its patch uncounted.
 """
 import functools
+import hashlib
 import importlib.util
 import json
 import os
@@ -146,12 +147,43 @@ def declared_lanes(specs):
                 out[spec] = {"error": str(exc)}
         json.dump(out, sys.stdout)
     """)
+    cached = _selection_cache(specs)
+    if cached and os.path.exists(cached):
+        with open(cached, encoding="utf-8") as handle:
+            return json.load(handle)
     env = dict(os.environ, NPU_SHIM="0")
     proc = subprocess.run([sys.executable, "-c", code, REPO], input=json.dumps(list(specs)), env=env,
                           capture_output=True, text=True, cwd=os.path.dirname(sys.executable))
     if proc.returncode != 0:
         raise pytest.UsageError("cannot derive the lanes of pytest.mark.claimed: " + proc.stderr.strip()[-2000:])
+    if cached:
+        os.makedirs(os.path.dirname(cached), exist_ok=True)
+        with open(cached + ".%d" % os.getpid(), "w", encoding="utf-8") as handle:
+            handle.write(proc.stdout)
+        os.replace(cached + ".%d" % os.getpid(), cached)
     return json.loads(proc.stdout)
+
+
+def _selection_cache(specs):
+    """Where :func:`declared_lanes` keeps its answer for these inputs, or None (no
+    ``NPU_SHIM_TEST_SELECTION_CACHE`` folder: nox sets one, so the 40 lanes of a CI run compute
+    it once, 3 s a lane). The name is a digest of everything the answer is read from: the specs,
+    every file of the installed npu_shim and every pin file; a change to any gives a new name."""
+    folder = os.environ.get("NPU_SHIM_TEST_SELECTION_CACHE")
+    if not folder:
+        return None
+    digest = hashlib.sha256(json.dumps(list(specs)).encode())
+    spec = importlib.util.find_spec("npu_shim")   # locates the package, does not run it
+    for root in (spec.submodule_search_locations[0], LANES_DIR):
+        for folder_path, folders, files in os.walk(root):
+            folders[:] = sorted(name for name in folders if name != "__pycache__")
+            for name in sorted(files):
+                if name.endswith((".py", ".json", ".txt")):
+                    path = os.path.join(folder_path, name)
+                    digest.update(os.path.relpath(path, root).encode() + b"\0")
+                    with open(path, "rb") as handle:
+                        digest.update(handle.read() + b"\0")
+    return os.path.join(folder, digest.hexdigest() + ".json")
 
 
 def _lanes_of(item, selections, variant=False):

@@ -6,6 +6,7 @@ temporary directory's conftest.py takes its hooks from the repository's
 tests/conftest.py, so what is checked is that file.
 """
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -236,6 +237,32 @@ def test_every_engine_test_module_is_marked_engine():
     unmarked = [path for path in sorted(glob.glob(os.path.join(REPO, "tests", "lanes", "test_engine_*.py")))
                 if not re.search(r"^pytestmark = \[.*pytest\.mark\.engine\]$", open(path).read(), re.M)]
     assert glob.glob(os.path.join(REPO, "tests", "lanes", "test_engine_*.py")) and unmarked == [], unmarked
+
+
+def test_the_lane_selection_is_kept_under_a_name_of_its_inputs(tmp_path, monkeypatch):
+    """nox's lanes share one computation of the claimed lanes (NPU_SHIM_TEST_SELECTION_CACHE): the
+    kept answer equals a fresh one, and a changed spec or pin file gives another name."""
+    import shutil
+
+    from npu_shim import reference
+
+    patch = next(name for name, lanes in sorted(reference.claimed_lanes(REPO).items()) if lanes)
+    specs = (json.dumps([patch, {}], sort_keys=True), json.dumps([patch, {"per_family": True}], sort_keys=True))
+    monkeypatch.delenv("NPU_SHIM_TEST_SELECTION_CACHE", raising=False)
+    assert conftest._selection_cache(specs) is None
+    fresh = conftest.declared_lanes.__wrapped__(specs)
+    monkeypatch.setenv("NPU_SHIM_TEST_SELECTION_CACHE", str(tmp_path / "cache"))
+    name = conftest._selection_cache(specs)
+    assert conftest.declared_lanes.__wrapped__(specs) == fresh and os.path.exists(name)
+    assert conftest.declared_lanes.__wrapped__(specs) == fresh          # read back from the file
+    assert conftest._selection_cache(specs[:1]) != name
+    pins = tmp_path / "lanes"
+    shutil.copytree(conftest.LANES_DIR, pins)
+    monkeypatch.setattr(conftest, "LANES_DIR", str(pins))
+    assert conftest._selection_cache(specs) == name
+    first = sorted(p for p in os.listdir(pins) if p.endswith(".txt"))[0]
+    (pins / first).write_text((pins / first).read_text() + "\n")
+    assert conftest._selection_cache(specs) != name
 
 
 def test_per_family_lanes_are_claimed_one_per_family_newest_release_no_variant():
