@@ -111,12 +111,18 @@ def _mrope_hands_npu_2d_positions():
     ``torch_npu.npu_mrope`` with ``mrope_section=[0, 0, 0]`` (ordinary RoPE, documented for 1-D positions
     only: op-plugin's own test calls it so with 1-D positions alone). The newest lane's sends 2-D positions
     to its ``forward_native`` first ("The NPU call below selects ordinary RoPE, which requires 1D
-    positions"); the older lanes' does not, and the emulated op refuses the call by name."""
-    import inspect
+    positions"); the older lanes' does not, and the emulated op refuses the call by name. Read from the
+    installed file: in this process the shim may have replaced the method already."""
+    import ast
+    import importlib.util
 
-    from sglang.srt.layers.rotary_embedding.mrope import MRotaryEmbedding
-
-    source = inspect.getsource(MRotaryEmbedding.forward_npu)
+    path = importlib.util.find_spec("sglang.srt.layers.rotary_embedding.mrope").origin
+    with open(path, encoding="utf-8") as handle:
+        text = handle.read()
+    layer = next(node for node in ast.parse(text).body
+                 if isinstance(node, ast.ClassDef) and node.name == "MRotaryEmbedding")
+    method = next(node for node in layer.body if isinstance(node, ast.FunctionDef) and node.name == "forward_npu")
+    source = ast.get_source_segment(text, method)
     return "mrope_section = [0, 0, 0]" in source and "positions.ndim" not in source
 
 

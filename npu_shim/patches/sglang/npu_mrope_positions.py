@@ -44,12 +44,12 @@ LAYER = "MRotaryEmbedding"
 METHOD = "forward_npu"
 OP = "npu_mrope"
 
-# upstream's guard before the npu_mrope call, and the one it becomes (sglang 0.5.23's)
+# upstream's guard before the npu_mrope call, and the one it becomes (the fixed release's, at the window's end)
 UNGUARDED_TEST = "query.shape[1] > 4096"
 GUARDED_TEST = "positions.ndim == 2 or query.shape[1] > 4096"
 EDITS = (ReplaceExpression(UNGUARDED_TEST, GUARDED_TEST),)
 KEEPS = ("upstream's npu_mrope call (mrope_section [0, 0, 0], rotary_mode) for 1-D positions; forward_native for "
-         "2-D positions and for query.shape[1] > 4096, as sglang 0.5.23")
+         "2-D positions and for query.shape[1] > 4096, as the release that fixed it")
 
 
 def if_tests(function):
@@ -70,7 +70,7 @@ class _Unguarded:
         tests = if_tests(original)
         if UNGUARDED_TEST not in tests or any("positions.ndim" in test for test in tests):
             raise TargetMismatch("%s.%s's if tests are %s, not the unguarded %r (a release that already routes "
-                                 "2-D positions away from %s, as 0.5.23 does, needs no patch)"
+                                 "2-D positions away from %s, as the fixed release does, needs no patch)"
                                  % (LAYER, METHOD, tests, UNGUARDED_TEST, OP))
         if OP not in code_names(original):
             raise TargetMismatch("%s.%s does not call %s" % (LAYER, METHOD, OP))
@@ -82,7 +82,7 @@ class _Unguarded:
     def build(self, module, context):
         return {LAYER + "." + METHOD: replace_own(module, LAYER, METHOD, self.make, context,
                                                   "upstream's method with 2-D (multimodal) positions sent to "
-                                                  "forward_native, as sglang 0.5.23 does")}
+                                                  "forward_native, as the release that fixed it does")}
 
     def make(self, module, original, context):
         edited = edit_of(context, LAYER + "." + METHOD)
@@ -103,7 +103,7 @@ PATCH = Patch(
     target=TARGET,
     replaces=(LAYER + "." + METHOD,),
     requires={"sglang": ""},
-    outside_window={"sglang": "below the window: not read for this patch; from 0.5.23 forward_npu routes 2-D "
+    outside_window={"sglang": "below the window: not read for this patch; from the window's end forward_npu routes 2-D "
                               "positions to forward_native itself"},
     needs_npu=True,
     families=(
@@ -111,7 +111,7 @@ PATCH = Patch(
     ),
     summary="M-RoPE with 2-D (multimodal) positions on NPU goes to sglang's forward_native, not to npu_mrope with "
             "mrope_section [0, 0, 0] (ordinary RoPE: silently corrupted rotary on the hardware, sglang PRs #38499, "
-            "#36959), as sglang 0.5.23 does",
+            "#36959), as the release that fixed it does",
     selftest=Selftest("npu_shim.selftest.sglang_npu_mrope_positions", host_syncs=0),
     # emulated: the op refuses [0, 0, 0] with 2-D positions; on the hardware: the output is wrong
     defect=Defect("sglang's MRotaryEmbedding.forward_npu hands 2-D positions to npu_mrope as ordinary RoPE",
