@@ -71,13 +71,24 @@ def _tokenizer():
                                    pad_token="<|endoftext|>")
 
 
+def _image_processor_class():
+    """The slow (PIL/numpy) Qwen2-VL image processor of the installed transformers: transformers 5
+    names it ``Qwen2VLImageProcessorPil`` (its module ``image_processing_pil_qwen2_vl``); transformers 4's
+    slow one is ``Qwen2VLImageProcessor``."""
+    try:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    except ImportError:
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
+
+        return Qwen2VLImageProcessor
+    return Qwen2VLImageProcessorPil
+
+
 def save_processor(folder):
     """The tokenizer and the slow (PIL/numpy) image processor, saved as Qwen2.5-VL's processor."""
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     tokenizer = _tokenizer()
     tokenizer.save_pretrained(folder)
-    images = Qwen2VLImageProcessorPil(patch_size=14, merge_size=2, temporal_patch_size=2,
+    images = _image_processor_class()(patch_size=14, merge_size=2, temporal_patch_size=2,
                                       min_pixels=28 * 28, max_pixels=256 * 28 * 28)
     images.save_pretrained(folder)
 
@@ -97,10 +108,9 @@ def image():
 def processed(model_dir, prompt=PROMPT, img=None):
     """The processor's inputs (``input_ids``, ``attention_mask``, ``pixel_values``, ``image_grid_thw``)."""
     from transformers import AutoTokenizer
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    images = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+    images = _image_processor_class().from_pretrained(model_dir)
     pix = images(images=[img if img is not None else image()], return_tensors="pt")
     merged = int(pix["image_grid_thw"].prod()) // 4
     text = prompt.replace("<|image_pad|>", " ".join(["<|image_pad|>"] * merged))
@@ -116,9 +126,20 @@ def rope_positions(model_dir, inputs):
 
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
     ids = inputs["input_ids"]
-    positions, _ = model.model.get_rope_index(ids, (ids == IMAGE_PAD).int(), inputs["image_grid_thw"],
-                                              attention_mask=torch.ones_like(ids))
+    if _takes_mm_token_type_ids(model):
+        positions, _ = model.model.get_rope_index(ids, (ids == IMAGE_PAD).int(), inputs["image_grid_thw"],
+                                                  attention_mask=torch.ones_like(ids))
+    else:   # transformers 4: the image's tokens are found in input_ids by the config's image token id
+        positions, _ = model.model.get_rope_index(ids, inputs["image_grid_thw"], attention_mask=torch.ones_like(ids))
     return positions[:, 0].tolist()
+
+
+def _takes_mm_token_type_ids(model):
+    """Whether the installed transformers' Qwen2.5-VL reads the image tokens' places from
+    ``mm_token_type_ids`` (transformers 5) rather than from ``input_ids`` (transformers 4)."""
+    import inspect
+
+    return "mm_token_type_ids" in inspect.signature(model.model.get_rope_index).parameters
 
 
 def reference_steps(model_dir, inputs, max_new=MAX_NEW):
@@ -131,15 +152,16 @@ def reference_steps(model_dir, inputs, max_new=MAX_NEW):
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
         model_dir, torch_dtype=torch.float64, attn_implementation="eager").eval()
     ids = inputs["input_ids"]
+    typed = _takes_mm_token_type_ids(model)
     steps = []
     with torch.no_grad():
         for _ in range(max_new):
             # mm_token_type_ids (1: an image token): transformers 5 computes the 3-D rope positions
-            # from it, and without it silently uses 1-D positions
+            # from it, and without it silently uses 1-D positions; transformers 4 reads input_ids
+            extra = {"mm_token_type_ids": (ids == IMAGE_PAD).int()} if typed else {}
             logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                           mm_token_type_ids=(ids == IMAGE_PAD).int(),
                            pixel_values=inputs["pixel_values"].to(torch.float64),
-                           image_grid_thw=inputs["image_grid_thw"], use_cache=False).logits[0, -1]
+                           image_grid_thw=inputs["image_grid_thw"], use_cache=False, **extra).logits[0, -1]
             top = logits.topk(2)
             nxt = int(top.indices[0])
             steps.append((nxt, float(torch.log_softmax(logits, -1)[nxt]), float(top.values[0] - top.values[1])))
