@@ -47,7 +47,8 @@ def npu_rotary():
         def make(dtype=torch.float32):
             from sglang.srt.layers.rotary_embedding import get_rope
 
-            factory._ROPE_DICT.clear() if hasattr(factory, "_ROPE_DICT") else None
+            if hasattr(factory, "_ROPE_DICT"):
+                factory._ROPE_DICT.clear()
             return get_rope(HEAD, ROTARY_DIM, MAX_POSITION, BASE, True,
                             {"type": "default", "mrope_section": list(SECTION)}, dtype)
 

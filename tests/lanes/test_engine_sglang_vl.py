@@ -47,17 +47,15 @@ import sys
 
 import pytest
 from engine_support import tiny, tiny_vl  # noqa: E402  (tests/lanes/conftest.py puts tests/lanes on sys.path)
-from sglang_support import engine_lanes  # noqa: E402
+from sglang_support import engine_lanes, engine_run  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LANE = os.environ.get("NPU_SHIM_LANE", "")
-PLACEHOLDERS = os.path.join(ROOT, "tests", "placeholders")
 CASE = os.path.join(ROOT, "tests", "lanes", "sglang_support", "engine_vl_case.py")
 
 pytestmark = [pytest.mark.lanes(*engine_lanes.VL_LANES), pytest.mark.engine]
 
 TIMEOUT_S = 400
-DEVICE_MEMORY_MIB = "1024"
 
 
 @pytest.fixture(scope="module")
@@ -131,8 +129,7 @@ MROPE_REFUSAL = ("npu_mrope: mrope_section [0, 0, 0] must have one entry per pos
 
 
 def _run_engine(model_dir, image_file, tmp_path, shim_on, **switches):
-    env = tiny.child_env(shim_on, pythonpath=[PLACEHOLDERS], NPU_SHIM_EMULATE_DEVICE_MEMORY_MIB=DEVICE_MEMORY_MIB,
-                         **switches)
+    env = engine_run.child_env(shim_on, **switches)
     rc, output = tiny.run_child([sys.executable, CASE, model_dir, image_file, tiny_vl.PROMPT, str(tiny_vl.MAX_NEW)],
                                 env, str(tmp_path), TIMEOUT_S, "sglang.Engine with an image")
     results = [json.loads(line[len("ENGINE_RESULT "):]) for line in output.splitlines()
