@@ -115,6 +115,16 @@ def test_hccl_opens_a_one_rank_gloo_group(tmp_path):
         t = torch.ones(3)
         dist.all_reduce(t)
         assert t.tolist() == [1.0, 1.0, 1.0]
+        # torch_npu's communicator name, as vllm-ascend's MoE dispatchers ask it: "" before the
+        # communicator is initialised with init_comm=False, then a name, one per group
+        world = dist.group.WORLD._get_backend(torch.device("npu"))
+        assert world.get_hccl_comm_name(0, init_comm=False) == ""
+        name = world.get_hccl_comm_name(0)
+        assert name and world.get_hccl_comm_name(0, init_comm=False) == name
+        other = dist.new_group([0])._get_backend(torch.device("npu")).get_hccl_comm_name(0)
+        assert other and other != name
+        with pytest.raises(TypeError, match="rankid"):
+            world.get_hccl_comm_name("0")
     finally:
         dist.destroy_process_group()
 

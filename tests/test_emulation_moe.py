@@ -92,7 +92,9 @@ def test_gating_group_select_mode(torch_npu, mode, group):
 def test_init_routing_v2_sorts_rows_by_expert(torch_npu):
     x = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     expert_idx = torch.tensor([[1, 2], [0, 1], [0, 2]], dtype=torch.int32)
-    for op in (torch_npu.npu_moe_init_routing_v2, torch.ops.npu.npu_moe_init_routing_v2):
+    # and vllm-ascend's own build of the kernel (torch.ops._C_ascend, vllm-ascend 0.18's MoE calls it)
+    for op in (torch_npu.npu_moe_init_routing_v2, torch.ops.npu.npu_moe_init_routing_v2,
+               torch.ops._C_ascend.npu_moe_init_routing_custom):
         ex, row_idx, tokens, _ = op(x, expert_idx, active_num=6, expert_num=3, expert_tokens_num_type=1,
                                     expert_tokens_num_flag=True, active_expert_range=[0, 3], quant_mode=-1)
         # flattened (token, j) rows 0..5 hold experts 1,2,0,1,0,2; stable sort: rows 2,4,0,3,1,5

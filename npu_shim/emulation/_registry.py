@@ -301,6 +301,17 @@ C_ASCEND_SCHEMAS = {
         "int renorm, int norm_type, bool out_flag, float routed_scaling_factor, float eps, "
         "Tensor? bias_opt=None) -> (Tensor, Tensor, Tensor)",
     ),
+    # vllm-ascend's own build of CANN's MoeInitRoutingV2 (csrc/moe_init_routing_custom, up to 0.25;
+    # vllm-ascend #12305 then called torch_npu.npu_moe_init_routing_v2 in its place, with the same
+    # arguments, "no user-facing change"): the schema is upstream's (its torch binding), the kernel
+    # npu_moe_init_routing_v2's emulation. vllm-ascend 0.18's DeviceOperator.npu_moe_init_routing calls it.
+    "npu_moe_init_routing_custom": (
+        moe.npu_moe_init_routing_v2,
+        "npu_moe_init_routing_custom(Tensor x, Tensor expert_idx, *, Tensor? scale=None, Tensor? offset=None, "
+        "int active_num=-1, int expert_capacity=-1, int expert_num=-1, int drop_pad_mode=0, "
+        "int expert_tokens_num_type=0, bool expert_tokens_num_flag=False, int quant_mode=0, "
+        "int[2] active_expert_range=[], int row_idx_type=0) -> (Tensor, Tensor, Tensor, Tensor)",
+    ),
 }
 
 _library = None

@@ -68,7 +68,7 @@ What it cannot model: time (ops complete before they return; streams and events 
 synchronous no-ops, ``Event.elapsed_time`` raises); asynchronous copies (``non_blocking``
 is a synchronous copy, and is still counted); Ascend's private formats (every tensor is
 ND); graph capture (``NPUGraph`` stays a placeholder that raises: engines run eager);
-collectives beyond one rank (``hccl`` is gloo on one process); a device tensor's storage
+collectives beyond one rank (``hccl`` is gloo on one process; its ``get_hccl_comm_name`` a name only); a device tensor's storage
 (the wrapper has none of its own: ``untyped_storage()`` answers the held host storage's size,
 address and device, and refuses anything else, :class:`DeviceStorage`; ``data_ptr()`` is the held host
 data's address, unique and shared by views as a device pointer is);
@@ -662,8 +662,31 @@ def is_active():
     return _active
 
 
+_hccl_backends = []  # every emulated hccl backend, kept alive: torch hands back this Python object
+
+
 def _hccl_to_gloo(store, rank, size, timeout):
-    return torch.distributed.ProcessGroupGloo(store, rank, size, timeout)
+    """An ``hccl`` backend: gloo on one process, with torch_npu's ``get_hccl_comm_name``."""
+    backend = _OneRankHccl(store, rank, size, timeout)
+    _hccl_backends.append(backend)
+    return backend
+
+
+class _OneRankHccl(torch.distributed.ProcessGroupGloo):
+    """One-rank gloo in the role of torch_npu's HCCL backend. torch_npu's page for
+    ``_get_backend(torch.device("npu")).get_hccl_comm_name(rankid, init_comm=True) -> str``: the name
+    of the group's communicator, which is initialised on the call (``init_comm=False`` on a
+    communicator not yet initialised: an empty string, nothing initialised). vllm-ascend's MoE
+    all-to-all token dispatchers, its MC2 paths and its linear ops read it at build. Emulated: a
+    non-empty name of this group (no communicator exists: nothing is ever sent through it)."""
+
+    def get_hccl_comm_name(self, rankid, init_comm=True):
+        if not isinstance(rankid, int) or isinstance(rankid, bool) or rankid < 0:
+            raise TypeError("get_hccl_comm_name: rankid must be a global rank (int >= 0), got %r" % (rankid,))
+        if not init_comm and not getattr(self, "_npu_shim_comm_initialised", False):
+            return ""
+        self._npu_shim_comm_initialised = True
+        return "npu_shim_hccl_%d" % _hccl_backends.index(self)
 
 
 def _is_hccl_available():

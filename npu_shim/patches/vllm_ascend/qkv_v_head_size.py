@@ -74,7 +74,7 @@ PATCH = Patch(
     requires={"vllm-ascend": ""},
     outside_window={"vllm-ascend": "below, the same class text (read in one older release) but no lane runs it here"},
     families=(
-        Family(__name__ + ":V_HEAD_SIZE", fence=">=0.20.0rc1",
+        Family(__name__ + ":V_HEAD_SIZE", fence=">=0.18.0rc1",
                keeps="upstream's __init__, parallel op, forward and vLLM's weight loaders; only the V sizes change"),
     ),
     selftest=Selftest("npu_shim.selftest.vllm_ascend_qkv_v_head_size", host_syncs=0),

@@ -1,9 +1,11 @@
 """A tiny random-weight MiMo-V2-Flash-shaped model for the engine tests, and its reference.
 
-``save_mimo_v2_flash(folder)``: transformers' own ``MiMoV2FlashForCausalLM`` (transformers 5.14 has
-the model), float32, seeded, saved with transformers (the checkpoint's own layout: per-expert
-``experts.<e>.gate_proj/up_proj/down_proj``, ``self_attn.attention_sink_bias``), with the word-level
-tokenizer of :mod:`engine_support.tiny`. MiMo-V2-Flash's shape, scaled down:
+``save_mimo_v2_flash(folder)``: the checkpoint written here, with no model class: ``config.json``,
+``model.safetensors`` in the layout MiMo-V2-Flash's checkpoints use (per-expert
+``experts.<e>.gate_proj/up_proj/down_proj``, ``self_attn.attention_sink_bias``,
+``mlp.gate.e_score_correction_bias``), every tensor drawn from one seeded generator in name order
+(:func:`weights`), and the word-level tokenizer of :mod:`engine_support.tiny`. MiMo-V2-Flash's shape,
+scaled down:
 
 * query/key head dim 192, value head dim 128 (the model's), 4 query heads;
 * 4 layers: full attention (layers 0 and 3, 2 KV heads, no sinks) and sliding-window attention
@@ -14,12 +16,24 @@ tokenizer of :mod:`engine_support.tiny`. MiMo-V2-Flash's shape, scaled down:
   group, no shared expert: the model's router), the value scale 0.707.
 
 The config carries both spellings of these facts: transformers' (``layer_types``,
-``mlp_layer_types``, ``rope_parameters``, ``sliding_window``) and the checkpoint's that vLLM's
-``mimo_v2`` module reads (``hybrid_layer_pattern``, ``moe_layer_freq``, ``swa_*``,
-``sliding_window_size``, ``add_swa_attention_sink_bias``, ``layernorm_epsilon``, ``rope_theta``,
-``swa_rope_theta``), equal. The sinks (N(0, 1)) and the score-correction bias (N(0, 0.1)) are drawn
-here (transformers initialises them at 0.02 and 0), so that both matter.
+``mlp_layer_types``, ``sliding_window``; its ``rope_parameters`` left to its own defaults, which are
+the model's thetas) and the checkpoint's that vLLM's MiMo module reads (``hybrid_layer_pattern``,
+``moe_layer_freq``, ``swa_*``, ``sliding_window_size``, ``add_swa_attention_sink_bias``,
+``layernorm_epsilon``, ``rope_theta``, ``swa_rope_theta``), equal. The weights: N(0, 0.1) for the
+projections, embeddings and router; norms 1; the sinks N(0, 1) and the score-correction bias
+N(0, 0.1), so that both matter.
+
+A lane whose transformers has no MiMo-V2-Flash class (transformers 4) reads the config through the
+checkpoint's own configuration code, as the model's repository ships it (``auto_map``, loaded with
+``trust_remote_code``): here ``configuration_mimo_v2_flash.py`` (:data:`CONFIG_CODE`), a declared
+stand-in that only names the model type (every field is the config file's). Its reference is
+:func:`forward_f64` (the model's definition in float64 over :func:`npu_shim.testing.reference.attention_f64`);
+where transformers has the class, its float64 model is the reference, and :func:`forward_f64` is
+checked against it there (tests/lanes/test_engine_vllm_mimo.py).
 """
+import json
+import os
+
 from engine_support import tiny
 
 WINDOW = 64
@@ -30,50 +44,107 @@ MLP_TYPES = ["dense", "sparse", "sparse", "sparse"]
 
 def config_fields(**overrides):
     fields = dict(
+        model_type="mimo_v2_flash", architectures=["MiMoV2FlashForCausalLM"],
         vocab_size=tiny.VOCAB, hidden_size=256, intermediate_size=256, moe_intermediate_size=64,
         num_hidden_layers=len(LAYER_TYPES), num_attention_heads=4, num_key_value_heads=2, head_dim=192,
         v_head_dim=128, sliding_window=WINDOW, layer_types=LAYER_TYPES, mlp_layer_types=MLP_TYPES,
         n_routed_experts=EXPERTS, num_experts_per_tok=TOP_K, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=1.0, hidden_act="silu", attention_bias=False, rms_norm_eps=1e-5,
         max_position_embeddings=512, tie_word_embeddings=False, initializer_range=0.1, attention_value_scale=0.707,
-        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5e6, "partial_rotary_factor": 0.334},
-                         "sliding_attention": {"rope_type": "default", "rope_theta": 1e4,
-                                               "partial_rotary_factor": 0.334}},
-        # the checkpoint's names, read by vLLM's mimo_v2 module
+        bos_token_id=1, torch_dtype="float32",
+        # the checkpoint's names, read by vLLM's MiMo module
         hybrid_layer_pattern=[int(t == "sliding_attention") for t in LAYER_TYPES],
         moe_layer_freq=[int(t == "sparse") for t in MLP_TYPES],
         swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=192, swa_v_head_dim=128,
         sliding_window_size=WINDOW, add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False,
-        layernorm_epsilon=1e-5, rope_theta=5e6, swa_rope_theta=1e4, partial_rotary_factor=0.334)
+        layernorm_epsilon=1e-5, rope_theta=5e6, swa_rope_theta=1e4, partial_rotary_factor=0.334,
+        auto_map={"AutoConfig": "configuration_mimo_v2_flash.MiMoV2FlashConfig"})
     fields.update(overrides)
     return fields
 
 
-def save_mimo_v2_flash(folder, **overrides):
-    import torch
-    from safetensors.torch import load_file, save_file
-    from transformers import MiMoV2FlashConfig, MiMoV2FlashForCausalLM
+# The checkpoint's configuration code for a transformers without the model (see the module docstring).
+CONFIG_CODE = '''"""npu-shim test stand-in for MiMo-V2-Flash's configuration code: the model type only."""
+from transformers import PretrainedConfig
 
-    torch.manual_seed(0)
-    MiMoV2FlashForCausalLM(MiMoV2FlashConfig(**config_fields(**overrides))).to(torch.float32).save_pretrained(folder)
-    path = folder + "/model.safetensors"
-    weights = load_file(path)
-    generator = torch.Generator().manual_seed(1)
-    drawn = 0
-    for name in sorted(weights):
-        if name.endswith("self_attn.attention_sink_bias"):
-            weights[name] = torch.randn(weights[name].shape, generator=generator)
-            drawn += 1
-        elif name.endswith("mlp.gate.e_score_correction_bias"):
-            weights[name] = 0.1 * torch.randn(weights[name].shape, generator=generator)
-            drawn += 1
+
+class MiMoV2FlashConfig(PretrainedConfig):
+    model_type = "mimo_v2_flash"
+'''
+
+
+def _attention_shapes(fields, layer):
+    sliding = fields["layer_types"][layer] == "sliding_attention"
+    heads = fields["swa_num_attention_heads"] if sliding else fields["num_attention_heads"]
+    kv_heads = fields["swa_num_key_value_heads"] if sliding else fields["num_key_value_heads"]
+    return sliding, heads, kv_heads
+
+
+def weights(fields):
+    """The checkpoint's tensors for the config ``fields``, float32, by name: every tensor drawn from
+    one generator (seed 0) in sorted name order."""
+    import torch
+
+    hidden, head, v_head = fields["hidden_size"], fields["head_dim"], fields["v_head_dim"]
+    shapes = {"model.embed_tokens.weight": ((fields["vocab_size"], hidden), "normal"),
+              "model.norm.weight": ((hidden,), "ones"),
+              "lm_head.weight": ((fields["vocab_size"], hidden), "normal")}
+    for i in range(fields["num_hidden_layers"]):
+        base = "model.layers.%d." % i
+        sliding, heads, kv_heads = _attention_shapes(fields, i)
+        shapes.update({base + "input_layernorm.weight": ((hidden,), "ones"),
+                       base + "post_attention_layernorm.weight": ((hidden,), "ones"),
+                       base + "self_attn.q_proj.weight": ((heads * head, hidden), "normal"),
+                       base + "self_attn.k_proj.weight": ((kv_heads * head, hidden), "normal"),
+                       base + "self_attn.v_proj.weight": ((kv_heads * v_head, hidden), "normal"),
+                       base + "self_attn.o_proj.weight": ((hidden, heads * v_head), "normal")})
+        if sliding and fields["add_swa_attention_sink_bias"]:
+            shapes[base + "self_attn.attention_sink_bias"] = ((heads,), "sinks")
+        if fields["mlp_layer_types"][i] == "sparse":
+            inter = fields["moe_intermediate_size"]
+            shapes[base + "mlp.gate.weight"] = ((fields["n_routed_experts"], hidden), "normal")
+            shapes[base + "mlp.gate.e_score_correction_bias"] = ((fields["n_routed_experts"],), "bias")
+            for e in range(fields["n_routed_experts"]):
+                expert = base + "mlp.experts.%d." % e
+                shapes.update({expert + "gate_proj.weight": ((inter, hidden), "normal"),
+                               expert + "up_proj.weight": ((inter, hidden), "normal"),
+                               expert + "down_proj.weight": ((hidden, inter), "normal")})
+        else:
+            inter = fields["intermediate_size"]
+            shapes.update({base + "mlp.gate_proj.weight": ((inter, hidden), "normal"),
+                           base + "mlp.up_proj.weight": ((inter, hidden), "normal"),
+                           base + "mlp.down_proj.weight": ((hidden, inter), "normal")})
+    generator = torch.Generator().manual_seed(0)
+    scale = {"normal": fields["initializer_range"], "sinks": 1.0, "bias": 0.1}
+    out = {}
+    for name in sorted(shapes):
+        shape, kind = shapes[name]
+        out[name] = (torch.ones(shape) if kind == "ones"
+                     else scale[kind] * torch.randn(shape, generator=generator, dtype=torch.float64)).float()
+    return out
+
+
+def save_mimo_v2_flash(folder, **overrides):
+    """The checkpoint (:func:`weights` of :func:`config_fields` with ``overrides``), its config,
+    configuration code and tokenizer, written to ``folder``; returns ``folder``."""
+    from safetensors.torch import save_file
+
     fields = config_fields(**overrides)
-    expected = fields["layer_types"].count("sliding_attention") + fields["mlp_layer_types"].count("sparse")
-    if drawn != expected:
-        raise RuntimeError("the saved MiMo-V2-Flash has %d sink/bias tensors, expected %d (names changed?)"
-                           % (drawn, expected))
-    save_file(weights, path, metadata={"format": "pt"})
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(fields, f, indent=1)
+    with open(os.path.join(folder, "configuration_mimo_v2_flash.py"), "w") as f:
+        f.write(CONFIG_CODE)
+    save_file(weights(fields), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     tiny.save_tokenizer(folder)
     return folder
+
+
+def transformers_has_the_model():
+    """Whether the installed transformers has MiMo-V2-Flash (transformers 5.14 does, 4.57 does not)."""
+    import transformers
+
+    return hasattr(transformers, "MiMoV2FlashForCausalLM")
 
 
 def model_class():
@@ -98,8 +169,101 @@ def model_class():
     return Checked
 
 
+def forward_f64(model_dir, ids):
+    """MiMo-V2-Flash's forward in float64 from the model's definition, on the checkpoint in
+    ``model_dir``: the logits (T, vocab) of the token ids ``ids`` (one sequence from position 0).
+
+    Per layer: RMSNorm (``x / sqrt(mean(x^2) + eps) * w``); q/k/v projections, V times the value
+    scale; rotary on the first ``int(192 * 0.334)`` = 64 channels of q and k (rotate-half, frequency
+    ``j`` turning by ``p * theta ** (-2 j / 64)``, theta 5e6 full / 1e4 sliding); causal softmax
+    attention (:func:`npu_shim.testing.reference.attention_f64`, scale ``192 ** -0.5``, GQA), in a
+    sliding layer with its sinks and the window (query ``i`` sees keys ``i - W < j <= i``); o_proj;
+    residual. MLP: SiLU(gate) * up, down; MoE: router scores ``sigmoid(x @ gate^T)``, the top-k experts
+    chosen by score + correction bias, weighted by their scores renormalised (times the routed
+    scaling factor), each expert an MLP; residual. Final norm, lm_head."""
+    import torch
+    from safetensors.torch import load_file
+
+    from npu_shim.testing.reference import attention_f64
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        c = json.load(f)
+    w = {name: t.double() for name, t in load_file(os.path.join(model_dir, "model.safetensors")).items()}
+    t = len(ids)
+    head, v_head = c["head_dim"], c["v_head_dim"]
+    rotary = int(head * c["partial_rotary_factor"])
+    positions = torch.arange(t, dtype=torch.float64)
+
+    def norm(x, weight):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + c["layernorm_epsilon"]) * weight
+
+    def rope(x, theta):  # x (T, H, D): the first `rotary` channels turned, rotate-half pairs
+        freq = theta ** (-torch.arange(0, rotary, 2, dtype=torch.float64) / rotary)
+        angle = positions[:, None] * freq[None, :]
+        cos, sin = torch.cat([angle.cos()] * 2, -1)[:, None, :], torch.cat([angle.sin()] * 2, -1)[:, None, :]
+        x1, x2 = x[..., :rotary // 2], x[..., rotary // 2:rotary]
+        turned = x[..., :rotary] * cos + torch.cat([-x2, x1], -1) * sin
+        return torch.cat([turned, x[..., rotary:]], -1)
+
+    def mlp(x, base):
+        gate, up = x @ w[base + "gate_proj.weight"].T, x @ w[base + "up_proj.weight"].T
+        return (torch.nn.functional.silu(gate) * up) @ w[base + "down_proj.weight"].T
+
+    x = w["model.embed_tokens.weight"][torch.tensor(ids)]
+    for i in range(c["num_hidden_layers"]):
+        base = "model.layers.%d." % i
+        sliding, heads, kv_heads = _attention_shapes(c, i)
+        h = norm(x, w[base + "input_layernorm.weight"])
+        q = (h @ w[base + "self_attn.q_proj.weight"].T).view(t, heads, head)
+        k = (h @ w[base + "self_attn.k_proj.weight"].T).view(t, kv_heads, head)
+        v = (h @ w[base + "self_attn.v_proj.weight"].T).view(t, kv_heads, v_head) * c["attention_value_scale"]
+        theta = c["swa_rope_theta"] if sliding else c["rope_theta"]
+        window = c["sliding_window_size"] if sliding else None
+        allowed = (lambda seg, sq, skv: torch.arange(skv)[None, :] > torch.arange(sq)[:, None] - window) \
+            if window else None
+        out = attention_f64(rope(q, theta), rope(k, theta), v, [0, t], causal=True, scale=head ** -0.5,
+                            allowed=allowed, sinks=w.get(base + "self_attn.attention_sink_bias"))
+        x = x + out.reshape(t, heads * v_head) @ w[base + "self_attn.o_proj.weight"].T
+        h = norm(x, w[base + "post_attention_layernorm.weight"])
+        if c["mlp_layer_types"][i] == "sparse":
+            scores = torch.sigmoid(h @ w[base + "mlp.gate.weight"].T)
+            chosen = (scores + w[base + "mlp.gate.e_score_correction_bias"]).topk(c["num_experts_per_tok"], -1).indices
+            weight = scores.gather(1, chosen)
+            if c["norm_topk_prob"]:
+                weight = weight / weight.sum(-1, keepdim=True)
+            weight = weight * c["routed_scaling_factor"]
+            moe = torch.zeros_like(h)
+            for row in range(t):
+                for e, g in zip(chosen[row].tolist(), weight[row]):
+                    moe[row] += g * mlp(h[row], base + "mlp.experts.%d." % e)
+            x = x + moe
+        else:
+            x = x + mlp(h, base + "mlp.")
+    return norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
+
+
 def reference_steps(model_dir, prompts, max_new=tiny.MAX_NEW):
-    """transformers' MiMoV2FlashForCausalLM in float64 (eager attention with sinks and the sliding
-    window; its router computes the gate in float32, as the model defines it), greedy: per prompt,
-    per step, ``(token, log-probability, margin)``."""
-    return tiny.reference_steps(model_dir, prompts, max_new, model_class=model_class())
+    """The float64 reference, greedy: per prompt, per step, ``(token, log-probability, margin)``.
+    transformers' MiMoV2FlashForCausalLM in float64 where transformers has it (eager attention with
+    sinks and the sliding window; its router computes the gate in float32, as the model defines
+    it); :func:`forward_f64` otherwise."""
+    if transformers_has_the_model():
+        return tiny.reference_steps(model_dir, prompts, max_new, model_class=model_class())
+    return own_reference_steps(model_dir, prompts, max_new)
+
+
+def own_reference_steps(model_dir, prompts, max_new=tiny.MAX_NEW):
+    """:func:`forward_f64`, greedy: per prompt, per step, ``(token, log-probability, margin)``."""
+    import torch
+
+    steps = []
+    for prompt in prompts:
+        ids, out = list(prompt), []
+        for _ in range(max_new):
+            logits = forward_f64(model_dir, ids)[-1]
+            top = logits.topk(2)
+            nxt = int(top.indices[0])
+            out.append((nxt, float(torch.log_softmax(logits, -1)[nxt]), float(top.values[0] - top.values[1])))
+            ids.append(nxt)
+        steps.append(out)
+    return steps

@@ -29,6 +29,9 @@ MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, BLOCK_SIZE = int(os.environ.get("ENGINE_C
 # float64 reference; ENGINE_CASE_DTYPE=bfloat16 (set by a test) serves in the dtype the hardware takes,
 # the switch closed: every attention and KV-cache op then gets the dtypes its page documents.
 DTYPE = os.environ.get("ENGINE_CASE_DTYPE", "float32")
+# ENGINE_CASE_TRUST_REMOTE_CODE=1 (set by a test): the model folder's own configuration code is run, as
+# for a checkpoint whose model type the lane's transformers does not know (its config.json's auto_map).
+TRUST_REMOTE_CODE = os.environ.get("ENGINE_CASE_TRUST_REMOTE_CODE") == "1"
 
 
 def stage(name):
@@ -157,7 +160,7 @@ def run(model_dir, prompts_file, max_new_tokens):
     llm = vllm.LLM(model=model_dir, enforce_eager=True, tensor_parallel_size=1, dtype=DTYPE,
                    max_model_len=MAX_MODEL_LEN, gpu_memory_utilization=0.5, seed=0, max_num_seqs=4,
                    block_size=BLOCK_SIZE, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
-                   enable_chunked_prefill=True, enable_prefix_caching=True)
+                   enable_chunked_prefill=True, enable_prefix_caching=True, trust_remote_code=TRUST_REMOTE_CODE)
     stage("engine")
     layers = llm.apply_model(describe_layers)[0]
     params = vllm.SamplingParams(temperature=0.0, max_tokens=max_new_tokens, ignore_eos=True, logprobs=1)
