@@ -53,11 +53,21 @@ def _upstream_init():
         cls.__init__ = patched
 
 
+def _pads_v_itself(mimo):
+    """Whether the release's own ``MiMoV2Attention.forward`` pads V to the key head dim (vLLM up to
+    0.19): then the attention gets V 192 wide, zeros past 128, and a sliding-window layer (sinks) is
+    refused at build by ``vllm.mimo_v2_flash_sinks_refuse`` unless ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1``."""
+    forward = mimo.attention_class().forward
+    return "functional.pad" in inspect.getsource(getattr(forward, "__wrapped_upstream__", forward))
+
+
 def _build(mimo, kind, upstream=False, **overrides):
     """A ``MiMoV2Attention`` of ``kind`` built with vllm-ascend's registrations in effect (``upstream``:
-    with upstream's ``AscendQKVParallelLinear.__init__``)."""
+    with upstream's ``AscendQKVParallelLinear.__init__``). Where the model pads V itself, a layer with
+    sinks is built with ``NPU_SHIM_VLLM_MIMO_PAD_SINKS=1`` (its refusal is another patch's subject)."""
+    sinks = mimo.padded(sinks=True) if _pads_v_itself(mimo) and kind == "swa" else contextlib.nullcontext()
     with mimo.ascend_registrations(), mimo.ascend_backend(), (_upstream_init() if upstream
-                                                                else contextlib.nullcontext()):
+                                                                else contextlib.nullcontext()), sinks:
         return mimo.build_layer(kind, **overrides)
 
 
@@ -101,7 +111,9 @@ def _load(mimo, layer, weights):
 
 def _forward(mimo, layer):
     """The layer's own forward over one prefill of :data:`TOKENS` tokens, ``self.attn`` the float64
-    reference attention; returns (output, the v the layer handed the attention, hidden, positions)."""
+    reference attention; returns (output, the v the layer handed the attention, hidden, positions).
+    Where the model pads V itself, the attention gets V padded with zeros (checked here) and its output
+    as wide, which the model cuts: the returned v is its first ``v_head_dim`` columns per head."""
     import torch
 
     seen = {}
@@ -110,11 +122,12 @@ def _forward(mimo, layer):
 
     class ReferenceAttention(torch.nn.Module):
         def forward(self, q, k, v):
-            seen["v"] = v
             t = q.shape[0]
+            v = v.view(t, layer.num_kv_heads, -1)
+            assert not v[..., layer.v_head_dim:].any(), "V padded with non-zeros"
+            seen["v"] = v[..., :layer.v_head_dim].reshape(t, -1)
             out = mimo.sink_attention_f64(q.view(t, layer.num_heads, -1), k.view(t, layer.num_kv_heads, -1),
-                                          v.view(t, layer.num_kv_heads, layer.v_head_dim), sinks=sinks,
-                                          window=window, scale=layer.scaling)
+                                          v, sinks=sinks, window=window, scale=layer.scaling)
             return out.reshape(t, -1).to(q.dtype)
 
     real = layer.attn
