@@ -19,14 +19,18 @@ How: ``AscendQKVParallelLinear.__init__`` is upstream's, edited
   already stores, ``head_size`` when none is given), as vLLM's own ``QKVParallelLinear.__init__``
   sizes them. Nothing else changes: the weight loaders are vLLM's (they read ``v_head_size``),
   the forward and the parallel op are upstream's.
-Window: read in the builds of 0.20.2rc1, 0.22.1rc1 and 0.30.0rc2 and in vllm-ascend's release
-  branches 0.20.2rc - 0.26.0rc and main of this writing (one text of the class's ``__init__``);
-  0.27.1rc1 - 0.29.0rc1 are admitted by the fence between them (the edit's anchors must match there,
-  or the patch refuses). Tests run here on the vllm-0.20, latest-vllm (0.26.0rc1) and vllm-0.30
-  lanes. 0.18.0's class has
-  the same text, and vLLM's MiMo model passes ``v_head_size`` there as well, but no lane below 0.20
-  runs it here: not claimed. The fence is open-ended: a later release gets the family where the
-  edit's anchors match (status: not read yet), and is refused by structure where they do not.
+Window: read in the builds of 0.18.0, 0.19.1rc1, 0.20.2rc1, 0.22.1rc1 and 0.30.0rc2 and in
+  vllm-ascend's release branches 0.20.2rc - 0.26.0rc and main of this writing (one text of the
+  class's ``__init__``); 0.27.1rc1 - 0.29.0rc1 are admitted by the fence between them (the edit's
+  anchors must match there, or the patch refuses). Tests run here on the vllm-0.18, vllm-0.19,
+  vllm-0.20, latest-vllm (0.26.0rc1) and vllm-0.30 lanes; through the engine on vllm-0.18 and
+  vllm-0.30. On 0.18 / 0.19 vLLM's MiMo model pads V to K's head dim after the split, but builds
+  the projection with ``v_head_size=128`` all the same: upstream's too-wide qkv raises at the split
+  there too, full-attention layers included (``vllm.LLM`` on vllm-0.18 with a full-attention MiMo,
+  tests/lanes/test_engine_vllm_mimo.py). 0.15.0rc1 - 0.17.0rc1 have the same ``__init__`` (read in
+  their wheels) but no test runs them here: not claimed. The fence is open-ended: a later release
+  gets the family where the edit's anchors match (status: not read yet), and is refused by structure
+  where they do not.
 Upstream fix: none (vllm-ascend 0.30.0rc2).
 Remove when: ``AscendQKVParallelLinear.__init__`` sizes V with ``v_head_size``.
 """
@@ -72,7 +76,7 @@ PATCH = Patch(
     target=TARGET,
     replaces=(INIT,),
     requires={"vllm-ascend": ""},
-    outside_window={"vllm-ascend": "below, the same class text (read in one older release) but no lane runs it here"},
+    outside_window={"vllm-ascend": "below, the same class text (read in 0.15.0rc1 - 0.17.0rc1) but no test runs it here"},
     families=(
         Family(__name__ + ":V_HEAD_SIZE", fence=">=0.18.0rc1",
                keeps="upstream's __init__, parallel op, forward and vLLM's weight loaders; only the V sizes change"),

@@ -221,8 +221,9 @@ def forward_f64(model_dir, ids):
         window = c["sliding_window_size"] if sliding else None
         allowed = (lambda seg, sq, skv: torch.arange(skv)[None, :] > torch.arange(sq)[:, None] - window) \
             if window else None
+        sinks = w[base + "self_attn.attention_sink_bias"] if sliding and c["add_swa_attention_sink_bias"] else None
         out = attention_f64(rope(q, theta), rope(k, theta), v, [0, t], causal=True, scale=head ** -0.5,
-                            allowed=allowed, sinks=w.get(base + "self_attn.attention_sink_bias"))
+                            allowed=allowed, sinks=sinks)
         x = x + out.reshape(t, heads * v_head) @ w[base + "self_attn.o_proj.weight"].T
         h = norm(x, w[base + "post_attention_layernorm.weight"])
         if c["mlp_layer_types"][i] == "sparse":
