@@ -17,7 +17,7 @@ The config carries both spellings of these facts: transformers' (``layer_types``
 ``mlp_layer_types``, ``rope_parameters``, ``sliding_window``) and the checkpoint's that vLLM's
 ``mimo_v2`` module reads (``hybrid_layer_pattern``, ``moe_layer_freq``, ``swa_*``,
 ``sliding_window_size``, ``add_swa_attention_sink_bias``, ``layernorm_epsilon``, ``rope_theta``,
-``swa_rope_theta``), equal. The sinks (N(0, 1)) and the score-correction bias (N(0, 0.1)) are drawn
+``swa_rope_theta``; ``topk_method`` and ``scoring_func``, read by sglang's), equal. The sinks (N(0, 1)) and the score-correction bias (N(0, 0.1)) are drawn
 here (transformers initialises them at 0.02 and 0), so that both matter.
 """
 from engine_support import tiny
@@ -43,7 +43,9 @@ def config_fields(**overrides):
         moe_layer_freq=[int(t == "sparse") for t in MLP_TYPES],
         swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=192, swa_v_head_dim=128,
         sliding_window_size=WINDOW, add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False,
-        layernorm_epsilon=1e-5, rope_theta=5e6, swa_rope_theta=1e4, partial_rotary_factor=0.334)
+        layernorm_epsilon=1e-5, rope_theta=5e6, swa_rope_theta=1e4, partial_rotary_factor=0.334,
+        # the router as the checkpoint names it (sglang's mimo_v2 reads them; vLLM's takes sigmoid itself)
+        topk_method="noaux_tc", scoring_func="sigmoid")
     fields.update(overrides)
     return fields
 
@@ -76,10 +78,11 @@ def save_mimo_v2_flash(folder, **overrides):
     return folder
 
 
-def model_class():
+def model_class(**config):
     """transformers' ``MiMoV2FlashForCausalLM``, its loading checked: every weight of the checkpoint
     read, none left at initialisation (the checkpoint's names are converted on load); eager
-    attention and experts."""
+    attention and experts; ``config``: attributes of the saved config to replace (transformers'
+    ``from_pretrained`` keywords)."""
     from transformers import MiMoV2FlashForCausalLM
 
     class Checked(MiMoV2FlashForCausalLM):
@@ -89,7 +92,7 @@ def model_class():
             # the experts; the grouped matmul takes no float64)
             model, info = MiMoV2FlashForCausalLM.from_pretrained(folder, output_loading_info=True,
                                                                  attn_implementation="eager",
-                                                                 experts_implementation="eager", **kwargs)
+                                                                 experts_implementation="eager", **config, **kwargs)
             left = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
             if left:
                 raise RuntimeError("transformers' MiMoV2FlashForCausalLM did not load the tiny checkpoint: %r" % left)
@@ -98,8 +101,9 @@ def model_class():
     return Checked
 
 
-def reference_steps(model_dir, prompts, max_new=tiny.MAX_NEW):
+def reference_steps(model_dir, prompts, max_new=tiny.MAX_NEW, window=WINDOW):
     """transformers' MiMoV2FlashForCausalLM in float64 (eager attention with sinks and the sliding
     window; its router computes the gate in float32, as the model defines it), greedy: per prompt,
-    per step, ``(token, log-probability, margin)``."""
-    return tiny.reference_steps(model_dir, prompts, max_new, model_class=model_class())
+    per step, ``(token, log-probability, margin)``. ``window``: the keys a sliding layer's query
+    attends, itself included (transformers' ``sliding_window``; the checkpoint's by default)."""
+    return tiny.reference_steps(model_dir, prompts, max_new, model_class=model_class(sliding_window=window))

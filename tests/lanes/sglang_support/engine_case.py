@@ -24,13 +24,16 @@ from npu_shim.emulation import sgl_kernels  # noqa: E402
 # sglang's own Triton kernels, where the release launches them on an NPU (triton-ascend compiles them
 # there): their emulations, before the engine starts (sgl_kernels.install_sglang_kernels)
 sgl_kernels.install_sglang_kernels()
-# The engine serves float32 (dtype="float32" below): the float64 reference then decides every greedy token,
-# which half precision would not on a tiny random model. The attention and KV-cache ops refuse float32 as
-# the hardware does, except inside this math-check switch, held open for the life of the process.
+# The engine serves float32 by default: the float64 reference then decides every greedy token, which half
+# precision would not on a tiny random model. The attention and KV-cache ops refuse float32 as the hardware
+# does, except inside this math-check switch, held open for the life of the process.
+# ENGINE_CASE_DTYPE=bfloat16 (set by a test) serves in the dtype the hardware takes, the switch closed.
 from npu_shim.emulation import dtypes  # noqa: E402
 
-_FLOAT32 = dtypes.float32_not_on_hardware()  # kept: a collected context manager would close itself
-_FLOAT32.__enter__()
+DTYPE = os.environ.get("ENGINE_CASE_DTYPE", "float32")
+if DTYPE == "float32":
+    _FLOAT32 = dtypes.float32_not_on_hardware()  # kept: a collected context manager would close itself
+    _FLOAT32.__enter__()
 
 
 def record_ops(folder):
@@ -38,7 +41,8 @@ def record_ops(folder):
     op body, chained to the one installed before) and write them, with the shim's applied patches and
     their counters, to ``folder/ops-<pid>.json`` at each call: sglang's scheduler is ended by a signal,
     so nothing could be written at its exit. ``{"ops": {name: calls}, "shim": {patch: {"family",
-    "calls", "upstream_calls"}}}``, the patch counters as they stood at the process's last op call."""
+    "calls", "upstream_calls", ...}}}`` (the family and every ``*calls`` counter), the patch counters as
+    they stood at the process's last op call."""
     import collections
     import contextlib
 
@@ -52,7 +56,7 @@ def record_ops(folder):
         counts[name] += 1
         import npu_shim
 
-        shim = {patch: {key: row.get(key) for key in ("family", "calls", "upstream_calls")}
+        shim = {patch: {key: value for key, value in row.items() if key == "family" or key.endswith("calls")}
                 for patch, row in npu_shim.stats().items() if row.get("state") == "applied"}
         with open(path + ".tmp", "w") as f:
             json.dump({"ops": dict(counts), "shim": shim}, f)
@@ -89,7 +93,7 @@ def main(model_dir, prompts_file, max_new_tokens):
     server.update(spec.get("server", {}))
     engine = sglang.Engine(model_path=model_dir, device="npu", attention_backend="ascend",
                            disable_cuda_graph=True, skip_tokenizer_init=True, tp_size=1,
-                           mem_fraction_static=0.5, dtype="float32", random_seed=0, log_level="info", **server)
+                           mem_fraction_static=0.5, dtype=DTYPE, random_seed=0, log_level="info", **server)
     try:
         args = engine.server_args
         tokens = []
@@ -98,7 +102,8 @@ def main(model_dir, prompts_file, max_new_tokens):
                                    sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
             tokens.extend(o["output_ids"] for o in outs)
         result = {"tokens": tokens, "device": args.device, "attention_backend": args.attention_backend,
-                  "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size}
+                  "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
+                  "dtype": args.dtype, "float32_not_on_hardware": dtypes.float32_allowed()}
     finally:
         engine.shutdown()
     print("ENGINE_RESULT " + json.dumps(result), flush=True)
