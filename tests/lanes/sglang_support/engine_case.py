@@ -24,16 +24,13 @@ from npu_shim.emulation import sgl_kernels  # noqa: E402
 # sglang's own Triton kernels, where the release launches them on an NPU (triton-ascend compiles them
 # there): their emulations, before the engine starts (sgl_kernels.install_sglang_kernels)
 sgl_kernels.install_sglang_kernels()
-# The engine serves float32 by default: the float64 reference then decides every greedy token, which half
-# precision would not on a tiny random model. The attention and KV-cache ops refuse float32 as the hardware
-# does, except inside this math-check switch, held open for the life of the process.
-# ENGINE_CASE_DTYPE=bfloat16 (set by a test) serves in the dtype the hardware takes, the switch closed.
+# The engine serves float32 (dtype="float32" below): the float64 reference then decides every greedy token,
+# which half precision would not on a tiny random model. The attention and KV-cache ops refuse float32 as
+# the hardware does, except inside this math-check switch, held open for the life of the process.
 from npu_shim.emulation import dtypes  # noqa: E402
 
-DTYPE = os.environ.get("ENGINE_CASE_DTYPE", "float32")
-if DTYPE == "float32":
-    _FLOAT32 = dtypes.float32_not_on_hardware()  # kept: a collected context manager would close itself
-    _FLOAT32.__enter__()
+_FLOAT32 = dtypes.float32_not_on_hardware()  # kept: a collected context manager would close itself
+_FLOAT32.__enter__()
 
 
 def record_ops(folder):
@@ -93,7 +90,7 @@ def main(model_dir, prompts_file, max_new_tokens):
     server.update(spec.get("server", {}))
     engine = sglang.Engine(model_path=model_dir, device="npu", attention_backend="ascend",
                            disable_cuda_graph=True, skip_tokenizer_init=True, tp_size=1,
-                           mem_fraction_static=0.5, dtype=DTYPE, random_seed=0, log_level="info", **server)
+                           mem_fraction_static=0.5, dtype="float32", random_seed=0, log_level="info", **server)
     try:
         args = engine.server_args
         tokens = []
