@@ -57,6 +57,24 @@ def test_gating_sigmoid_groups_bias_and_scaling(torch_npu):
                                                                dtype=torch.float64), rtol=1e-6, atol=1e-7)
 
 
+def test_gating_sigmoid_renorm_as_sglang_calls_it(torch_npu):
+    """sglang's NPU router (fused_topk_npu) with a sigmoid router and a correction bias:
+    ``renorm=renormalize`` (True), eps 1e-20; the weights are the chosen sigmoids over their sum,
+    as with renorm=0 (the page's sigmoid formula divides by the sum)."""
+    torch.manual_seed(7)
+    x, bias = torch.randn(4, 8), torch.randn(8) * 0.1
+    y, idx, _ = torch.ops.npu.npu_moe_gating_top_k(x, k=2, bias=bias, k_group=1, group_count=1,
+                                                   group_select_mode=0, renorm=True, norm_type=1,
+                                                   routed_scaling_factor=1, eps=1e-20)
+    for t in range(4):
+        sig = [1 / (1 + math.exp(-float(v))) for v in x[t]]
+        best = sorted(range(8), key=lambda e: -(sig[e] + float(bias[e])))[:2]
+        assert idx[t].tolist() == best
+        total = sum(sig[e] for e in best)
+        torch.testing.assert_close(y[t].double(), torch.tensor([sig[e] / total for e in best], dtype=torch.float64),
+                                   rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize("norm_type", [0, 1])
 def test_c_ascend_gating_renorm_and_scaling(torch_npu, norm_type):
     """vllm-ascend's own kernel, called as BaseDeviceAdaptor.moe_gating_top_k calls it
@@ -124,6 +142,56 @@ def test_grouped_matmul_splits_rows_by_group(torch_npu):
                                            rtol=1e-5, atol=1e-5)
 
 
+def test_grouped_matmul_output_dtype_as_sglang_passes_it(torch_npu):
+    """sglang's NPU MoE runner passes ``output_dtype`` (bfloat16 for bfloat16 x): the page's
+    non-quantised row, the result in x's own dtype, equal to the call without it."""
+    torch.manual_seed(3)
+    x, w = torch.randn(4, 8).bfloat16(), torch.randn(2, 8, 6).bfloat16()
+    out = torch.ops.npu.npu_grouped_matmul(x=[x], weight=[w], split_item=2, group_list_type=1, group_type=0,
+                                           group_list=torch.tensor([3, 1]), output_dtype=torch.bfloat16)[0]
+    assert out.dtype == torch.bfloat16
+    ref = torch.cat([x[:3].double() @ w[0].double(), x[3:].double() @ w[1].double()])
+    torch.testing.assert_close(out.double(), ref, rtol=2e-2, atol=2e-2)
+    # float32 stands in for bfloat16 inside the math-check switch only (outside it: refused, below)
+    from npu_shim.emulation import dtypes
+
+    with dtypes.float32_not_on_hardware():
+        out32 = torch.ops.npu.npu_grouped_matmul(x=[x.float()], weight=[w.float()], split_item=2, group_list_type=1,
+                                                 group_type=0, group_list=torch.tensor([3, 1]),
+                                                 output_dtype=torch.bfloat16)[0]
+    assert out32.dtype == torch.float32
+    torch.testing.assert_close(out32.double(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_finalize_routing_after_init_routing_v2(torch_npu):
+    """sglang's NPU combine: ``npu_moe_init_routing_v2`` (quant_mode -1), the experts, then
+    ``npu_moe_finalize_routing(..., drop_pad_mode=2)``. With each expert the identity plus its bias
+    row, out[i] = sum_k scales[i, k] * (x[i] + bias[e_ik]) in float64; drop_pad_mode 0 takes the
+    same index laid out by choice (i + k * NUM_ROWS) and gives the same."""
+    torch.manual_seed(11)
+    rows, k, experts, hidden = 5, 2, 4, 6
+    x, bias = torch.randn(rows, hidden), torch.randn(experts, hidden)
+    expert_idx = torch.stack([torch.randperm(experts)[:k] for _ in range(rows)]).to(torch.int32)
+    scales = torch.rand(rows, k)
+    expanded_x, expanded_row_idx, _, _ = torch.ops.npu.npu_moe_init_routing_v2(
+        x, expert_idx, active_num=rows * k, expert_num=experts, expert_tokens_num_type=1,
+        expert_tokens_num_flag=True, active_expert_range=[0, experts], quant_mode=-1)
+    ref = torch.zeros(rows, hidden, dtype=torch.float64)
+    for i in range(rows):
+        for j in range(k):
+            ref[i] += float(scales[i, j]) * (x[i].double() + bias[int(expert_idx[i, j])].double())
+    out = torch.ops.npu.npu_moe_finalize_routing(expanded_x, skip1=None, skip2=None, bias=bias, scales=scales,
+                                                 expanded_src_to_dst_row=expanded_row_idx,
+                                                 export_for_source_row=expert_idx, drop_pad_mode=2)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5)
+    by_choice = expanded_row_idx.reshape(rows, k).t().reshape(-1).contiguous()
+    out0 = torch_npu.npu_moe_finalize_routing(expanded_x, None, None, bias, scales, by_choice, expert_idx, 0)
+    torch.testing.assert_close(out0.double(), ref, rtol=1e-5, atol=1e-5)
+    # the row layout read as the choice layout mixes the rows' choices
+    wrong = torch_npu.npu_moe_finalize_routing(expanded_x, None, None, bias, scales, expanded_row_idx, expert_idx, 0)
+    assert (wrong.double() - ref).abs().max() > 1e-2
+
+
 def test_token_unpermute_gathers_and_weights(torch_npu):
     torch.manual_seed(3)
     permuted, probs = torch.randn(6, 3), torch.rand(3, 2)
@@ -172,7 +240,7 @@ def test_the_chain_vllm_ascend_runs_equals_a_float64_moe(torch_npu):
 
 @pytest.mark.parametrize("call, error, message", [
     (lambda t: t.npu_moe_gating_top_k(torch.randn(2, 8), k=9), ValueError, "k=9"),
-    (lambda t: t.npu_moe_gating_top_k(torch.randn(2, 8), k=2, renorm=1), NotImplementedError, "renorm"),
+    (lambda t: t.npu_moe_gating_top_k(torch.randn(2, 8), k=2, renorm=1, norm_type=0), NotImplementedError, "renorm"),
     (lambda t: torch.ops._C_ascend.moe_gating_top_k(torch.randn(2, 8), 2, 1, 1, 0, 2, 0, False, 1.0, 1e-20),
      ValueError, "renorm must be 0 or 1"),
     (lambda t: torch.ops._C_ascend.moe_gating_top_k(torch.randn(2, 8), 2, 3, 2, 0, 0, 0, False, 1.0, 1e-20),
@@ -184,9 +252,32 @@ def test_the_chain_vllm_ascend_runs_equals_a_float64_moe(torch_npu):
                                          expert_num=2, quant_mode=1), NotImplementedError, "quant_mode"),
     (lambda t: t.npu_grouped_matmul([torch.randn(3, 2)], [torch.randn(2, 2, 2)], group_list=torch.tensor([2, 2]),
                                     split_item=2, group_type=0, group_list_type=1), ValueError, "does not split"),
+    (lambda t: t.npu_grouped_matmul([torch.randn(3, 2)], [torch.randn(1, 2, 2)], group_list=torch.tensor([3]),
+                                    split_item=2, group_type=0, group_list_type=1, output_dtype=torch.bfloat16),
+     NotImplementedError, "output_dtype"),
+    (lambda t: t.npu_moe_finalize_routing(torch.randn(4, 3), None, None, None, torch.rand(2, 2),
+                                          torch.arange(4, dtype=torch.int32), None, drop_pad_mode=1),
+     NotImplementedError, "drop_pad_mode"),
+    (lambda t: t.npu_moe_finalize_routing(torch.randn(4, 3), None, None, None, torch.rand(2, 2),
+                                          torch.tensor([0, 1, 2, 7], dtype=torch.int32), None, drop_pad_mode=2),
+     ValueError, "outside"),
     (lambda t: t.npu_moe_token_unpermute(torch.randn(4, 2), torch.tensor([0, 1, 2, 9], dtype=torch.int32)),
      ValueError, "outside permuted_tokens"),
 ])
 def test_bad_input_is_refused_with_the_reason(torch_npu, call, error, message):
     with pytest.raises(error, match=message):
         call(torch_npu)
+
+
+def test_format_cast_keeps_the_values(torch_npu):
+    """sglang casts each unquantised MoE weight to FRACTAL_NZ after loading
+    (``torch.ops.npu.npu_format_cast(w, 29)``): the same logical values in a new tensor; a number that
+    is no aclFormat, or the packed-FP4 unpacking, is refused."""
+    w = torch.randn(3, 8, 4)
+    for op in (torch_npu.npu_format_cast, torch.ops.npu.npu_format_cast):
+        cast = op(w, 29)
+        assert cast.dtype == w.dtype and torch.equal(cast, w) and cast.data_ptr() != w.data_ptr()
+    with pytest.raises(ValueError, match="acl_format 28 is not an aclFormat"):
+        torch_npu.npu_format_cast(w, 28)
+    with pytest.raises(NotImplementedError, match="packed-FP4"):
+        torch.ops.npu.npu_format_cast(w, 29, customize_dtype=torch.float8_e4m3fn)

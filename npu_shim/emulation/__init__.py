@@ -20,7 +20,7 @@ and the decoder ops (``decoder_attention``): ``_npu_paged_attention``,
 registered layers call (docs/emulation-ops.md): ``npu_rms_norm``, ``npu_add_rms_norm`` (``norms``),
 ``npu_swiglu`` (``activation``), ``npu_rotary_mul``, ``npu_mrope``, ``_npu_rotary_embedding``, ``npu_apply_rotary_pos_emb`` (``rotary``),
 ``npu_moe_gating_top_k``, ``npu_moe_init_routing_v2``, ``npu_grouped_matmul``,
-``npu_moe_token_unpermute`` (``moe``), all as ``torch_npu.X`` and ``torch.ops.npu.X``; vllm-ascend's
+``npu_moe_token_unpermute``, ``npu_moe_finalize_routing`` (``moe``), ``npu_format_cast`` (``formats``), all as ``torch_npu.X`` and ``torch.ops.npu.X``; vllm-ascend's
 own ``torch.ops._C_ascend.npu_add_rms_norm_bias`` and ``torch.ops._C_ascend.moe_gating_top_k``; ``torch_npu.npu`` with ``is_available() == False``,
 the emulated SoC (``NPU_SHIM_EMULATE_SOC``) and no-op streams/events
 (``torch_npu.npu.streams``); ``torch_npu._C._npu_get_soc_version`` and

@@ -20,8 +20,8 @@ from torch.overrides import handle_torch_function, has_torch_function
 from torch.utils._pytree import tree_flatten
 
 from npu_shim.emulation import (
-    activation, decoder_attention, defects, device_print, fusion_attention, moe, norms, prompt_flash_attention,
-    rotary, unpad)
+    activation, decoder_attention, defects, device_print, formats, fusion_attention, moe, norms,
+    prompt_flash_attention, rotary, unpad)
 from npu_shim.emulation._common import INT_MAX
 from npu_shim.emulation.fused_infer_attention import (
     FIA_HOST_ARGS, IFA_HOST_ARGS, npu_fused_infer_attention_score, npu_incre_flash_attention)
@@ -203,9 +203,20 @@ SCHEMAS = {
         "npu_moe_token_unpermute(Tensor permuted_tokens, Tensor sorted_indices, Tensor? probs=None, "
         "bool padded_mode=False, int[]? restore_shape=None) -> Tensor",
     ),
+    "npu_moe_finalize_routing": (
+        moe.npu_moe_finalize_routing,
+        "npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2, Tensor? bias, "
+        "Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row, int? drop_pad_mode=0) "
+        "-> Tensor",
+    ),
     "_npu_matmul_add_fp32": (
         _npu_matmul_add_fp32,
         "_npu_matmul_add_fp32(Tensor x, Tensor weight, Tensor(a!) C) -> ()",
+    ),
+    "npu_format_cast": (
+        formats.npu_format_cast,
+        "npu_format_cast(Tensor self, int acl_format, *, ScalarType? customize_dtype=None, "
+        "ScalarType? input_dtype=None) -> Tensor",
     ),
     "npu_scatter_nd_update_": (
         npu_scatter_nd_update_,

@@ -23,7 +23,7 @@ import torch
 
 from npu_shim.emulation import soc
 
-__all__ = ["SUPPORTED", "check", "device_class", "float32_not_on_hardware", "supported"]
+__all__ = ["SUPPORTED", "check", "device_class", "float32_not_on_hardware", "stands_in", "supported"]
 
 F16, BF16, F32 = torch.float16, torch.bfloat16, torch.float32
 
@@ -126,6 +126,10 @@ SUPPORTED = {
     # permuted_tokens. CANN aclnnMoeTokenUnpermute 产品支持情况: "Atlas 推理系列产品 ×"; the
     # dtype list is unverified (the parameter table was not read).
     "npu_moe_token_unpermute": {"A2": (F32, F16, BF16), "310P": ()},
+    # expanded_permuted_rows. Ascend Extension for PyTorch 6.0.RC3 API reference,
+    # torch_npu.npu_moe_finalize_routing: "数据类型支持FLOAT16、BFLOAT16、FLOAT32"; 支持的型号: Atlas A2
+    # only.
+    "npu_moe_finalize_routing": {"A2": (F32, F16, BF16), "310P": ()},
     "npu_scatter_nd_update_": {
         "A2": (F32, F16, torch.bool, BF16, torch.int64, torch.int8),
         "310P": (F32, F16, torch.bool),
@@ -153,6 +157,14 @@ def float32_not_on_hardware():
 
 def float32_allowed():
     return _float32_depth > 0
+
+
+def stands_in(given, named):
+    """Whether a tensor of dtype ``given`` stands in for one the caller names as ``named``: float32 for
+    float16 / bfloat16, inside :func:`float32_not_on_hardware` only. For callers that name the
+    model's half dtype outright (sglang's NPU MoE runner passes ``output_dtype=torch.bfloat16``
+    unless its input is float16)."""
+    return float32_allowed() and given == F32 and named in (F16, BF16)
 
 
 def device_class():

@@ -25,7 +25,10 @@ Documented behaviour implemented:
   when ``out_flag``. The renorm=1 and softmax steps are those of the kernel's reference in
   vllm-ascend's op test (``moe_gating_top_k_numpy_ref``); torch_npu's page documents renorm=0
   and the scaling for sigmoid only, so its spelling refuses renorm=1 and a scaling factor
-  with softmax.
+  with softmax. With sigmoid the page's formula already divides ``y`` by its sum (+ eps), so
+  renorm=1 there computes the same; sglang's NPU router passes ``renorm=renormalize`` with a
+  sigmoid router and a correction bias (``fused_topk_npu``: DeepSeek-V3- and
+  MiMo-V2-Flash-shaped routers), which the emulation therefore takes.
 * ``npu_moe_init_routing_v2(x, expert_idx, *, scale=None, offset=None, active_num=-1,
   expert_capacity=-1, expert_num=-1, drop_pad_mode=0, expert_tokens_num_type=0,
   expert_tokens_num_flag=False, quant_mode=0, active_expert_range=[], row_idx_type=0)
@@ -43,10 +46,25 @@ Documented behaviour implemented:
   M), ``split_item`` 2 or 3 (one output): rows ``[start_e, end_e)`` of ``x`` are multiplied
   by ``weight[e]``; ``group_list`` gives the counts (group_list_type 1) or the cumulative ends
   (0). Optional ``bias`` (one (E, N) tensor in a list) is added per group. Rows past the last
-  group are zero in the output. Quantisation arguments are refused.
+  group are zero in the output. ``output_dtype`` None or x's own dtype (the page's non-quantised
+  rows: float16, bfloat16, float32 each give their own; sglang's NPU MoE runner passes it, the
+  model's half dtype: inside ``dtypes.float32_not_on_hardware`` float32 x stands in for it).
+  Quantisation arguments are refused.
 * ``npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False,
   restore_shape=None) -> Tensor`` (CANN aclnnMoeTokenUnpermute): ``out[i] = sum_j
   permuted_tokens[sorted_indices[i*K + j]] * probs[i, j]`` (K = probs.shape[1], 1 without probs).
+* ``npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
+  expanded_src_to_dst_row, export_for_source_row, drop_pad_mode=0) -> Tensor``
+  (torch_npu.npu_moe_finalize_routing; CANN aclnnMoeFinalizeRoutingV2), sglang's NPU MoE combine
+  (``NPUFinalizeRouting``, ``drop_pad_mode=2`` after ``npu_moe_init_routing_v2``): ``out[i] =
+  skip1[i] + skip2[i] + sum_k scales[i, k] * (expanded_permuted_rows[r(i, k)] +
+  bias[export_for_source_row[i, k]])``, ``r(i, k) = expanded_src_to_dst_row[i + k * NUM_ROWS]``
+  (the page's formula, drop_pad_mode 0: the row index laid out by choice, as v1 routing's
+  ``row_idx`` is) or ``expanded_src_to_dst_row[i * K + k]`` (drop_pad_mode 2: laid out by row,
+  as ``npu_moe_init_routing_v2`` flattens ``expert_idx``); the V2 page gives both modes the
+  dropless range [0, NUM_ROWS * K - 1]. The drop/pad modes (1, 3) and a call without ``scales``
+  are refused. vllm-ascend's all-gather MoE does not call it: its comment reports "accuracy
+  issues" with it (no reproduction given), and it uses ``npu_moe_token_unpermute`` instead.
 """
 import torch
 
@@ -58,6 +76,9 @@ C_GATING = "moe_gating_top_k"
 INIT_ROUTING = "npu_moe_init_routing_v2"
 GMM = "npu_grouped_matmul"
 UNPERMUTE = "npu_moe_token_unpermute"
+FINALIZE = "npu_moe_finalize_routing"
+# drop_pad_mode -> how expanded_src_to_dst_row is laid out over (row i, choice k) of NUM_ROWS rows
+FINALIZE_LAYOUTS = {0: "column", 2: "row"}
 
 
 def _dt(x):
@@ -112,8 +133,8 @@ def _gating(op, x, k, bias, k_group, group_count, group_select_mode, renorm, nor
 
 def npu_moe_gating_top_k(x, k, *, bias=None, k_group=1, group_count=1, group_select_mode=0,
                          renorm=0, norm_type=1, out_flag=False, routed_scaling_factor=1.0, eps=1e-20):
-    if renorm != 0:
-        raise not_implemented(GATING, "renorm", "renorm=%r; the page documents 0" % renorm)
+    if renorm != 0 and norm_type != 1:
+        raise not_implemented(GATING, "renorm", "renorm=%r with softmax; the page documents 0" % renorm)
     if norm_type == 0 and routed_scaling_factor != 1.0:
         raise not_implemented(GATING, "routed_scaling_factor",
                               "%r with softmax (the page gives no scaling step for it)" % routed_scaling_factor)
@@ -189,8 +210,6 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
             raise not_implemented(GMM, name)
     if act_type != 0:
         raise not_implemented(GMM, "act_type", "act_type=%r" % act_type)
-    if output_dtype is not None:
-        raise not_implemented(GMM, "output_dtype")
     if group_type != 0 or split_item not in (2, 3):
         raise not_implemented(GMM, "group_type/split_item",
                         "group_type=%r split_item=%r (MoE's group_type=0, split_item 2 or 3 are)"
@@ -199,6 +218,10 @@ def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiqua
         raise not_implemented(GMM, "x/weight", "%d x and %d weight tensors (one of each is)" % (len(x), len(weight)))
     a, w = x[0], weight[0]
     dtypes.check(GMM, x=a, weight=w)
+    if output_dtype is not None and output_dtype != a.dtype and not dtypes.stands_in(a.dtype, output_dtype):
+        # the page's non-quantised rows: output_dtype None or x's own dtype (float16, bfloat16, float32)
+        raise not_implemented(GMM, "output_dtype", "%s for x of %s (the non-quantised case takes None or x's dtype)"
+                              % (output_dtype, a.dtype))
     if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[1] or a.dtype != w.dtype:
         raise ValueError("%s: x must be (M, K) and weight (E, K, N) of one dtype, got %s %s / %s %s"
                          % (GMM, tuple(a.shape), a.dtype, tuple(w.shape), w.dtype))
@@ -254,3 +277,39 @@ def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_
     if probs is not None:
         gathered = gathered * probs.to(dt)[..., None]
     return gathered.sum(dim=1).to(permuted_tokens.dtype)
+
+
+def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                             export_for_source_row, drop_pad_mode=0):
+    rows = expanded_permuted_rows
+    dtypes.check(FINALIZE, expanded_permuted_rows=rows)
+    if drop_pad_mode not in FINALIZE_LAYOUTS:
+        raise not_implemented(FINALIZE, "drop_pad_mode", "%r (the dropless modes 0 and 2 are)" % (drop_pad_mode,))
+    if scales is None:
+        raise not_implemented(FINALIZE, "scales", "None (every caller read gives the routing weights)")
+    if scales.dim() != 2 or rows.dim() != 2 or rows.shape[0] != scales.numel():
+        raise ValueError("%s: scales must be (NUM_ROWS, K) and expanded_permuted_rows (NUM_ROWS * K, H), got %s / %s"
+                         % (FINALIZE, tuple(scales.shape), tuple(rows.shape)))
+    num_rows, k = scales.shape
+    index = expanded_src_to_dst_row
+    if index.dtype != torch.int32 or index.shape != (num_rows * k,):
+        raise ValueError("%s: expanded_src_to_dst_row must be int32 (%d,), got %s %s"
+                         % (FINALIZE, num_rows * k, index.dtype, tuple(index.shape)))
+    if skip2 is None and skip1 is not None:
+        raise ValueError("%s: skip1 given without skip2 (the page: skip2 None needs skip1 None)" % FINALIZE)
+    idx = index.to(torch.long)
+    if idx.numel() and bool(((idx < 0) | (idx >= rows.shape[0])).any()):
+        raise ValueError("%s: an index of expanded_src_to_dst_row is outside [0, %d)" % (FINALIZE, rows.shape[0]))
+    # (NUM_ROWS, K): the expanded row holding choice k of row i
+    where = idx.reshape(k, num_rows).t() if FINALIZE_LAYOUTS[drop_pad_mode] == "column" else idx.reshape(num_rows, k)
+    dt = _dt(rows)
+    picked = rows.to(dt)[where]
+    if bias is not None:
+        if export_for_source_row is None or export_for_source_row.shape != (num_rows, k):
+            raise ValueError("%s: bias needs export_for_source_row of shape (%d, %d)" % (FINALIZE, num_rows, k))
+        picked = picked + bias.to(dt)[export_for_source_row.to(torch.long)]
+    out = (picked * scales.to(dt)[..., None]).sum(dim=1)
+    for skip in (skip1, skip2):
+        if skip is not None:
+            out = out + skip.to(dt)
+    return out.to(rows.dtype)

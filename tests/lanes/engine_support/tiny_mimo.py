@@ -19,7 +19,8 @@ The config carries both spellings of these facts: transformers' (``layer_types``
 ``mlp_layer_types``, ``sliding_window``; its ``rope_parameters`` left to its own defaults, which are
 the model's thetas) and the checkpoint's that vLLM's MiMo module reads (``hybrid_layer_pattern``,
 ``moe_layer_freq``, ``swa_*``, ``sliding_window_size``, ``add_swa_attention_sink_bias``,
-``layernorm_epsilon``, ``rope_theta``, ``swa_rope_theta``), equal. The weights: N(0, 0.1) for the
+``layernorm_epsilon``, ``rope_theta``, ``swa_rope_theta``; ``topk_method`` and ``scoring_func``, read by
+sglang's), equal. The weights: N(0, 0.1) for the
 projections, embeddings and router; norms 1; the sinks N(0, 1) and the score-correction bias
 N(0, 0.1), so that both matter.
 
@@ -58,6 +59,8 @@ def config_fields(**overrides):
         swa_num_attention_heads=4, swa_num_key_value_heads=4, swa_head_dim=192, swa_v_head_dim=128,
         sliding_window_size=WINDOW, add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False,
         layernorm_epsilon=1e-5, rope_theta=5e6, swa_rope_theta=1e4, partial_rotary_factor=0.334,
+        # the router as the checkpoint names it (sglang's mimo_v2 reads them; vLLM's takes sigmoid itself)
+        topk_method="noaux_tc", scoring_func="sigmoid",
         auto_map={"AutoConfig": "configuration_mimo_v2_flash.MiMoV2FlashConfig"})
     fields.update(overrides)
     return fields
@@ -147,10 +150,11 @@ def transformers_has_the_model():
     return hasattr(transformers, "MiMoV2FlashForCausalLM")
 
 
-def model_class():
+def model_class(**config):
     """transformers' ``MiMoV2FlashForCausalLM``, its loading checked: every weight of the checkpoint
     read, none left at initialisation (the checkpoint's names are converted on load); eager
-    attention and experts."""
+    attention and experts; ``config``: attributes of the saved config to replace (transformers'
+    ``from_pretrained`` keywords)."""
     from transformers import MiMoV2FlashForCausalLM
 
     class Checked(MiMoV2FlashForCausalLM):
@@ -160,7 +164,7 @@ def model_class():
             # the experts; the grouped matmul takes no float64)
             model, info = MiMoV2FlashForCausalLM.from_pretrained(folder, output_loading_info=True,
                                                                  attn_implementation="eager",
-                                                                 experts_implementation="eager", **kwargs)
+                                                                 experts_implementation="eager", **config, **kwargs)
             left = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")}
             if left:
                 raise RuntimeError("transformers' MiMoV2FlashForCausalLM did not load the tiny checkpoint: %r" % left)
@@ -169,9 +173,10 @@ def model_class():
     return Checked
 
 
-def forward_f64(model_dir, ids):
+def forward_f64(model_dir, ids, window=None):
     """MiMo-V2-Flash's forward in float64 from the model's definition, on the checkpoint in
-    ``model_dir``: the logits (T, vocab) of the token ids ``ids`` (one sequence from position 0).
+    ``model_dir``: the logits (T, vocab) of the token ids ``ids`` (one sequence from position 0);
+    ``window``: the keys a sliding layer's query attends, itself included (default: the checkpoint's).
 
     Per layer: RMSNorm (``x / sqrt(mean(x^2) + eps) * w``); q/k/v projections, V times the value
     scale; rotary on the first ``int(192 * 0.334)`` = 64 channels of q and k (rotate-half, frequency
@@ -218,9 +223,9 @@ def forward_f64(model_dir, ids):
         k = (h @ w[base + "self_attn.k_proj.weight"].T).view(t, kv_heads, head)
         v = (h @ w[base + "self_attn.v_proj.weight"].T).view(t, kv_heads, v_head) * c["attention_value_scale"]
         theta = c["swa_rope_theta"] if sliding else c["rope_theta"]
-        window = c["sliding_window_size"] if sliding else None
-        allowed = (lambda seg, sq, skv: torch.arange(skv)[None, :] > torch.arange(sq)[:, None] - window) \
-            if window else None
+        window_ = (window or c["sliding_window_size"]) if sliding else None
+        allowed = (lambda seg, sq, skv, w=window_: torch.arange(skv)[None, :] > torch.arange(sq)[:, None] - w) \
+            if window_ else None
         sinks = w[base + "self_attn.attention_sink_bias"] if sliding and c["add_swa_attention_sink_bias"] else None
         out = attention_f64(rope(q, theta), rope(k, theta), v, [0, t], causal=True, scale=head ** -0.5,
                             allowed=allowed, sinks=sinks)
@@ -243,17 +248,18 @@ def forward_f64(model_dir, ids):
     return norm(x, w["model.norm.weight"]) @ w["lm_head.weight"].T
 
 
-def reference_steps(model_dir, prompts, max_new=tiny.MAX_NEW):
+def reference_steps(model_dir, prompts, max_new=tiny.MAX_NEW, window=WINDOW):
     """The float64 reference, greedy: per prompt, per step, ``(token, log-probability, margin)``.
     transformers' MiMoV2FlashForCausalLM in float64 where transformers has it (eager attention with
     sinks and the sliding window; its router computes the gate in float32, as the model defines
-    it); :func:`forward_f64` otherwise."""
+    it); :func:`forward_f64` otherwise. ``window``: the keys a sliding layer's query attends, itself
+    included (transformers' ``sliding_window``; the checkpoint's by default)."""
     if transformers_has_the_model():
-        return tiny.reference_steps(model_dir, prompts, max_new, model_class=model_class())
-    return own_reference_steps(model_dir, prompts, max_new)
+        return tiny.reference_steps(model_dir, prompts, max_new, model_class=model_class(sliding_window=window))
+    return own_reference_steps(model_dir, prompts, max_new, window)
 
 
-def own_reference_steps(model_dir, prompts, max_new=tiny.MAX_NEW):
+def own_reference_steps(model_dir, prompts, max_new=tiny.MAX_NEW, window=None):
     """:func:`forward_f64`, greedy: per prompt, per step, ``(token, log-probability, margin)``."""
     import torch
 
@@ -261,7 +267,7 @@ def own_reference_steps(model_dir, prompts, max_new=tiny.MAX_NEW):
     for prompt in prompts:
         ids, out = list(prompt), []
         for _ in range(max_new):
-            logits = forward_f64(model_dir, ids)[-1]
+            logits = forward_f64(model_dir, ids, window)[-1]
             top = logits.topk(2)
             nxt = int(top.indices[0])
             out.append((nxt, float(torch.log_softmax(logits, -1)[nxt]), float(top.values[0] - top.values[1])))

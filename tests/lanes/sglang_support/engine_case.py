@@ -38,7 +38,8 @@ def record_ops(folder):
     op body, chained to the one installed before) and write them, with the shim's applied patches and
     their counters, to ``folder/ops-<pid>.json`` at each call: sglang's scheduler is ended by a signal,
     so nothing could be written at its exit. ``{"ops": {name: calls}, "shim": {patch: {"family",
-    "calls", "upstream_calls"}}}``, the patch counters as they stood at the process's last op call."""
+    "calls", "upstream_calls", ...}}}`` (the family and every ``*calls`` counter), the patch counters as
+    they stood at the process's last op call."""
     import collections
     import contextlib
 
@@ -52,7 +53,7 @@ def record_ops(folder):
         counts[name] += 1
         import npu_shim
 
-        shim = {patch: {key: row.get(key) for key in ("family", "calls", "upstream_calls")}
+        shim = {patch: {key: value for key, value in row.items() if key == "family" or key.endswith("calls")}
                 for patch, row in npu_shim.stats().items() if row.get("state") == "applied"}
         with open(path + ".tmp", "w") as f:
             json.dump({"ops": dict(counts), "shim": shim}, f)
@@ -98,7 +99,8 @@ def main(model_dir, prompts_file, max_new_tokens):
                                    sampling_params={"temperature": 0, "max_new_tokens": max_new_tokens})
             tokens.extend(o["output_ids"] for o in outs)
         result = {"tokens": tokens, "device": args.device, "attention_backend": args.attention_backend,
-                  "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size}
+                  "page_size": args.page_size, "chunked_prefill_size": args.chunked_prefill_size,
+                  "dtype": args.dtype, "float32_not_on_hardware": dtypes.float32_allowed()}
     finally:
         engine.shutdown()
     print("ENGINE_RESULT " + json.dumps(result), flush=True)

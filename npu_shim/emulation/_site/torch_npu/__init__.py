@@ -48,6 +48,8 @@ npu_moe_gating_top_k = _registry.PUBLIC["npu_moe_gating_top_k"]
 npu_moe_init_routing_v2 = _registry.PUBLIC["npu_moe_init_routing_v2"]
 npu_grouped_matmul = _registry.PUBLIC["npu_grouped_matmul"]
 npu_moe_token_unpermute = _registry.PUBLIC["npu_moe_token_unpermute"]
+npu_moe_finalize_routing = _registry.PUBLIC["npu_moe_finalize_routing"]  # sglang's NPU MoE combine
+npu_format_cast = _registry.PUBLIC["npu_format_cast"]  # sglang's MoE weights after loading
 _npu_matmul_add_fp32 = _registry.PUBLIC["_npu_matmul_add_fp32"]  # ATB, vllm-ascend's worker warm-up
 
 from torch_npu import _C, multiprocessing, npu, profiler  # noqa: E402  (submodules after the ops exist)
@@ -112,5 +114,7 @@ __all__ = [
     "npu_moe_init_routing_v2",
     "npu_grouped_matmul",
     "npu_moe_token_unpermute",
+    "npu_moe_finalize_routing",
+    "npu_format_cast",
     "_npu_matmul_add_fp32",
 ]
