@@ -3,9 +3,9 @@ Ascend device (issue 38, items 3 and 4; README row "sglang: models whose V head 
 
 ``sglang.Engine(device="npu", attention_backend="ascend")`` in a child process, as
 tests/lanes/test_engine_sglang.py starts it (tests/lanes/sglang_support/engine_case.py: eager, TP 1,
-float32 inside the emulation's math-check switch, token ids in), on transformers' own
-``MiMoV2FlashForCausalLM`` saved by tests/lanes/engine_support/tiny_mimo.py with its overrides for this
-stage: **two full-attention layers, dense MLPs** (4 query heads, 2 KV heads, K 192 / V 128, partial
+float32 inside the emulation's math-check switch, token ids in), on a tiny MiMo-V2-Flash written by
+tests/lanes/engine_support/tiny_mimo.py (read whole by transformers' own ``MiMoV2FlashForCausalLM`` for
+the reference) with its overrides for this stage: **two full-attention layers, dense MLPs** (4 query heads, 2 KV heads, K 192 / V 128, partial
 rotary 0.334, value scale 0.707). sglang builds the model with its own ``mimo_v2`` module.
 
 Server arguments the tiny checkpoint needs (not the shim's business, said where they are used):
@@ -43,7 +43,8 @@ sglang's window is one key wider than transformers' and vLLM's on the same check
 ``sliding_window - 1``; ``mimo_v2`` passes the checkpoint's value unchanged, and the Ascend backend hands it
 to FIA as ``pre_tokens``), where transformers' ``sliding_window`` and vLLM's count the query too. The
 reference therefore attends ``WINDOW + 1`` keys (``SGLANG_KEYS``); with ``WINDOW`` its tokens for the
-100-token prompt differ from the third on (measured: 20 against the engine's 125, margin 0.32). Not an NPU
+100-token prompt differ from the first on (measured on tiny_mimo's checkpoint: 126 against the engine's 78,
+margin 0.27). Not an NPU
 matter; left to upstream.
 """
 import glob
