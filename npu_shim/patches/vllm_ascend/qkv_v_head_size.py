@@ -76,7 +76,7 @@ PATCH = Patch(
     target=TARGET,
     replaces=(INIT,),
     requires={"vllm-ascend": ""},
-    outside_window={"vllm-ascend": "below, the same class text (read in 0.15.0rc1 - 0.17.0rc1) but no test runs it here"},
+    outside_window={"vllm-ascend": "below, the same class text in the older releases read (see Window) but no test runs it here"},
     families=(
         Family(__name__ + ":V_HEAD_SIZE", fence=">=0.18.0rc1",
                keeps="upstream's __init__, parallel op, forward and vLLM's weight loaders; only the V sizes change"),
