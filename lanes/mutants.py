@@ -230,6 +230,11 @@ MUTANTS = (
             "and not (learnable_sink.dtype == torch.float32\n"
             "                                                       and dtypes.float32_allowed()):",
             "and not (learnable_sink.dtype == torch.float32):")),
+    mutant("engine-mimo-padded-qkv", "vllm.ascend_qkv_v_head_size fenced from 0.20 again: on vllm-ascend 0.18 the "
+                                     "QKV projection sizes V with K's 192 and vLLM's engine stops at the first "
+                                     "forward of a full-attention MiMo-V2-Flash (the model pads V itself there)",
+           "vllm-0.18", "FAILED tests/lanes/test_engine_vllm_mimo.py",
+           ("npu_shim/patches/vllm_ascend/qkv_v_head_size.py", 'fence=">=0.18.0rc1"', 'fence=">=0.20.0rc1"')),
     mutant("engine-small-page", "sglang.small_page_fia leaves pages of 16 and 64 on upstream's qlens prefill (its "
                                 "threshold at 16, not 128): sglang's engine with small KV pages does not serve",
            "latest-sglang", "FAILED tests/lanes/test_engine_sglang_small_page.py",
