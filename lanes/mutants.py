@@ -207,6 +207,11 @@ MUTANTS = (
            "latest-sglang", "FAILED tests/lanes/test_engine_sglang_mimo.py",
            ("npu_shim/emulation/decoder_attention.py", "out[q0:q1], scale=float(softmax_scale),",
             "out[q0:q1], scale=float(softmax_scale) * 1.3,")),
+    mutant("engine-sglang-mimo-sinks", "the emulated FIA v2 drops learnable_sink (the sliding layers' sinks, which "
+                                       "sglang.npu_decode_v_head_dim's sink prefill and decode edits hand it): sglang's "
+                                       "engine serving the whole tiny MiMo-V2-Flash answers other tokens",
+           "latest-sglang", "FAILED tests/lanes/test_engine_sglang_mimo.py::test_whole_model",
+           ("npu_shim/emulation/decoder_attention.py", "        sink = learnable_sink\n", "        sink = None\n")),
     mutant("engine-sglang-vl-windows", "the emulated FIA (layout TND, sglang's vision attention on NPU) attends over "
                                        "all tokens, not within each window or image its cumulative lengths bound: "
                                        "sglang's engine answers an image request with other tokens",
