@@ -181,6 +181,12 @@ MUTANTS = (
            "vllm-0.30", "FAILED tests/lanes/test_engine_vllm_vl.py",
            ("npu_shim/patches/vllm_ascend/mm_encoder/common.py",
             "        host = vllms_host_copy(values) if copy is None else None\n", "        host = None\n")),
+    mutant("engine-vl-reads-tower-copy", "Qwen2.5-VL's own cu_seqlens copies (vLLM 0.18 .. 0.21's tower copies them "
+                                         "itself) keep no host array: vllm-ascend's encoder attention reads both back "
+                                         "in the engine's tower forward",
+           "vllm-0.18", "FAILED tests/lanes/test_engine_vllm_vl.py",
+           ("npu_shim/patches/vllm/qwen2_5_vl_host_lengths/families.py",
+            "            if keep_at_next_copy(cu_seqlens):\n", "            if False:\n")),
     mutant("device-parameters", "a Parameter of a device tensor is the device tensor itself again (PyTorch's path "
                                 "for tensor subclasses: vLLM's parameter classes and weight loaders lost)",
            "base", "FAILED tests/test_emulation_device.py",
@@ -207,6 +213,11 @@ MUTANTS = (
            "latest-sglang", "FAILED tests/lanes/test_engine_sglang_mimo.py",
            ("npu_shim/emulation/decoder_attention.py", "out[q0:q1], scale=float(softmax_scale),",
             "out[q0:q1], scale=float(softmax_scale) * 1.3,")),
+    mutant("engine-sglang-mimo-sinks", "the emulated FIA v2 drops learnable_sink (the sliding layers' sinks, which "
+                                       "sglang.npu_decode_v_head_dim's sink prefill and decode edits hand it): sglang's "
+                                       "engine serving the whole tiny MiMo-V2-Flash answers other tokens",
+           "latest-sglang", "FAILED tests/lanes/test_engine_sglang_mimo.py::test_whole_model",
+           ("npu_shim/emulation/decoder_attention.py", "        sink = learnable_sink\n", "        sink = None\n")),
     mutant("engine-sglang-vl-windows", "the emulated FIA (layout TND, sglang's vision attention on NPU) attends over "
                                        "all tokens, not within each window or image its cumulative lengths bound: "
                                        "sglang's engine answers an image request with other tokens",

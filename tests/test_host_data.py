@@ -194,12 +194,12 @@ def test_keep_at_next_copy_arms_host_tensors_only():
     old rule (``device.type == "cpu"``) a stand-in got the hook, and the tensor ``.to`` returned
     carried device data as if the host held it."""
     host = torch.tensor([0, 16, 40], dtype=torch.int32)
-    host_record.keep_at_next_copy(host)
+    assert host_record.keep_at_next_copy(host) is True      # armed (what vllm.qwen2_5_vl_host_lengths counts)
     assert host_record.HOOK in host.__dict__
     host.__dict__.pop(host_record.HOOK)
     stand_in = torch.tensor([0, 16, 40], dtype=torch.int32)
     with count_host_syncs(device_tensors=[stand_in], follow_placement=True) as syncs:
-        host_record.keep_at_next_copy(stand_in)
+        assert host_record.keep_at_next_copy(stand_in) is False
         assert host_record.HOOK not in stand_in.__dict__
         copy = stand_in.to(DEVICE, non_blocking=True)
         assert host_record.take(copy) is None               # old rule: the stand-in itself, as "host" values

@@ -1,6 +1,7 @@
 """vLLM's real engine with vllm-ascend's platform plugin on the emulated Ascend device serving a tiny
 Qwen2.5-VL one request with one image (issue 38, items 2 and 4): greedy tokens equal to the float64
-reference, shim on and off, and the tower's device->host reads through the engine.
+reference, shim on and off, and the tower's device->host reads through the engine, on each lane of
+the text engine test's LANES (one per transformers major: vllm-0.18 and vllm-0.30).
 
 ``vllm.LLM(...)`` is started in a child process (tests/lanes/engine_support/vllm_vl_case.py) the way
 the text test starts it (tests/lanes/test_engine_vllm.py: emulated device of 1 GiB, in-process
@@ -8,7 +9,8 @@ engine core, every vLLM plugin on, eager, TP 1, float32), on a random-weight Qwe
 saves with transformers (tests/lanes/engine_support/tiny_vl.py: text 2 layers, 4 heads of 128,
 ``mrope_section`` [16, 24, 24], the sections for which vllm-ascend calls ``npu_mrope``; vision 2
 blocks, 2 heads of 80 as Qwen2.5-VL's own, window attention and one full-attention block), its
-word-level tokenizer with Qwen2.5-VL's special tokens, and the slow (PIL/numpy) Qwen2-VL image
+word-level tokenizer with Qwen2.5-VL's special tokens (saved as Qwen2's fast class where transformers 4's
+processor accepts no other), and the slow (PIL/numpy) Qwen2-VL image
 processor (torchvision has no CPU build for the lane's torch). The request: ``{"prompt": text with
 <|vision_start|><|image_pad|><|vision_end|>, "multi_modal_data": {"image": a 168 x 112 picture made
 here}}``: 96 patches, 24 image tokens, two attention windows.
@@ -18,18 +20,21 @@ the tower's layers are vllm-ascend's ``AscendMMEncoderAttention`` (the platform'
 greedy tokens equal transformers' ``Qwen2_5_VLForConditionalGeneration`` greedy argmax in float64 on
 the same weights and processed inputs (3-D rope positions), each log-probability within
 ``LOGPROB_TOL`` of float64, and the float64 greedy margins are no near-tie. Read claim (README row
-"vLLM: Qwen2.5-VL ... towers", 0.30: 0 device->host reads per tower forward): counted on the
+"vLLM: Qwen2.5-VL ... towers", 0.18 and 0.30: 0 device->host reads per tower forward): counted on the
 emulated device at dispatch around the tower's forward as ``embed_multimodal`` calls it, once for
 the request: 0 with the shim; without it, upstream's reads as measured in this run on upstream's tower
 alone (``upstream_tower_reads``: the same vision config and image grid, vLLM's tower code, vllm-ascend's
-untouched attention class, today's counter ``count_host_syncs``; vLLM 0.30's tower copies
-``cu_seqlens`` and ``cu_window_seqlens`` to the host), so the device's counter at dispatch and the
-tower tests' counter agree on the engine's tower; with the shim, the tower's attention calls
-are the shim's ``vllm.mm_encoder_attn`` (none handed to upstream's, no host copy;
-``npu_shim.stats()`` in the child), beside ``vllm.mm_encoder_host_lengths``. The shim's encoder
-attention at the tower's head 80 keeps vllm-ascend 0.30's own pad to 128 (the emulated FIA refuses
-80 in layout TND, as CANN does). Mutant ``engine-vl-reads`` (the attention ignores vLLM's host copy)
-must fail this test.
+untouched attention class, today's counter ``count_host_syncs``; vllm-ascend's attention reads the
+lengths back in every layer, ``.to("cpu")`` in 0.18 and ``.cpu()`` in 0.30, so 2 for the tiny tower's
+2 blocks), so the device's counter at dispatch and the tower tests' counter agree on the engine's
+tower; with the shim, the tower's attention calls are the shim's ``vllm.mm_encoder_attn`` (none
+handed to upstream's, no host copy; ``npu_shim.stats()`` in the child), and the host lengths it took
+were kept by the release's host-lengths patch, which counted them: ``vllm.qwen2_5_vl_host_lengths``
+where the tower copies ``cu_seqlens`` itself (it applies only there: vLLM 0.18), else
+``vllm.mm_encoder_host_lengths``. The shim's encoder attention at the tower's head 80 keeps
+vllm-ascend's own pad to 128 (the emulated FIA refuses 80 in layout TND, as CANN does). Mutants
+``engine-vl-reads`` (the attention ignores vLLM's host copy; vllm-0.30) and ``engine-vl-reads-tower-copy``
+(0.18's tower copies keep no host array; vllm-0.18) must fail this test.
 """
 import json
 import os
@@ -44,8 +49,9 @@ from npu_shim.testing.errors import Tolerance
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASE = os.path.join(ROOT, "tests", "lanes", "engine_support", "vllm_vl_case.py")
 
-# The newest of the engine's lanes (transformers 5): tiny_vl's slow image processor and the reference's
-# mm_token_type_ids are transformers 5's (docs/validation.md, the image case on the older lane).
+# The text engine test's lanes, one per transformers major; tiny_vl takes the slow image processor, the
+# tokenizer class and the reference's inputs the installed transformers has, and the child's video
+# processor placeholder reaches the processor where transformers 4.57 hands out a dummy (docs/validation.md).
 pytestmark = [pytest.mark.lanes(*LANES), pytest.mark.engine]
 
 TIMEOUT_S = 300
@@ -118,11 +124,7 @@ def _run_engine(model_dir, tmp_path, shim_on):
                           str(tmp_path), TIMEOUT_S, "vllm.LLM (Qwen2.5-VL)")
 
 
-# The engine case on the newest of LANES only: on the vllm-0.18 stack (transformers 4.57) loading
-# Qwen2.5-VL's processor also loads its video processor, which requires torchvision (no CPU build for
-# the lane's torch on the package index): "AutoVideoProcessor requires the Torchvision library"
-# (docs/validation.md). The reference's check above runs on every lane of LANES.
-@pytest.mark.lanes(LANES[-1])
+# One engine start per case per lane.
 @pytest.mark.parametrize("shim_on", [True, False], ids=["shim-on", "shim-off"])
 def test_image_request_on_the_emulated_npu(model_dir, processed, reference, upstream_tower_reads, tmp_path, shim_on):
     rc, output = _run_engine(model_dir, tmp_path, shim_on)
@@ -144,7 +146,11 @@ def test_image_request_on_the_emulated_npu(model_dir, processed, reference, upst
         # counted over the process: the profile run's dummy image and the request)
         attn = result["shim"].get("vllm.mm_encoder_attn")
         assert attn and attn["calls"] > 0 and (attn["upstream_calls"], attn["host_copies"]) == (0, 0), result
-        assert "vllm.mm_encoder_host_lengths" in result["shim"], result
+        # the host lengths were kept by the patch for the tower's copy: its own (applied only where the
+        # tower copies cu_seqlens itself), else vLLM's shared copy's
+        lengths = ("vllm.qwen2_5_vl_host_lengths" if "vllm.qwen2_5_vl_host_lengths" in result["shim"]
+                   else "vllm.mm_encoder_host_lengths")
+        assert result["shim"].get(lengths, {}).get("calls"), (lengths, result)
     else:
         assert result["shim"] == {}, result
         # upstream's, before the fix: the engine's tower reads, counted at dispatch, are those of

@@ -75,6 +75,7 @@ def _to_keeping_host(host_ref):
 def keep_at_next_copy(host):
     """``host`` (a 1-D host tensor, :func:`~npu_shim.patches._shared.host_data.is_host`): its next
     ``.to(...)`` keeps it on the tensor returned; a device tensor (a stand-in's ``cpu:0``
-    included) gets no hook."""
+    included) gets no hook. Returns whether ``host`` has the hook now."""
     if is_host(host) and host.dim() == 1 and HOOK not in host.__dict__:
         host.__dict__[HOOK] = _to_keeping_host(weakref.ref(host))
+    return HOOK in getattr(host, "__dict__", {})

@@ -58,17 +58,30 @@ def save(folder, vision_head=80, text_head=64):
     return folder
 
 
+def _tokenizer_class():
+    """The fast tokenizer class the tiny tokenizer is saved as. transformers 4's Qwen2.5-VL processor
+    declares the tokenizer classes it accepts (``tokenizer_class``: Qwen2's, the class Qwen2.5-VL's
+    checkpoints name) and refuses any other: there the word-level tokenizer is Qwen2's fast class
+    (the tokenizer object, ``tokenizer.json``, is the same). transformers 5's processor declares none
+    (it checks the tokenizer base class): the generic ``PreTrainedTokenizerFast``."""
+    import transformers
+    from transformers import Qwen2_5_VLProcessor
+
+    names = getattr(Qwen2_5_VLProcessor, "tokenizer_class", None)
+    fast = [n for n in (names if isinstance(names, tuple) else (names,)) if n and n.endswith("Fast")]
+    return getattr(transformers, fast[0]) if fast else transformers.PreTrainedTokenizerFast
+
+
 def _tokenizer():
     from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
 
     vocab = {"t%d" % i: i for i in range(VOCAB_WORDS)}
     vocab.update(SPECIALS)
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     core.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIALS])
-    return PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", unk_token="<unk>",
-                                   pad_token="<|endoftext|>")
+    return _tokenizer_class()(tokenizer_object=core, eos_token="<|endoftext|>", unk_token="<unk>",
+                              pad_token="<|endoftext|>")
 
 
 def _image_processor_class():

@@ -7,7 +7,10 @@ saved, tests/lanes/engine_support/tiny_vl.py), a JSON file ``{"prompt": text}``,
 to generate. The image is ``tiny_vl.image()``, made here as the test makes it. The stand-ins are the
 text case's (tests/lanes/engine_support/vllm_case.py: ``main`` runs ``run`` here inside them), plus
 the image processor: the slow (PIL/numpy) Qwen2-VL one (``mm_processor_kwargs={"backend": "pil"}``:
-the fast one needs torchvision, which has no CPU build for the lane's torch).
+the fast one needs torchvision, which has no CPU build for the lane's torch), the video processor's
+import-only placeholder (:func:`video_processor_placeholder`; under transformers 4.57 also bound where
+the processor looks its classes up, where transformers hands out torchvision dummies), and vLLM's own
+Qwen2.5-VL class registered in this process (in :func:`run`).
 
 Device->host reads of the vision tower: forward hooks on the model's ``visual`` module (vLLM's
 ``Qwen2_5_VisionTransformer``, called by ``embed_multimodal`` -> ``_process_image_input``) open
@@ -34,13 +37,35 @@ def video_processor_placeholder():
     processors are torchvision's (``BaseVideoProcessor`` requires it; no CPU build for the lane's torch):
     ``AutoVideoProcessor.from_pretrained`` returns an import-only placeholder that passes the
     processor's class check and refuses any use but the processor's own bookkeeping (its kwargs
-    list, its dict). The request carries an image, no video."""
-    import transformers
-    from transformers.models.auto.video_processing_auto import AutoVideoProcessor
+    list, its dict). The request carries an image, no video.
+
+    The processor checks the video processor against ``BaseVideoProcessor`` looked up by name in
+    transformers' namespace (``processing_utils.transformers_module``), and transformers 4.57's
+    processor also loads it through ``AutoVideoProcessor`` looked up there (transformers 5 takes the
+    class from its module). Without torchvision that namespace hands out a dummy for both names
+    (``is_dummy``; its every attribute raises "requires the Torchvision library"; the modules
+    defining the classes import without it): each dummy name is bound to the class its own module
+    defines, so the processor reaches the placeholder's ``from_pretrained`` and checks it against the
+    real base. A name that is the class itself (torchvision installed) is left as it is."""
+    import importlib
+
+    from transformers import processing_utils
     from transformers.processing_utils import VideosKwargs
     from transformers.utils import PushToHubMixin
 
-    class VideoProcessorPlaceholder(transformers.BaseVideoProcessor, PushToHubMixin):
+    # the modules by import (transformers 4.57's lazy parent hands out a dummy for them as attributes)
+    video_processing_auto = importlib.import_module("transformers.models.auto.video_processing_auto")
+    video_processing_utils = importlib.import_module("transformers.video_processing_utils")
+
+    AutoVideoProcessor = video_processing_auto.AutoVideoProcessor
+    for name, cls in (("AutoVideoProcessor", AutoVideoProcessor),
+                      ("BaseVideoProcessor", video_processing_utils.BaseVideoProcessor)):
+        # the namespace the processor looks names up in (processing_utils.transformers_module; on transformers
+        # 4.57 another module object than the one an earlier ``import transformers`` bound)
+        if getattr(getattr(processing_utils.transformers_module, name), "is_dummy", False):
+            setattr(processing_utils.transformers_module, name, cls)
+
+    class VideoProcessorPlaceholder(video_processing_utils.BaseVideoProcessor, PushToHubMixin):
         valid_kwargs = VideosKwargs
 
         def __init__(self):
