@@ -56,29 +56,36 @@ def reference_tokens(model_dir, prompts=PROMPTS, max_new=MAX_NEW):
     return [[token for token, _, _ in steps] for steps in reference_steps(model_dir, prompts, max_new)]
 
 
+def greedy_steps(last_logits, prompt, max_new=MAX_NEW):
+    """Greedy decoding of one ``prompt`` (token ids) with ``last_logits(ids)``, the float64 logits of
+    the token after ``ids`` (the whole sequence each step): per generated token ``(token,
+    log-probability, margin)``, the margin being the greedy logit minus the runner-up's (how far
+    from a tie)."""
+    import torch
+
+    ids, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = last_logits(ids)
+            top = logits.topk(2)
+            nxt = int(top.indices[0])
+            out.append((nxt, float(torch.log_softmax(logits, -1)[nxt]), float(top.values[0] - top.values[1])))
+            ids.append(nxt)
+    return out
+
+
 def reference_steps(model_dir, prompts=PROMPTS, max_new=MAX_NEW, model_class=None):
-    """transformers, float64, greedy: per prompt, per generated token, ``(token, log-probability,
-    margin)``, the margin being the greedy logit minus the runner-up's (how far from a tie).
-    ``model_class``: transformers' class for the saved model (default ``Qwen2ForCausalLM``)."""
+    """transformers, float64, greedy (:func:`greedy_steps`): per prompt, per generated token,
+    ``(token, log-probability, margin)``. ``model_class``: transformers' class for the saved model
+    (default ``Qwen2ForCausalLM``)."""
     import torch
 
     if model_class is None:
         from transformers import Qwen2ForCausalLM as model_class
 
     model = model_class.from_pretrained(model_dir, torch_dtype=torch.float64).eval()
-    steps = []
-    with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = []
-            for _ in range(max_new):
-                logits = model(ids).logits[0, -1]
-                top = logits.topk(2)
-                nxt = int(top.indices[0])
-                out.append((nxt, float(torch.log_softmax(logits, -1)[nxt]), float(top.values[0] - top.values[1])))
-                ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-            steps.append(out)
-    return steps
+    return [greedy_steps(lambda ids: model(torch.tensor([ids])).logits[0, -1], prompt, max_new)
+            for prompt in prompts]
 
 
 def scored_steps(model_dir, prompt, tokens, model_class=None):

@@ -186,14 +186,24 @@ def forward_f64(model_dir, ids, window=None):
     residual. MLP: SiLU(gate) * up, down; MoE: router scores ``sigmoid(x @ gate^T)``, the top-k experts
     chosen by score + correction bias, weighted by their scores renormalised (times the routed
     scaling factor), each expert an MLP; residual. Final norm, lm_head."""
-    import torch
+    return _forward_f64(*_load_f64(model_dir), ids, window)
+
+
+def _load_f64(model_dir):
+    """The checkpoint's config (a dict) and its tensors in float64, by name."""
     from safetensors.torch import load_file
+
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    return config, {name: t.double() for name, t in load_file(os.path.join(model_dir, "model.safetensors")).items()}
+
+
+def _forward_f64(c, w, ids, window=None):
+    """:func:`forward_f64` on a loaded config ``c`` and float64 tensors ``w``."""
+    import torch
 
     from npu_shim.testing.reference import attention_f64
 
-    with open(os.path.join(model_dir, "config.json")) as f:
-        c = json.load(f)
-    w = {name: t.double() for name, t in load_file(os.path.join(model_dir, "model.safetensors")).items()}
     t = len(ids)
     head, v_head = c["head_dim"], c["v_head_dim"]
     rotary = int(head * c["partial_rotary_factor"])
@@ -260,17 +270,8 @@ def reference_steps(model_dir, prompts, max_new=tiny.MAX_NEW, window=WINDOW):
 
 
 def own_reference_steps(model_dir, prompts, max_new=tiny.MAX_NEW, window=None):
-    """:func:`forward_f64`, greedy: per prompt, per step, ``(token, log-probability, margin)``."""
-    import torch
-
-    steps = []
-    for prompt in prompts:
-        ids, out = list(prompt), []
-        for _ in range(max_new):
-            logits = forward_f64(model_dir, ids, window)[-1]
-            top = logits.topk(2)
-            nxt = int(top.indices[0])
-            out.append((nxt, float(torch.log_softmax(logits, -1)[nxt]), float(top.values[0] - top.values[1])))
-            ids.append(nxt)
-        steps.append(out)
-    return steps
+    """:func:`forward_f64`, greedy (``tiny.greedy_steps``): per prompt, per step, ``(token,
+    log-probability, margin)``; the checkpoint read once."""
+    config, weights = _load_f64(model_dir)
+    return [tiny.greedy_steps(lambda ids: _forward_f64(config, weights, ids, window)[-1], prompt, max_new)
+            for prompt in prompts]

@@ -156,27 +156,24 @@ def _takes_mm_token_type_ids(model):
 
 
 def reference_steps(model_dir, inputs, max_new=MAX_NEW):
-    """transformers' Qwen2.5-VL, float64, greedy, the whole sequence each step (no cache): per
-    generated token ``(token, log-probability, margin)``, the margin the greedy logit minus the
-    runner-up's."""
+    """transformers' Qwen2.5-VL, float64, greedy (``tiny.greedy_steps``), the whole sequence each step
+    (no cache): per generated token ``(token, log-probability, margin)``."""
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
 
+    from engine_support import tiny
+
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
         model_dir, torch_dtype=torch.float64, attn_implementation="eager").eval()
-    ids = inputs["input_ids"]
     typed = _takes_mm_token_type_ids(model)
-    steps = []
-    with torch.no_grad():
-        for _ in range(max_new):
-            # mm_token_type_ids (1: an image token): transformers 5 computes the 3-D rope positions
-            # from it, and without it silently uses 1-D positions; transformers 4 reads input_ids
-            extra = {"mm_token_type_ids": (ids == IMAGE_PAD).int()} if typed else {}
-            logits = model(input_ids=ids, attention_mask=torch.ones_like(ids),
-                           pixel_values=inputs["pixel_values"].to(torch.float64),
-                           image_grid_thw=inputs["image_grid_thw"], use_cache=False, **extra).logits[0, -1]
-            top = logits.topk(2)
-            nxt = int(top.indices[0])
-            steps.append((nxt, float(torch.log_softmax(logits, -1)[nxt]), float(top.values[0] - top.values[1])))
-            ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
-    return steps
+
+    def last_logits(ids):
+        ids = torch.tensor([ids])
+        # mm_token_type_ids (1: an image token): transformers 5 computes the 3-D rope positions
+        # from it, and without it silently uses 1-D positions; transformers 4 reads input_ids
+        extra = {"mm_token_type_ids": (ids == IMAGE_PAD).int()} if typed else {}
+        return model(input_ids=ids, attention_mask=torch.ones_like(ids),
+                     pixel_values=inputs["pixel_values"].to(torch.float64),
+                     image_grid_thw=inputs["image_grid_thw"], use_cache=False, **extra).logits[0, -1]
+
+    return tiny.greedy_steps(last_logits, inputs["input_ids"][0].tolist(), max_new)
