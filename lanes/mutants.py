@@ -261,6 +261,10 @@ MUTANTS = (
            "sglang-0.5.12", "FAILED tests/lanes/test_sglang_npu_mrope_positions.py",
            ("npu_shim/patches/sglang/npu_mrope_positions.py",
             'GUARDED_TEST = "positions.ndim == 2 or query.shape[1] > 4096"', 'GUARDED_TEST = "query.shape[1] > 4096"')),
+    mutant("readme-engine-row", "a README row says an engine shows it while docs/validation.md names no engine test for it",
+           "base", "FAILED tests/test_engine_rows.py::test_readme_says_no_exactly_where_no_engine_test_is_named",
+           ("README.md", "0.30 → 0.32 | 0 device→host reads per tower forward | no (its tower) |",
+            "0.30 → 0.32 | 0 device→host reads per tower forward | vLLM 0.30 |")),
 )
 
 
