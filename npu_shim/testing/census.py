@@ -15,10 +15,11 @@ multimodal field config puts it:
   of Qwen2.5-Omni's processor, ``keep_on_cpu``, a host tensor;
 * dots.ocr (``DotsVisionTransformer``): the model hands it
   ``grid_thw.tolist()`` of a host tensor, a list;
-* Ernie4.5-VL (``Ernie4_5_VisionTransformer``): its field config sends
-  ``image_grid_thw`` to the device; the model expands it to one row per
-  frame (``_vision_forward``) on the device and hands the tower that.
-  Here that is the expanded grid, marked as a device tensor;
+* Ernie4.5-VL (``Ernie4_5_VisionTransformer``): the model expands
+  ``image_grid_thw`` to one row per frame (``_vision_forward``) where it is
+  and hands the tower that: on the device where the field config sends it
+  there, on the host where it is ``keep_on_cpu`` (0.30.0, 0.33.0; read at run
+  time). Here that is the expanded grid, marked as a device tensor or not;
 * LLaVA-OneVision-2 (``LlavaOnevision2VisionTower``): ``image_grid_thw`` and
   ``patch_positions`` go to the device (its field config), both marked so;
 * GLM-OCR (``GlmOcrVisionTransformer``, a subclass of GLM-4.1V's tower with its own
@@ -267,15 +268,26 @@ def _paddleocr_vl_one_call():
     return str(annotation).startswith("list")
 
 
-def _paddleocr_vl_grid_on_cpu():
-    """Whether PaddleOCR-VL's multimodal field config keeps ``image_grid_thw`` on the host
-    (``keep_on_cpu``), read from upstream's own ``_get_mm_fields_config``."""
+def _grid_kept_on_cpu(name, processor):
+    """Whether tower ``name``'s model keeps ``image_grid_thw`` on the host (``keep_on_cpu``),
+    read from upstream's own ``_get_mm_fields_config`` of its multimodal processor class."""
     import torch
     from transformers import BatchFeature
 
-    processor = _MODULES["PaddleOCR-VL"].PaddleOCRVLMultiModalProcessor
-    fields = processor._get_mm_fields_config(None, BatchFeature({"image_grid_thw": torch.tensor([[1, 2, 2]])}), {})
+    config = getattr(_MODULES[name], processor)._get_mm_fields_config
+    fields = config(None, BatchFeature({"image_grid_thw": torch.tensor([[1, 2, 2]])}), {})
     return bool(getattr(fields["image_grid_thw"].field, "keep_on_cpu", False))
+
+
+def _paddleocr_vl_grid_on_cpu():
+    return _grid_kept_on_cpu("PaddleOCR-VL", "PaddleOCRVLMultiModalProcessor")
+
+
+def _ernie45_vl_device_args(arg):
+    """The expanded grid on the device where upstream's field config sends ``image_grid_thw``
+    there (``_vision_forward`` expands it where it is), on the host where it is ``keep_on_cpu``
+    (0.30.0, 0.33.0: its tower then builds ``cu_seqlens`` on the host and asserts so)."""
+    return [] if _grid_kept_on_cpu("Ernie4.5-VL", "Ernie4_5VLMultiModalProcessor") else [arg]
 
 
 def _paddleocr_vl_grid(grid):
@@ -375,7 +387,7 @@ CENSUS = {
                               width=lambda tower: tower.embeddings.patch_embedding.weight[0].numel()),
     "Ernie4.5-VL": Spec(module="vllm.model_executor.models.ernie45_vl", cls="Ernie4_5_VisionTransformer",
                         config=_ernie45_vl_config, kwargs={"norm_eps": 1e-6}, grid_arg=_per_frame,
-                        grid_on_device=True, call=lambda tower, x, g: tower(x, g),
+                        grid_on_device=True, device_args=_ernie45_vl_device_args, call=lambda tower, x, g: tower(x, g),
                         width=lambda tower: tower.patch_embed.proj.weight[0].numel()),
     "GLM-OCR": Spec(module="vllm.model_executor.models.glm_ocr", cls="GlmOcrVisionTransformer",
                     config=_glm_ocr_config, kwargs={"norm_eps": 1e-6}, grid_arg=_host_tensor,
