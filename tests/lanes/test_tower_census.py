@@ -45,9 +45,11 @@ UPSTREAM_ATTENTION_READ = "ops/mm_encoder_attention.py"  # vllm-ascend's read of
 # from a device grid): the attention reads it once per forward per tensor, not once per layer.
 # PaddleOCR-VL is one where vllm.paddleocr_vl_host_lengths does not apply (ATTENTION_LEFT_UNLESS).
 ATTENTION_LEFT = {
-    # the grid is on the device (Ernie's field config): cu_seqlens is built there (repeat_interleave);
-    # rot_pos_emb iterates the device grid (torch.arange, expand and reshape sized by device scalars),
-    # the rotary table reads max(grid): those reads are upstream's and stay
+    # where the field config sends the grid to the device (0.26.0), cu_seqlens is built there
+    # (repeat_interleave), rot_pos_emb iterates the device grid (torch.arange, expand and reshape sized
+    # by device scalars) and the rotary table reads max(grid): upstream's reads, and they stay; where
+    # it keeps the grid on the host (0.30.0 on), cu_seqlens is built there and sent to the device by
+    # async_tensor_h2d, which no patch keeps the host values of yet
     "Ernie4.5-VL",
     # the grid is on the device (field config): _process_image_input reads it back, the projector's
     # rearrange reads t, h, w (einops reshapes by device sizes), and the tower's own forward reads
