@@ -261,6 +261,12 @@ MUTANTS = (
            "sglang-0.5.12", "FAILED tests/lanes/test_sglang_npu_mrope_positions.py",
            ("npu_shim/patches/sglang/npu_mrope_positions.py",
             'GUARDED_TEST = "positions.ndim == 2 or query.shape[1] > 4096"', 'GUARDED_TEST = "query.shape[1] > 4096"')),
+    mutant("device-census-ernie-grid", "the census puts Ernie4.5-VL's grid on the device where vLLM keeps it on the "
+                                       "host (the stand-in the emulated device found wrong)",
+           "vllm-0.30", "FAILED tests/lanes/test_tower_census_device.py::test_every_census_tower_runs_on_the_device",
+           ("npu_shim/testing/census.py",
+            'return [] if _grid_kept_on_cpu("Ernie4.5-VL", "Ernie4_5VLMultiModalProcessor") else [arg]',
+            "return [arg]")),
     mutant("readme-engine-row", "a README row says an engine shows it while docs/validation.md names no engine test for it",
            "base", "FAILED tests/test_engine_rows.py::test_readme_says_no_exactly_where_no_engine_test_is_named",
            ("README.md", "0.30 → 0.32 | 0 device→host reads per tower forward | no (its tower) |",

@@ -10,12 +10,14 @@ and the grid tensors vLLM keeps on the device moved with ``.to("npu")``) with th
 counter. A row: ``(tower, device class, forward, side, today's count, dispatch count, outputs
 equal)``. Needs the emulated device (``NPU_SHIM_EMULATE=1 NPU_SHIM_EMULATE_DEVICE=1``).
 
-    NPU_SHIM_EMULATE=1 NPU_SHIM_EMULATE_DEVICE=1 python -m npu_shim.testing.device_census [TOWER ...]
+    NPU_SHIM_EMULATE=1 NPU_SHIM_EMULATE_DEVICE=1 python -m npu_shim.testing.device_census [--forwards N] [TOWER ...]
 
-prints one JSON row per line.
+prints one JSON row per line (N forwards a tower and device class, default 2); a tower the device
+cannot run prints one row with ``error``. tests/lanes/test_tower_census_device.py runs it in a lane.
 """
 import json
 import sys
+import traceback
 
 __all__ = ["cross_check", "main"]
 
@@ -85,17 +87,31 @@ class _null:
 def main(argv=None):
     from npu_shim.testing import census
 
-    argv = sys.argv[1:] if argv is None else argv
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m npu_shim.testing.device_census")
+    parser.add_argument("--forwards", type=int, default=2, help="forwards a tower and device class (default 2)")
+    parser.add_argument("towers", nargs="*", help="census towers (default: every one this vLLM has)")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.forwards < 1:
+        parser.error("--forwards %d: give 1 or more" % args.forwards)
     stack = census.setup()
-    names = argv or [n for n in census.CENSUS if n in census._MODULES]
+    unknown = [name for name in args.towers if name not in census.CENSUS]
+    if unknown:
+        parser.error("not census towers: %s (known: %s)" % (", ".join(unknown), ", ".join(census.CENSUS)))
+    names = args.towers or [n for n in census.CENSUS if n in census._MODULES]
     for name in names:
         for device_class in sorted(stack.attention):
             try:
-                for row in cross_check(stack, name, device_class):
+                for row in cross_check(stack, name, device_class, forwards=args.forwards):
                     print(json.dumps(row), flush=True)
-            except Exception as error:  # a tower the device cannot run: say which and why
+            except Exception as error:  # a tower the device cannot run: say which, why and where
+                frame = traceback.extract_tb(error.__traceback__)[-1]
                 print(json.dumps({"tower": name, "device_class": device_class,
-                                  "error": "%s: %s" % (type(error).__name__, str(error)[:300])}), flush=True)
+                                  "error": "%s: %s at %s:%d in %s" % (
+                                      type(error).__name__, str(error)[:300],
+                                      "/".join(frame.filename.split("/")[-2:]), frame.lineno, frame.name)}),
+                      flush=True)
 
 
 if __name__ == "__main__":
