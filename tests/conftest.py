@@ -43,7 +43,8 @@ Several ``claimed`` markers on one node add up; a test's own markers replace its
 selection that yields no lane, or an unknown keyword, fails collection naming the test.
 ``pytest.mark.lanes(*names)`` names lanes literally: for the base lane and for the tests of this
 mechanism. ``pytest.mark.engine`` (tests/lanes/test_engine_*.py: a whole engine started, 20-60 s)
-keeps a test out of the Python-variant lanes: it runs once per stack, in its lane.
+keeps a test out of the Python-variant lanes: it runs once per stack, in its lane; so does
+``pytest.mark.machinery`` (tests/test_markers.py: the tests of this selection).
 
 The markers are checked over every collected test, selected or not: a lane name
 that nox does not define (a pin file ``lanes/<name>.txt`` whose name does not
@@ -80,7 +81,9 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "keeps_process_state: sets up process-wide state and keeps it (sglang's "
                                        "one-rank process group); runs after the lane's other tests")
     config.addinivalue_line("markers", "engine: starts a whole engine on the emulated device (20-60 s); runs in "
-                                       "its lanes, not in their Python variants (see engine_in_variant)")
+                                       "its lanes, not in their Python variants (see once_per_stack_in_variant)")
+    config.addinivalue_line("markers", "machinery: a test of the project's own lane selection (this file's markers); "
+                                       "runs in its lane, not in its Python variants (see once_per_stack_in_variant)")
 
 
 def defined_lanes(lanes_dir=LANES_DIR):
@@ -210,13 +213,17 @@ def _lanes_of(item, selections, variant=False):
     return {BASE_LANE}
 
 
-def engine_in_variant(item, variant):
-    """A test marked ``engine`` in a Python-variant run (``NPU_SHIM_LANE_VARIANT=1``). A variant
-    shows the shim on another interpreter with its base lane's tests; an engine test's subject is
-    the stack (vllm-ascend's or sglang's start-up, model and backend), the same on either Python,
-    so it runs once per stack, in the base lane, and keeps a variant's CI time that of its unit
-    tests."""
-    return variant and item.get_closest_marker("engine") is not None
+ONCE_PER_STACK = ("engine", "machinery")
+
+
+def once_per_stack_in_variant(item, variant):
+    """A test marked ``engine`` or ``machinery`` in a Python-variant run (``NPU_SHIM_LANE_VARIANT=1``).
+    A variant shows the shim on another interpreter with its base lane's tests. An engine test's
+    subject is the stack (vllm-ascend's or sglang's start-up, model and backend), a machinery test's
+    the project's own lane selection (this file's markers, run by every lane for its own selection
+    on its own interpreter): the same on either Python, so each runs once, in its lane, and keeps a
+    variant's CI time that of its unit tests."""
+    return variant and any(item.get_closest_marker(name) is not None for name in ONCE_PER_STACK)
 
 
 def patches_of(item):
@@ -258,7 +265,7 @@ def pytest_collection_modifyitems(config, items):
     variant = os.environ.get("NPU_SHIM_LANE_VARIANT") == "1"
     selected, deselected = [], []
     for item in items:
-        wanted = lane in _lanes_of(item, selections, variant) and not engine_in_variant(item, variant)
+        wanted = lane in _lanes_of(item, selections, variant) and not once_per_stack_in_variant(item, variant)
         (selected if wanted else deselected).append(item)
     if deselected:
         config.hook.pytest_deselected(items=deselected)

@@ -15,6 +15,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+# the selection's logic is the same on every Python; each variant lane runs it for its own selection
+pytestmark = pytest.mark.machinery
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -212,19 +215,23 @@ ENGINE_SOURCE = """
     def test_starts_an_engine():
         pass
 
+    @pytest.mark.machinery
+    def test_of_the_selection():
+        pass
+
     def test_unit():
         pass
 """
 
 
-def test_an_engine_test_runs_in_its_lane_and_not_in_its_python_variants(tmp_path):
+def test_engine_and_machinery_tests_run_in_their_lane_and_not_in_its_python_variants(tmp_path):
     in_lane = run_pytest(tmp_path, ENGINE_SOURCE, "-vv", lane="base")
-    assert "2 passed" in in_lane.stdout and "test_starts_an_engine PASSED" in in_lane.stdout, \
-        in_lane.stdout + in_lane.stderr
+    assert ("3 passed" in in_lane.stdout and "test_starts_an_engine PASSED" in in_lane.stdout
+            and "test_of_the_selection PASSED" in in_lane.stdout), in_lane.stdout + in_lane.stderr
     env = clean_env(NPU_SHIM_LANE="base", NPU_SHIM_LANE_VARIANT="1")
     variant = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_sample.py", "-vv"],
                              cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=120)
-    assert "1 passed, 1 deselected" in variant.stdout and "test_unit PASSED" in variant.stdout, \
+    assert "1 passed, 2 deselected" in variant.stdout and "test_unit PASSED" in variant.stdout, \
         variant.stdout + variant.stderr
 
 
