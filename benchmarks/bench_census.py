@@ -57,9 +57,11 @@ WHY = {
     "LLaVA-OneVision-2": "cu_seqlens goes through `maybe_recompute_cu_seqlens` (attention: 0); "
                          "`_build_window_cu_seqlens` reads the device `image_grid_thw` (`.tolist()`), "
                          "sent there by the field config.",
-    "Ernie4.5-VL": "the field config sends the grid to the device; `rot_pos_emb` iterates it (scalar reads "
-                   "per frame row), the rotary table reads max(grid), cu_seqlens is built on the device and "
-                   "the attention reads it once.",
+    "Ernie4.5-VL": "where the field config sends the grid to the device (0.26.0), `rot_pos_emb` iterates it "
+                   "(scalar reads per frame row), the rotary table reads max(grid), cu_seqlens is built on the "
+                   "device and the attention reads it once; where it keeps the grid on the host (`keep_on_cpu`, "
+                   "0.30.0 on), cu_seqlens is built on the host and sent by `async_tensor_h2d`, and the attention "
+                   "reads that copy back once (no patch keeps its host values yet).",
     "GLM-OCR": "cu_seqlens comes from the host grid (`repeat_interleave`) and is copied by GLM-OCR's own "
                "`forward` (`.to(self.device, non_blocking=True)`); `vllm.glm_ocr_host_lengths` keeps the host "
                "lengths on that copy (without it the attention reads cu_seqlens once: "
