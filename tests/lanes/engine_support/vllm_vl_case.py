@@ -15,11 +15,18 @@ Qwen2.5-VL class registered in this process (in :func:`run`).
 Device->host reads of the vision tower: forward hooks on the model's ``visual`` module (vLLM's
 ``Qwen2_5_VisionTransformer``, called by ``embed_multimodal`` -> ``_process_image_input``) open
 ``npu_shim.emulation.device.count_transfers()`` before its forward and close it after; they only
-count (installed after start-up, so the profiling run's dummy image is not counted). Prints one line
-``ENGINE_RESULT <json>``: the greedy tokens and their log-probabilities, the prompt's token ids as the
-engine processed them, the tower's calls and reads (per call: count and kinds), the platform, and
-the encoder attention class of the tower's layers, and the shim's counters of its applied
-encoder-attention and Qwen2.5-VL tower patches (``npu_shim.stats()``).
+count (installed after start-up, so the profiling run's dummy image is not counted); each tower forward
+also prints ``ENGINE_TOWER_READS <json>`` as it ends (an engine that fails later in the request still
+shows them). Prints one line ``ENGINE_RESULT <json>``: the greedy tokens and their log-probabilities,
+the prompt's token ids as the engine processed them, the tower's calls and reads (per call: count and
+kinds), the platform, the model dtype, the encoder attention class of the tower's layers, the decoder's
+attention impl classes and KV-cache shapes with their recorded aclFormat, the calls of each emulated op
+(``vllm_case.count_emulated_ops``), and the shim's counters of its applied multimodal patches
+(encoder attention, tower, image merge: ``npu_shim.stats()``).
+
+The 310P test (test_engine_vllm_vl_310p.py) sets ``ENGINE_CASE_BUILD_DEVICE_TYPE`` (read by
+``vllm_case.main``) and ``ENGINE_CASE_INDEX_PUT_DEFECT=1``: the engine runs inside the emulated aicpu
+IndexPut defect (:func:`run_with_index_put_defect`).
 """
 import contextlib
 import json
@@ -140,7 +147,7 @@ def run(model_dir, prompt_file, max_new_tokens):
         from npu_shim.emulation.formats import acl_format_of
 
         layers = [m for m in model.modules() if isinstance(m, Attention)]
-        caches = [t for m in layers for t in _tensors(m.kv_cache)]
+        caches = [t for m in layers for t in _tensors(getattr(m, "kv_cache", None))]
         return {"impl": sorted({type(m.impl).__module__ + "." + type(m.impl).__name__ for m in layers}),
                 "kv_cache": sorted({"%s format %d" % (tuple(t.shape), acl_format_of(t)) for t in caches})}
 
