@@ -187,6 +187,13 @@ MUTANTS = (
            "vllm-0.18", "FAILED tests/lanes/test_engine_vllm_vl.py",
            ("npu_shim/patches/vllm/qwen2_5_vl_host_lengths/families.py",
             "            if keep_at_next_copy(cu_seqlens):\n", "            if False:\n")),
+    mutant("engine-310p-nz-mask", "the emulated 310P ops read a FRACTAL_NZ tensor as if its logical order were the "
+                                  "ND matrix's (no fractal rearrangement): the causal mask vllm-ascend's 310P prefill "
+                                  "builds with nd_to_nz_2d lets queries see later keys",
+           "vllm-0.30", "FAILED tests/lanes/test_engine_vllm_vl_310p.py",
+           ("npu_shim/emulation/formats.py",
+            "    return tensor[0].permute(1, 0, 2).reshape(rows, col_tiles * NZ_CUBE)",
+            "    return tensor[0].reshape(rows, col_tiles * NZ_CUBE)")),
     mutant("device-parameters", "a Parameter of a device tensor is the device tensor itself again (PyTorch's path "
                                 "for tensor subclasses: vLLM's parameter classes and weight loaders lost)",
            "base", "FAILED tests/test_emulation_device.py",

@@ -100,6 +100,11 @@ SCHEMAS = {
         "_npu_flash_attention_unpad(Tensor query, Tensor key, Tensor value, Tensor seq_len, "
         "float scale_value, int num_heads, int num_kv_heads, Tensor(a!) out) -> ()",
     ),
+    "_npu_flash_attention": (
+        unpad._npu_flash_attention,
+        "_npu_flash_attention(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor seq_len, "
+        "float scale_value, int num_heads, int num_kv_heads, Tensor(a!) out) -> ()",
+    ),
     "_npu_reshape_and_cache": (
         _npu_reshape_and_cache,
         "_npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, "
@@ -240,6 +245,7 @@ def _positions(impl, names):
 HOST_ARGS = {
     name: _positions(SCHEMAS[name][0], names) for name, names in (
         ("_npu_flash_attention_unpad", unpad.HOST_ARGS),
+        ("_npu_flash_attention", unpad.MASKED_HOST_ARGS),
         ("npu_fusion_attention", fusion_attention.HOST_ARGS),
         ("npu_prompt_flash_attention", prompt_flash_attention.HOST_ARGS),
         ("npu_fused_infer_attention_score", FIA_HOST_ARGS),

@@ -73,7 +73,7 @@ import math
 import torch
 
 from npu_shim.emulation import _common as C
-from npu_shim.emulation import dtypes
+from npu_shim.emulation import dtypes, formats
 from npu_shim.emulation._engine import Band, attend_segment
 
 PA = "_npu_paged_attention"
@@ -85,6 +85,7 @@ SWA_INT_MAX = 2147483647
 # blockTables is "npu". FIA v2's actual_seq_qlen / actual_seq_kvlen are ``SymInt[]`` in the
 # op-plugin prototype (host integer lists).
 PA_HOST_ARGS = ("context_lens",)
+NZ = formats.NZ
 FIA_V2_HOST_ARGS = ("actual_seq_qlen", "actual_seq_kvlen")
 
 # ATB PagedAttentionOperation (CANN 8.0.RC2 ATB API), 约束: "block_size %16 == 0 ...
@@ -136,6 +137,9 @@ def _npu_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads,
     if query.dim() != 3 or query.shape[1] != n:
         raise ValueError("%s: query must be (num_tokens, num_heads=%d, D), got %s"
                          % (PA, n, tuple(query.shape)))
+    if NZ in (formats.acl_format_of(key_cache), formats.acl_format_of(value_cache)):
+        return _paged_attention_nz(query, key_cache, value_cache, n, nkv, scale_value, block_table,
+                                   context_lens, out)
     if key_cache.dim() != 4 or value_cache.dim() != 4 or key_cache.shape[2] != nkv \
             or key_cache.shape[:3] != value_cache.shape[:3]:
         raise ValueError("%s: caches must be (num_blocks, block_size, num_kv_heads=%d, D), got "
@@ -171,6 +175,68 @@ def _npu_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads,
         ks = C.PagedRows(key_cache, block_table[i], block_size, lengths[i])
         vs = C.PagedRows(value_cache, block_table[i], block_size, lengths[i])
         attend_segment(query[i:i + 1], ks, vs, out[i:i + 1], scale=float(scale_value))
+
+
+def _paged_attention_nz(query, key_cache, value_cache, n, nkv, scale_value, block_table, context_lens, out):
+    """``_npu_paged_attention`` over 310P's FRACTAL_NZ caches (num_blocks, Nkv * D / 16, block_size, 16):
+    CANN ATB's paged_attention inference demo ("本用例仅支持Atlas 推理系列产品 ... kvCache shape改为:
+    [block_num, head_size * head_num / 16, block_size, 16]。kvCache数据格式改为:ACL_FORMAT_FRACTAL_NZ",
+    CANN 8.3.RC1 ATB API); each block's (block_size, Nkv * D) rows read back as
+    :func:`npu_shim.emulation.formats.nz_to_nd` says. The rest as the ND op. ``context_lens`` may be a
+    device tensor here: vllm-ascend 0.30's 310P metadata builder binds the device lengths for this call
+    on purpose ("Paged and splitfuse attention consume device-side context lengths",
+    ``vllm_ascend/_310p/attention/metadata_builder.py``), and op-plugin hands a device tensor to ATB as
+    device data (``AtTensor2AtbTensor``); read here as the kernel reads it, counted as a host argument
+    at dispatch like every ``context_lens`` (``_registry.HOST_ARGS``)."""
+    from npu_shim.emulation.kv_cache import nz_cache_hidden
+
+    d = query.shape[2]
+    block_size = nz_cache_hidden(PA, key_cache, "key_cache", nkv * d)
+    if nz_cache_hidden(PA, value_cache, "value_cache", nkv * d) != block_size or \
+            key_cache.shape[0] != value_cache.shape[0]:
+        raise ValueError("%s: key and value caches differ in (num_blocks, block_size)" % PA)
+    if not 0 < d <= PA_MAX_HEAD_SIZE:
+        raise ValueError("%s: head size %d outside (0, %d]" % (PA, d, PA_MAX_HEAD_SIZE))
+    if d * block_size > PA_MAX_EMBED_X_BLOCK:
+        raise ValueError("%s: head size * block_size = %d exceeds 128 * 128" % (PA, d * block_size))
+    lengths = C.host_ints(context_lens, PA, "context_lens")
+    b = query.shape[0]
+    if len(lengths) != b:
+        raise ValueError("%s: %d context lengths for %d query tokens (one per sequence)" % (PA, len(lengths), b))
+    if block_table.dtype != torch.int32:
+        raise ValueError("%s: block_table must be int32, got %s" % (PA, block_table.dtype))
+    C.check_block_table(PA, block_table, b, lengths, block_size, num_blocks=key_cache.shape[0],
+                        lengths_name="context_lens")
+    if out is None or tuple(out.shape) != (b, n, d) or out.dtype != query.dtype:
+        raise ValueError("%s: out must be a %s tensor of shape %s, got %s"
+                         % (PA, query.dtype, (b, n, d), None if out is None else (out.dtype, tuple(out.shape))))
+    for i in range(b):
+        ks = NzPagedRows(key_cache, block_table[i], block_size, lengths[i], nkv, d)
+        vs = NzPagedRows(value_cache, block_table[i], block_size, lengths[i], nkv, d)
+        attend_segment(query[i:i + 1], ks, vs, out[i:i + 1], scale=float(scale_value))
+
+
+class NzPagedRows:
+    """Rows 0..length of one sequence in a 310P FRACTAL_NZ paged cache (num_blocks, Nkv * D / 16,
+    block_size, 16), as (length, Nkv, D), gathered per slice (the blocks the slice touches)."""
+
+    def __init__(self, cache, block_ids, block_size, length, nkv, d):
+        self.cache, self.block_ids, self.block_size = cache, block_ids, block_size
+        self.shape = (length, nkv, d)
+
+    def __getitem__(self, rows):
+        if not isinstance(rows, slice) or rows.step not in (None, 1):
+            raise TypeError("NzPagedRows supports contiguous slices only")
+        start, stop, _ = rows.indices(self.shape[0])
+        stop = max(start, stop)
+        bs = self.block_size
+        b0, b1 = start // bs, -(-stop // bs)
+        ids = self.block_ids[b0:b1]
+        if ids.device != self.cache.device:
+            ids = ids.to(self.cache.device)
+        blocks = self.cache.index_select(0, ids.long())            # (nb, Nkv*D/16, bs, 16)
+        flat = blocks.permute(0, 2, 1, 3).reshape(-1, self.shape[1], self.shape[2])   # (nb*bs, Nkv, D)
+        return flat[start - b0 * bs: stop - b0 * bs]
 
 
 # ------------------------------------------------------------------------- FIA v2

@@ -35,6 +35,10 @@ SUPPORTED = {
     # MindIE 1.0.RC1 ATB SelfAttentionOperation, 约束: "Atlas 推理系列产品(配置Ascend 310P
     # AI处理器)上,q、k、v、attentionMask输入的数据类型不支持bf16".
     "_npu_flash_attention_unpad": {"A2": (F16, BF16), "310P": (F16,)},
+    # query, key, value, mask: the same ATB SelfAttentionOperation, PA_ENCODER with maskType NORM
+    # (op-plugin atb/SelfAttentionAtb.cpp); the same pages as the unpad row above (mask included in
+    # "q、k、v、attentionMask输入的数据类型不支持bf16" on 310P).
+    "_npu_flash_attention": {"A2": (F16, BF16), "310P": (F16,)},
     # Ascend Extension for PyTorch (CANN 7.0.0) API reference, torch_npu.npu_fusion_attention:
     # "query:Device侧的Tensor,公式中输入Q,数据类型支持FLOAT16、BFLOAT16" (key, value alike);
     # 支持的型号: "Atlas A2 训练系列产品" only, so nothing on 310P.

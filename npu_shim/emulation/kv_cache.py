@@ -10,10 +10,22 @@ writes token t of ``key`` (T, Nkv, D) and ``value`` (T, Nkv, Dv) into the caches
 ``block * block_size + offset``, in place. Negative slots (vLLM's padding slot
 id -1) are skipped, as vLLM's own reshape_and_cache kernels do; a slot past the
 cache raises.
+
+On 310P a FRACTAL_NZ cache (one ``torch_npu.empty_with_format(..., acl_format=29)`` made, the
+format recorded by :mod:`npu_shim.emulation.formats`) of shape (num_blocks, Nkv * D / 16,
+block_size, 16): the layout of CANN ATB's reshape_and_cache inference demo ("当前仅支持Atlas
+推理系列产品 ... kvCache shape改为:[block_num, head_size * head_num / 16, block_size, 16]。kvCache
+数据格式改为:ACL_FORMAT_FRACTAL_NZ", CANN 8.1.RC1 ATB API), the (block_size, Nkv * D) rows of a
+block in FRACTAL_NZ (:func:`npu_shim.emulation.formats.nz_to_nd`): element d of token slot s's
+hidden row at ``[s // block_size, d // 16, s % block_size, d % 16]``; vllm-ascend 0.30's 310P
+runner makes it (``vllm_ascend/_310p/model_runner_310p.py``, ``_allocate_kv_cache_tensors``). An NZ
+cache on A2 is refused (NotImplementedError).
 """
 import torch
 
-from npu_shim.emulation import dtypes
+from npu_shim.emulation import dtypes, formats, soc
+
+NZ = formats.NZ
 
 OP = "_npu_reshape_and_cache"
 SCATTER_OP = "npu_scatter_pa_kv_cache"
@@ -29,6 +41,9 @@ def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
     if key.dim() != 3 or value.dim() != 3 or key.shape[0] != value.shape[0]:
         raise ValueError("%s: key/value must be (T, Nkv, D), got %s / %s"
                          % (OP, tuple(key.shape), tuple(value.shape)))
+    if NZ in (formats.acl_format_of(key_cache), formats.acl_format_of(value_cache)):
+        _scatter_tokens_nz(key, value, key_cache, value_cache, slot_indices)
+        return
     if key_cache.dim() != 4 or value_cache.dim() != 4:
         raise ValueError("%s: caches must be (num_blocks, block_size, Nkv, D)" % OP)
     if key_cache.shape[2:] != key.shape[1:] or value_cache.shape[2:] != value.shape[1:]:
@@ -64,6 +79,49 @@ def _scatter_tokens(OP, key, value, key_cache, value_cache, slot_indices):
     blocks, offsets = chosen_slots // block_size, chosen_slots % block_size
     key_cache.index_put_((blocks, offsets), k_rows.to(key_cache.dtype))
     value_cache.index_put_((blocks, offsets), v_rows.to(value_cache.dtype))
+
+
+def nz_cache_hidden(op, cache, name, hidden):
+    """Check a 310P FRACTAL_NZ KV cache (num_blocks, hidden / 16, block_size, 16) for ``hidden`` =
+    Nkv * D; returns its block size."""
+    if not soc.is_310p():
+        raise NotImplementedError("%s: a FRACTAL_NZ %s on %s (A2) is not emulated (the NZ cache is 310P's)"
+                                  % (op, name, soc.soc_name()))
+    if formats.acl_format_of(cache) != NZ:
+        raise ValueError("%s: key and value caches must share one format (one is FRACTAL_NZ)" % op)
+    c = formats.NZ_CUBE
+    if cache.dim() != 4 or cache.shape[3] != c or cache.shape[1] * c != hidden or cache.shape[2] % c:
+        raise ValueError("%s: a FRACTAL_NZ %s must be (num_blocks, Nkv*D/16=%s, block_size (a multiple of 16), 16), "
+                         "got %s" % (op, name, hidden / c, tuple(cache.shape)))
+    return cache.shape[2]
+
+
+def _scatter_tokens_nz(key, value, key_cache, value_cache, slot_indices):
+    t, nkv, d = key.shape
+    if tuple(value.shape) != (t, nkv, d):
+        raise ValueError("%s: with a FRACTAL_NZ cache key and value must both be (T, Nkv, D); got %s / %s"
+                         % (OP, tuple(key.shape), tuple(value.shape)))
+    block_size = nz_cache_hidden(OP, key_cache, "key_cache", nkv * d)
+    if nz_cache_hidden(OP, value_cache, "value_cache", nkv * d) != block_size or \
+            key_cache.shape[0] != value_cache.shape[0]:
+        raise ValueError("%s: key and value caches differ in (num_blocks, block_size)" % OP)
+    slots = slot_indices.reshape(-1)
+    if slots.shape[0] != t:
+        raise ValueError("%s: %d slots for %d tokens" % (OP, slots.shape[0], t))
+    if slots.dtype not in (torch.int32, torch.int64):
+        raise ValueError("%s: slot_indices must be int32 or int64" % OP)
+    slots = slots.to(device=key_cache.device, dtype=torch.long)
+    if slots.numel() and int(slots.max()) >= key_cache.shape[0] * block_size:
+        raise ValueError("%s: a slot index is past the cache (capacity %d)" % (OP, key_cache.shape[0] * block_size))
+    keep = slots >= 0
+    chosen = keep.nonzero().squeeze(1)
+    slots = slots[chosen]
+    tiles = key_cache.shape[1]
+    blocks, offsets = (slots // block_size).unsqueeze(1), (slots % block_size).unsqueeze(1)
+    tile = torch.arange(tiles, device=key_cache.device).unsqueeze(0)
+    for rows, cache in ((key, key_cache), (value, value_cache)):
+        rows = rows[chosen.to(rows.device)].reshape(-1, tiles, formats.NZ_CUBE).to(cache.dtype)
+        cache.index_put_((blocks, tile, offsets), rows)
 
 
 def npu_scatter_pa_kv_cache(key, value, key_cache, value_cache, slot_mapping, *,

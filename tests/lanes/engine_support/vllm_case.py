@@ -34,6 +34,36 @@ DTYPE = os.environ.get("ENGINE_CASE_DTYPE", "float32")
 TRUST_REMOTE_CODE = os.environ.get("ENGINE_CASE_TRUST_REMOTE_CODE") == "1"
 
 
+# ENGINE_CASE_BUILD_DEVICE_TYPE=_310P (set by a test, with NPU_SHIM_EMULATE_SOC naming a 310P SoC): the
+# installed vllm-ascend stands for its 310P build. vllm-ascend is built per device family: its setup writes
+# the family into ``vllm_ascend/_build_info.py`` (``__device_type__``), which the worker checks against the
+# runtime SoC (``check_ascend_device_type``) and from which the hardware profile (attention backend family,
+# custom-op table, model runner) is chosen; the Python sources are the same. The index's wheel is the A2
+# build, so the child sets that one attribute before vllm-ascend reads it (:func:`_set_build_device_type`).
+BUILD_DEVICE_TYPE = os.environ.get("ENGINE_CASE_BUILD_DEVICE_TYPE", "")
+
+
+def _set_build_device_type(name):
+    """vllm-ascend's own ``_build_info`` module, loaded from the installed package before the package
+    itself (whose import already chooses the hardware profile), with ``__device_type__`` set to
+    ``name``; checked after vllm-ascend's import."""
+    import importlib.util
+
+    if any(m == "vllm_ascend" or m.startswith("vllm_ascend.") for m in sys.modules if m != "vllm_ascend.vllm_ascend_C"):
+        raise RuntimeError("vllm-ascend was imported before the case set its build's device type")
+    folder = importlib.util.find_spec("vllm_ascend").submodule_search_locations[0]
+    spec = importlib.util.spec_from_file_location("vllm_ascend._build_info", os.path.join(folder, "_build_info.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.__device_type__ = name
+    sys.modules[spec.name] = module
+    from vllm_ascend.device import device_config
+
+    if device_config.get_ascend_device_type().name != name:
+        raise RuntimeError("vllm-ascend's build device type is %s, not %s"
+                           % (device_config.get_ascend_device_type(), name))
+
+
 def stage(name):
     print("ENGINE_STAGE " + name, flush=True)
 
@@ -55,6 +85,8 @@ def main(model_dir, prompts_file, max_new_tokens, runner=None):
     # (vllm_ascend.device_allocator.camem catches the ImportError and disables sleep mode).
     import types
 
+    if BUILD_DEVICE_TYPE:
+        _set_build_device_type(BUILD_DEVICE_TYPE)
     sys.modules["vllm_ascend.vllm_ascend_C"] = types.ModuleType(
         "vllm_ascend.vllm_ascend_C", "npu-shim test stand-in: vllm-ascend's compiled extension (empty)")
     _declare_meta_registered_ops()

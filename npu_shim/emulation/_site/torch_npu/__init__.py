@@ -30,6 +30,7 @@ npu_prompt_flash_attention = _registry.PUBLIC["npu_prompt_flash_attention"]
 npu_fused_infer_attention_score = _registry.PUBLIC["npu_fused_infer_attention_score"]
 npu_incre_flash_attention = _registry.PUBLIC["npu_incre_flash_attention"]
 _npu_flash_attention_unpad = _registry.PUBLIC["_npu_flash_attention_unpad"]
+_npu_flash_attention = _registry.PUBLIC["_npu_flash_attention"]  # vllm-ascend's 310P decoder prefill
 _npu_reshape_and_cache = _registry.PUBLIC["_npu_reshape_and_cache"]
 npu_scatter_nd_update_ = _registry.PUBLIC["npu_scatter_nd_update_"]
 npu_scatter_pa_kv_cache = _registry.PUBLIC["npu_scatter_pa_kv_cache"]
@@ -51,6 +52,9 @@ npu_moe_token_unpermute = _registry.PUBLIC["npu_moe_token_unpermute"]
 npu_moe_finalize_routing = _registry.PUBLIC["npu_moe_finalize_routing"]  # sglang's NPU MoE combine
 npu_format_cast = _registry.PUBLIC["npu_format_cast"]  # sglang's MoE weights after loading
 _npu_matmul_add_fp32 = _registry.PUBLIC["_npu_matmul_add_fp32"]  # ATB, vllm-ascend's worker warm-up
+# torch_npu's format factories and query (plain functions: a factory has no tensor to dispatch on);
+# vllm-ascend's 310P KV cache is made with empty_with_format(..., acl_format=29)
+from npu_shim.emulation.formats import empty_with_format, get_npu_format  # noqa: E402
 
 from torch_npu import _C, multiprocessing, npu, profiler  # noqa: E402  (submodules after the ops exist)
 
@@ -117,4 +121,7 @@ __all__ = [
     "npu_moe_finalize_routing",
     "npu_format_cast",
     "_npu_matmul_add_fp32",
+    "_npu_flash_attention",
+    "empty_with_format",
+    "get_npu_format",
 ]
