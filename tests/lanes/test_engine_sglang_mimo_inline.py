@@ -67,8 +67,9 @@ def test_shim_on_inline_pool_tokens_equal_float64(model_dir, tmp_path):
     assert "SWA KV Cache is allocated" not in output, output[-3000:]   # the plain pool
     k_size, v_size = engine_run.kv_sizes(output)
     assert abs(k_size / v_size - 192 / 128) < 0.05, (k_size, v_size)   # V 128 wide
-    # the inline build's call, once, in the scheduler; the builder family of 0.5.16 on is not applied here
-    assert shim[POOL] == {"family": "init-pools-inline", "calls": 1, "upstream_calls": 0}, shim
+    # the inline build's call, once, in the scheduler (the lane is the one of POOL's family); the pool builder
+    # patch of later releases is not applied here
+    assert shim[POOL]["calls"] == 1 and shim[POOL]["upstream_calls"] == 0, shim
     assert "sglang.npu_mha_v_head_dim" not in shim, shim
     config = tiny_mimo.config_fields(**MODEL)
     layers, sliding = config["num_hidden_layers"], config["layer_types"].count("sliding_attention")
@@ -78,7 +79,6 @@ def test_shim_on_inline_pool_tokens_equal_float64(model_dir, tmp_path):
     decode_passes = passes - len(ROUNDS)
     assert rest == 0 and decode_passes >= DECODE_STEPS * len(ROUNDS), ops
     decode = shim[DECODE]
-    assert decode["family"] == "decode-tnd", decode
     # each round one prefill batch: every sliding layer's prefill through upstream's TND call with sinks
     assert decode.get("sink_prefill_tnd_calls") == sliding * len(ROUNDS), decode
     # every decode pass of every layer through upstream's TND call
