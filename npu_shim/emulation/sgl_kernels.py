@@ -27,7 +27,7 @@ Kernels:
 import torch
 
 __all__ = ["EMULATED", "KernelLaunchError", "SGLANG_KERNELS", "TritonKernel", "alloc_extend_kernel",
-           "compute_position_kernel", "install_sglang_kernels", "write_req_to_token_pool_triton"]
+           "compute_position_kernel", "install_sglang_kernels", "sglang_modules", "write_req_to_token_pool_triton"]
 
 
 class KernelLaunchError(ValueError):
@@ -257,22 +257,37 @@ compute_position_kernel = TritonKernel(_POSITION, _position_body, _position_prep
 
 # sglang's own kernels: "module of sglang" -> {name: emulation}; ``install_sglang_kernels`` puts them in
 # place of the Triton functions (an engine test's child, before the engine starts).
+# A release defines each kernel in one of the modules listed for it: ``compute_position_kernel`` moved from
+# ``forward_batch_info`` to ``model_executor.triton_ops.position`` (its launcher ``compute_position_triton``
+# with it; read in 0.5.14 and 0.5.15), which earlier releases do not have.
 SGLANG_KERNELS = {
     "sglang.srt.mem_cache.common": {"write_req_to_token_pool_triton": write_req_to_token_pool_triton},
     "sglang.srt.model_executor.forward_batch_info": {"compute_position_kernel": compute_position_kernel},
+    "sglang.srt.model_executor.triton_ops.position": {"compute_position_kernel": compute_position_kernel},
 }
+
+
+def sglang_modules():
+    """The modules of :data:`SGLANG_KERNELS` the installed sglang has, imported: ``{name: module}``."""
+    import importlib
+
+    modules = {}
+    for module_name in SGLANG_KERNELS:
+        try:
+            modules[module_name] = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name is None or not module_name.startswith(exc.name):
+                raise   # something the module imports is missing, not the module
+    return modules
 
 
 def install_sglang_kernels():
     """Put the emulations of :data:`SGLANG_KERNELS` in place of sglang's Triton functions of those names
-    (those the installed sglang defines; a later release without them keeps its code). Returns the
-    names replaced. Tests and development only: on the NPU, triton-ascend compiles the real kernels."""
-    import importlib
-
+    (those the installed sglang defines, in the modules it has; a later release without them keeps its
+    code). Returns the names replaced. Tests and development only: on the NPU, triton-ascend compiles the real kernels."""
     replaced = []
-    for module_name, kernels in SGLANG_KERNELS.items():
-        module = importlib.import_module(module_name)
-        for name, emulation in kernels.items():
+    for module_name, module in sglang_modules().items():
+        for name, emulation in SGLANG_KERNELS[module_name].items():
             if hasattr(module, name):
                 setattr(module, name, emulation)
                 replaced.append(module_name + "." + name)

@@ -47,7 +47,6 @@ reference therefore attends ``WINDOW + 1`` keys (``SGLANG_KEYS``); with ``WINDOW
 margin 0.27). Not an NPU
 matter; left to upstream.
 """
-import glob
 import json
 import re
 
@@ -82,24 +81,11 @@ def whole_dir(tmp_path_factory):
 
 
 def _run(model_dir, tmp_path, shim_on, rounds=(tiny.PROMPTS,), server=SERVER, **env):
-    ops_dir = tmp_path / "ops"
-    ops_dir.mkdir()
-    rc, output = engine_run.run(model_dir, tmp_path, shim_on, {"rounds": list(rounds), "server": server},
-                                timeout_s=TIMEOUT_S, ENGINE_CASE_OPS_DIR=str(ops_dir), **env)
-    recorded = [json.loads(open(path).read()) for path in glob.glob(str(ops_dir / "ops-*.json"))]
-    ops = {}
-    for record in recorded:
-        for name, calls in record["ops"].items():
-            ops[name] = ops.get(name, 0) + calls
-    shim = {name: row for record in recorded for name, row in record["shim"].items()}
-    return rc, output, ops, shim
+    return engine_run.run_recorded(model_dir, tmp_path, shim_on, {"rounds": list(rounds), "server": server},
+                                   timeout_s=TIMEOUT_S, **env)
 
 
-def _kv_sizes(output):
-    found = re.findall(r"KV Cache is allocated\. dtype: \S+, #tokens: \d+, K size: ([\d.]+) GB, V size: ([\d.]+) GB",
-                       output)
-    assert found, output[-3000:]
-    return tuple(float(x) for x in found[-1])
+_kv_sizes = engine_run.kv_sizes
 
 
 def test_shim_on_tokens_equal_float64(model_dir, tmp_path):

@@ -21,16 +21,18 @@ pytestmark = pytest.mark.lanes(engine_lanes.OLDEST)
 @pytest.fixture
 def emulated(monkeypatch):
     """sglang's modules with the emulations in place of the Triton functions, put back afterwards."""
-    import importlib
-
     from npu_shim.emulation import sgl_kernels
 
-    for module_name, kernels in sgl_kernels.SGLANG_KERNELS.items():
-        module = importlib.import_module(module_name)
-        for name in kernels:
-            monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+    defined = []
+    for module_name, module in sgl_kernels.sglang_modules().items():
+        for name in sgl_kernels.SGLANG_KERNELS[module_name]:
+            if hasattr(module, name):
+                monkeypatch.setattr(module, name, getattr(module, name))  # restored after the test
+                defined.append((module_name, name))
     replaced = sgl_kernels.install_sglang_kernels()
-    assert sorted(replaced) == sorted(m + "." + n for m, ks in sgl_kernels.SGLANG_KERNELS.items() for n in ks)
+    assert sorted(replaced) == sorted(m + "." + n for m, n in defined)
+    # every kernel emulated is defined, once, by this release
+    assert sorted(n for _, n in defined) == sorted({n for ks in sgl_kernels.SGLANG_KERNELS.values() for n in ks})
     return sgl_kernels
 
 

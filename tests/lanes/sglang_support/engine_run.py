@@ -2,8 +2,10 @@
 (tests/lanes/test_engine_sglang*.py) start it: sglang_support/engine_case.py with the test's prompts,
 in an environment of the emulated device (1 GiB of device memory, the shim on or off, the import
 placeholders first on ``PYTHONPATH``; ``engine_support.tiny.child_env``); a hang fails the test."""
+import glob
 import json
 import os
+import re
 import sys
 
 from engine_support import tiny
@@ -30,3 +32,28 @@ def run(model_dir, tmp_path, shim_on, spec, *, timeout_s=300, what="sglang.Engin
     prompts.write_text(json.dumps(spec))
     return tiny.run_child([sys.executable, CASE, model_dir, str(prompts), str(tiny.MAX_NEW)],
                           child_env(shim_on, **env), str(tmp_path), timeout_s, what)
+
+
+def run_recorded(model_dir, tmp_path, shim_on, spec, *, timeout_s=300, **env):
+    """:func:`run` with ``ENGINE_CASE_OPS_DIR`` set (engine_case.record_ops: each of the engine's
+    processes writes its emulated op calls and the shim's counters). Returns (returncode, stdout +
+    stderr, ``{op: calls}`` summed over the processes, ``{patch: {"family", "calls", ...}}``)."""
+    ops_dir = tmp_path / "ops"
+    ops_dir.mkdir()
+    rc, output = run(model_dir, tmp_path, shim_on, spec, timeout_s=timeout_s, ENGINE_CASE_OPS_DIR=str(ops_dir), **env)
+    recorded = [json.loads(open(path).read()) for path in glob.glob(str(ops_dir / "ops-*.json"))]
+    ops = {}
+    for record in recorded:
+        for name, calls in record["ops"].items():
+            ops[name] = ops.get(name, 0) + calls
+    shim = {name: row for record in recorded for name, row in record["shim"].items()}
+    return rc, output, ops, shim
+
+
+def kv_sizes(output, kind=""):
+    """The K and V sizes (GB) of the last ``<kind>KV Cache is allocated`` line of sglang's log
+    (``kind``: "" for the plain pool, "Full " / "SWA " for the hybrid pool's)."""
+    found = re.findall(r"%sKV Cache is allocated\. dtype: \S+, #tokens: \d+, K size: ([\d.]+) GB, V size: ([\d.]+) GB"
+                       % kind, output)
+    assert found, output[-3000:]
+    return tuple(float(x) for x in found[-1])
