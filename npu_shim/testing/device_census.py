@@ -1,4 +1,4 @@
-"""The census towers on the emulated device: device->host reads counted at dispatch
+"""The README's towers and the census towers on the emulated device: device->host reads counted at dispatch
 (:func:`npu_shim.emulation.device.count_transfers`) against today's counter
 (:func:`npu_shim.testing.count_host_syncs` on CPU stand-ins), shim on and off.
 
@@ -76,6 +76,43 @@ def cross_check(stack, name, device_class="A2", forwards=2):
     return rows
 
 
+def cross_check_tower(stack, name, device_class="A2", forwards=2):
+    """:func:`cross_check` for a tower of :data:`npu_shim.testing.towers.TOWERS` (Qwen2.5-VL, Qwen3-VL,
+    GLM-4.1V: the README's towers, called ``tower(x, grid_thw=grid)`` with the grid as a host list,
+    as their models hand it). Kimi-VL's MoonViT (its own call convention) is not among them."""
+    import torch
+
+    from npu_shim.emulation import device
+    from npu_shim.testing import count_host_syncs, towers
+
+    attention, untouched = stack.attention[device_class], stack.upstream[device_class]
+    dtype = towers.hardware_dtype(device_class)
+    rows = []
+    for side, attention_class in (("shim", attention), ("upstream", untouched)):
+        tower = towers.build_tower(stack, name, attention_class, dtype=dtype)
+        for forward in range(forwards):
+            grid = towers.grids(forward)
+            x = towers.pixel_values(tower, grid, seed=forward)
+            context = towers.upstream_code(stack, name) if side == "upstream" else _null()
+            with context:
+                with torch.inference_mode(), towers.registered(attention_class):
+                    with count_host_syncs(device_tensors=[x], device_modules=[tower]) as today:
+                        out = tower(x, grid_thw=grid)
+                tower.to("npu")     # outside inference mode, as a model is moved before it serves
+                try:
+                    with torch.inference_mode(), towers.registered(attention_class):
+                        with device.count_transfers() as dispatch:
+                            npu_out = tower(x.to("npu"), grid_thw=grid)
+                    npu_out = npu_out.cpu()
+                finally:
+                    tower.to("cpu")
+            rows.append({"tower": name, "device_class": device_class, "forward": forward, "side": side,
+                         "today": today.count, "dispatch": dispatch.count, "dispatch_kinds": dispatch.by_kind(),
+                         "today_kinds": sorted(str(e) for e in today.events),
+                         "equal": bool(torch.equal(out, npu_out))})
+    return rows
+
+
 class _null:
     def __enter__(self):
         return self
@@ -85,7 +122,7 @@ class _null:
 
 
 def main(argv=None):
-    from npu_shim.testing import census
+    from npu_shim.testing import census, towers
 
     import argparse
 
@@ -96,14 +133,17 @@ def main(argv=None):
     if args.forwards < 1:
         parser.error("--forwards %d: give 1 or more" % args.forwards)
     stack = census.setup()
-    unknown = [name for name in args.towers if name not in census.CENSUS]
+    known = list(towers.TOWERS) + list(census.CENSUS)
+    unknown = [name for name in args.towers if name not in known]
     if unknown:
-        parser.error("not census towers: %s (known: %s)" % (", ".join(unknown), ", ".join(census.CENSUS)))
-    names = args.towers or [n for n in census.CENSUS if n in census._MODULES]
+        parser.error("not towers of the census or the README: %s (known: %s)" % (", ".join(unknown), ", ".join(known)))
+    names = args.towers or [n for n in towers.TOWERS if n in stack.modules] + [n for n in census.CENSUS
+                                                                             if n in census._MODULES]
     for name in names:
+        check = cross_check_tower if name in towers.TOWERS else cross_check
         for device_class in sorted(stack.attention):
             try:
-                for row in cross_check(stack, name, device_class, forwards=args.forwards):
+                for row in check(stack, name, device_class, forwards=args.forwards):
                     print(json.dumps(row), flush=True)
             except Exception as error:  # a tower the device cannot run: say which, why and where
                 frame = traceback.extract_tb(error.__traceback__)[-1]

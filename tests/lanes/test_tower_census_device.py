@@ -1,9 +1,10 @@
-"""The read counter at dispatch agrees with today's counter on every census tower (issue 38, item 1).
+"""The read counter at dispatch agrees with today's counter on every tower test's tower (issue 38, item 1).
 
 Today's counter (:func:`npu_shim.testing.count_host_syncs`) watches CPU stand-ins for device
 tensors; the emulated device (``NPU_SHIM_EMULATE_DEVICE=1``) counts each device->host transfer at
 dispatch (:func:`npu_shim.emulation.device.count_transfers`). In a child process with the device,
-:mod:`npu_shim.testing.device_census` runs every census tower this vLLM has, on both device classes,
+:mod:`npu_shim.testing.device_census` runs every tower this vLLM has of the README's (Qwen2.5-VL,
+Qwen3-VL, GLM-4.1V; not Kimi-VL's MoonViT) and of the census, on both device classes,
 shim and upstream (vllm-ascend's untouched attention, vLLM's own tower code), once as today and once
 moved to ``npu``: the two counts must be equal, and the device's output equal to the CPU run's, bit
 for bit. A tower the device cannot run (an op or an assertion of upstream's that CPU stand-ins never
@@ -38,9 +39,10 @@ def rows():
 
 
 def installed_towers():
-    from npu_shim.testing import census
+    from npu_shim.testing import census, towers
 
-    return sorted(name for name, spec in census.CENSUS.items() if census._has_module(spec.module))
+    readme = [name for name, (module, _, _) in towers.TOWERS.items() if census._has_module(module)]
+    return sorted(readme + [name for name, spec in census.CENSUS.items() if census._has_module(spec.module)])
 
 
 def test_every_census_tower_runs_on_the_device(rows):
