@@ -15,6 +15,7 @@ equal)``. Needs the emulated device (``NPU_SHIM_EMULATE=1 NPU_SHIM_EMULATE_DEVIC
 prints one JSON row per line (N forwards a tower and device class, default 2); a tower the device
 cannot run prints one row with ``error``. tests/lanes/test_tower_census_device.py runs it in a lane.
 """
+import functools
 import json
 import sys
 import traceback
@@ -113,6 +114,51 @@ def cross_check_tower(stack, name, device_class="A2", forwards=2):
     return rows
 
 
+def cross_check_moonvit(stack, device_class="A2", forwards=2):
+    """:func:`cross_check` for Kimi-VL's MoonViT: its pixels and ``image_grid_hws`` as vLLM hands
+    them (``towers.kimi_vl_batch``: the field config, upstream's on the upstream side, batched and
+    placed on the stand-in device or on ``npu``; ``keep_on_cpu`` fields stay on the host)."""
+    import torch
+
+    from npu_shim.emulation import device
+    from npu_shim.testing import count_host_syncs, towers
+    from npu_shim.testing.syncs import DEVICE
+
+    rows = []
+    for side, attention_class in (("shim", stack.attention[device_class]), ("upstream", stack.upstream[device_class])):
+        tower = towers.build_moonvit(stack, attention_class, dtype=towers.hardware_dtype(device_class))
+        upstream_fields = side == "upstream"
+        for forward in range(forwards):
+            grid = towers.moonvit_grid(forward)
+            x = towers.moonvit_pixel_values(tower, grid, seed=forward)
+            with torch.inference_mode(), towers.registered(attention_class):
+                with count_host_syncs(device_modules=[tower]) as today:
+                    pixels, grid_hws = towers.kimi_vl_batch(stack, x, grid, device=DEVICE,
+                                                            upstream_fields=upstream_fields)
+                    out = torch.cat(tower(pixels, grid_hws))
+            # the rotary table is computed on its device at first use and kept (a cached_property)
+            rope = tower.encoder.rope_2d
+            tower.to("npu")
+            rope_device, rope.device = rope.device, "npu"
+            rope.__dict__.pop("precomputed_freqs_cis", None)
+            try:
+                with torch.inference_mode(), towers.registered(attention_class):
+                    with device.count_transfers() as dispatch:
+                        pixels, grid_hws = towers.kimi_vl_batch(stack, x, grid, device="npu",
+                                                                upstream_fields=upstream_fields)
+                        npu_out = torch.cat(tower(pixels, grid_hws))
+                npu_out = npu_out.cpu()
+            finally:
+                tower.to("cpu")
+                rope.device = rope_device
+                rope.__dict__.pop("precomputed_freqs_cis", None)
+            rows.append({"tower": "Kimi-VL", "device_class": device_class, "forward": forward, "side": side,
+                         "today": today.count, "dispatch": dispatch.count, "dispatch_kinds": dispatch.by_kind(),
+                         "today_kinds": sorted(str(e) for e in today.events),
+                         "equal": bool(torch.equal(out, npu_out))})
+    return rows
+
+
 class _null:
     def __enter__(self):
         return self
@@ -133,17 +179,22 @@ def main(argv=None):
     if args.forwards < 1:
         parser.error("--forwards %d: give 1 or more" % args.forwards)
     stack = census.setup()
-    known = list(towers.TOWERS) + list(census.CENSUS)
+    known = list(towers.TOWERS) + ["Kimi-VL"] + list(census.CENSUS)
     unknown = [name for name in args.towers if name not in known]
     if unknown:
         parser.error("not towers of the census or the README: %s (known: %s)" % (", ".join(unknown), ", ".join(known)))
-    names = args.towers or [n for n in towers.TOWERS if n in stack.modules] + [n for n in census.CENSUS
-                                                                             if n in census._MODULES]
+    names = args.towers or ([n for n in towers.TOWERS if n in stack.modules] + ["Kimi-VL"] * ("Kimi-VL" in stack.modules)
+                            + [n for n in census.CENSUS if n in census._MODULES])
     for name in names:
-        check = cross_check_tower if name in towers.TOWERS else cross_check
+        if name in towers.TOWERS:
+            check = functools.partial(cross_check_tower, stack, name)
+        elif name == "Kimi-VL":
+            check = functools.partial(cross_check_moonvit, stack)
+        else:
+            check = functools.partial(cross_check, stack, name)
         for device_class in sorted(stack.attention):
             try:
-                for row in check(stack, name, device_class, forwards=args.forwards):
+                for row in check(device_class, forwards=args.forwards):
                     print(json.dumps(row), flush=True)
             except Exception as error:  # a tower the device cannot run: say which, why and where
                 frame = traceback.extract_tb(error.__traceback__)[-1]

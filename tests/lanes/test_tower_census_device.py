@@ -4,7 +4,7 @@ Today's counter (:func:`npu_shim.testing.count_host_syncs`) watches CPU stand-in
 tensors; the emulated device (``NPU_SHIM_EMULATE_DEVICE=1``) counts each device->host transfer at
 dispatch (:func:`npu_shim.emulation.device.count_transfers`). In a child process with the device,
 :mod:`npu_shim.testing.device_census` runs every tower this vLLM has of the README's (Qwen2.5-VL,
-Qwen3-VL, GLM-4.1V; not Kimi-VL's MoonViT) and of the census, on both device classes,
+Qwen3-VL, GLM-4.1V, Kimi-VL's MoonViT) and of the census, on both device classes,
 shim and upstream (vllm-ascend's untouched attention, vLLM's own tower code), once as today and once
 moved to ``npu``: the two counts must be equal, and the device's output equal to the CPU run's, bit
 for bit. A tower the device cannot run (an op or an assertion of upstream's that CPU stand-ins never
@@ -42,6 +42,7 @@ def installed_towers():
     from npu_shim.testing import census, towers
 
     readme = [name for name, (module, _, _) in towers.TOWERS.items() if census._has_module(module)]
+    readme += ["Kimi-VL"] * census._has_module(towers.MOONVIT[0])
     return sorted(readme + [name for name, spec in census.CENSUS.items() if census._has_module(spec.module)])
 
 
