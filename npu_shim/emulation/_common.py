@@ -247,9 +247,12 @@ class PagedRows:
         ids = self.block_ids[b0:b1]
         if ids.device != self.cache.device:
             ids = ids.to(self.cache.device)
-        blocks = self.cache.index_select(0, ids.long())
-        flat = blocks.reshape(-1, self.shape[1], self.shape[2])
+        flat = self._rows_of(self.cache.index_select(0, ids.long()))
         return flat[start - b0 * bs: stop - b0 * bs]
+
+    def _rows_of(self, blocks):
+        """Gathered blocks as (blocks * block_size, Nkv, D)."""
+        return blocks.reshape(-1, self.shape[1], self.shape[2])
 
 
 def paged_cache_view(op, cache, what, block_size, num_kv_heads, allow_bnsd):

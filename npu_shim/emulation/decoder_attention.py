@@ -153,28 +153,35 @@ def _npu_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads,
     block_size = key_cache.shape[1]
     if block_size % PA_BLOCK_ALIGN:
         raise ValueError("%s: block_size %d must be a multiple of %d" % (PA, block_size, PA_BLOCK_ALIGN))
-    if not 0 < d <= PA_MAX_HEAD_SIZE:
-        raise ValueError("%s: head size %d outside (0, %d]" % (PA, d, PA_MAX_HEAD_SIZE))
-    if d * block_size > PA_MAX_EMBED_X_BLOCK:
-        raise ValueError("%s: head size * block_size = %d exceeds 128 * 128"
-                         % (PA, d * block_size))
+    _check_head_size(d, block_size)
     lengths = _host_lengths(PA, "context_lens", context_lens)
-    b = query.shape[0]
-    if len(lengths) != b:
-        raise ValueError("%s: %d context lengths for %d query tokens (one per sequence)"
-                         % (PA, len(lengths), b))
-    if block_table.dtype != torch.int32:
-        raise ValueError("%s: block_table must be int32, got %s" % (PA, block_table.dtype))
-    C.check_block_table(PA, block_table, b, lengths, block_size, num_blocks=key_cache.shape[0],
-                        lengths_name="context_lens")
-    if out is None or tuple(out.shape) != (b, n, dv) or out.dtype != query.dtype:
-        raise ValueError("%s: out must be a %s tensor of shape %s, got %s"
-                         % (PA, query.dtype, (b, n, dv),
-                            None if out is None else (out.dtype, tuple(out.shape))))
+    b = _check_sequences(query, n, dv, block_size, lengths, block_table, key_cache.shape[0], out)
     for i in range(b):
         ks = C.PagedRows(key_cache, block_table[i], block_size, lengths[i])
         vs = C.PagedRows(value_cache, block_table[i], block_size, lengths[i])
         attend_segment(query[i:i + 1], ks, vs, out[i:i + 1], scale=float(scale_value))
+
+
+def _check_head_size(d, block_size):
+    if not 0 < d <= PA_MAX_HEAD_SIZE:
+        raise ValueError("%s: head size %d outside (0, %d]" % (PA, d, PA_MAX_HEAD_SIZE))
+    if d * block_size > PA_MAX_EMBED_X_BLOCK:
+        raise ValueError("%s: head size * block_size = %d exceeds 128 * 128" % (PA, d * block_size))
+
+
+def _check_sequences(query, n, dv, block_size, lengths, block_table, num_blocks, out):
+    """One context length per query token (sequence), the block table covering them, ``out`` (b, n, dv)
+    in the query's dtype; returns b."""
+    b = query.shape[0]
+    if len(lengths) != b:
+        raise ValueError("%s: %d context lengths for %d query tokens (one per sequence)" % (PA, len(lengths), b))
+    if block_table.dtype != torch.int32:
+        raise ValueError("%s: block_table must be int32, got %s" % (PA, block_table.dtype))
+    C.check_block_table(PA, block_table, b, lengths, block_size, num_blocks=num_blocks, lengths_name="context_lens")
+    if out is None or tuple(out.shape) != (b, n, dv) or out.dtype != query.dtype:
+        raise ValueError("%s: out must be a %s tensor of shape %s, got %s"
+                         % (PA, query.dtype, (b, n, dv), None if out is None else (out.dtype, tuple(out.shape))))
+    return b
 
 
 def _paged_attention_nz(query, key_cache, value_cache, n, nkv, scale_value, block_table, context_lens, out):
@@ -195,28 +202,16 @@ def _paged_attention_nz(query, key_cache, value_cache, n, nkv, scale_value, bloc
     if nz_cache_hidden(PA, value_cache, "value_cache", nkv * d) != block_size or \
             key_cache.shape[0] != value_cache.shape[0]:
         raise ValueError("%s: key and value caches differ in (num_blocks, block_size)" % PA)
-    if not 0 < d <= PA_MAX_HEAD_SIZE:
-        raise ValueError("%s: head size %d outside (0, %d]" % (PA, d, PA_MAX_HEAD_SIZE))
-    if d * block_size > PA_MAX_EMBED_X_BLOCK:
-        raise ValueError("%s: head size * block_size = %d exceeds 128 * 128" % (PA, d * block_size))
+    _check_head_size(d, block_size)
     lengths = C.host_ints(context_lens, PA, "context_lens")
-    b = query.shape[0]
-    if len(lengths) != b:
-        raise ValueError("%s: %d context lengths for %d query tokens (one per sequence)" % (PA, len(lengths), b))
-    if block_table.dtype != torch.int32:
-        raise ValueError("%s: block_table must be int32, got %s" % (PA, block_table.dtype))
-    C.check_block_table(PA, block_table, b, lengths, block_size, num_blocks=key_cache.shape[0],
-                        lengths_name="context_lens")
-    if out is None or tuple(out.shape) != (b, n, d) or out.dtype != query.dtype:
-        raise ValueError("%s: out must be a %s tensor of shape %s, got %s"
-                         % (PA, query.dtype, (b, n, d), None if out is None else (out.dtype, tuple(out.shape))))
+    b = _check_sequences(query, n, d, block_size, lengths, block_table, key_cache.shape[0], out)
     for i in range(b):
         ks = NzPagedRows(key_cache, block_table[i], block_size, lengths[i], nkv, d)
         vs = NzPagedRows(value_cache, block_table[i], block_size, lengths[i], nkv, d)
         attend_segment(query[i:i + 1], ks, vs, out[i:i + 1], scale=float(scale_value))
 
 
-class NzPagedRows:
+class NzPagedRows(C.PagedRows):
     """Rows 0..length of one sequence in a 310P FRACTAL_NZ paged cache (num_blocks, Nkv * D / 16,
     block_size, 16), as (length, Nkv, D), gathered per slice (the blocks the slice touches)."""
 
@@ -224,19 +219,8 @@ class NzPagedRows:
         self.cache, self.block_ids, self.block_size = cache, block_ids, block_size
         self.shape = (length, nkv, d)
 
-    def __getitem__(self, rows):
-        if not isinstance(rows, slice) or rows.step not in (None, 1):
-            raise TypeError("NzPagedRows supports contiguous slices only")
-        start, stop, _ = rows.indices(self.shape[0])
-        stop = max(start, stop)
-        bs = self.block_size
-        b0, b1 = start // bs, -(-stop // bs)
-        ids = self.block_ids[b0:b1]
-        if ids.device != self.cache.device:
-            ids = ids.to(self.cache.device)
-        blocks = self.cache.index_select(0, ids.long())            # (nb, Nkv*D/16, bs, 16)
-        flat = blocks.permute(0, 2, 1, 3).reshape(-1, self.shape[1], self.shape[2])   # (nb*bs, Nkv, D)
-        return flat[start - b0 * bs: stop - b0 * bs]
+    def _rows_of(self, blocks):                                    # (nb, Nkv*D/16, bs, 16)
+        return blocks.permute(0, 2, 1, 3).reshape(-1, self.shape[1], self.shape[2])   # (nb*bs, Nkv, D)
 
 
 # ------------------------------------------------------------------------- FIA v2

@@ -54,8 +54,6 @@ def _on_npu(name, tower, attention_class, x, grid):
 
 def cross_check(stack, name, device_class="A2", forwards=2):
     """Rows (dicts) of the four runs of each forward of tower ``name`` (see the module docstring)."""
-    import torch
-
     from npu_shim.testing import census, towers
 
     attention, untouched = stack.attention[device_class], stack.upstream[device_class]
@@ -70,10 +68,7 @@ def cross_check(stack, name, device_class="A2", forwards=2):
             with context:
                 out, today = census.call(name, tower, attention_class, x, grid)
                 npu_out, dispatch = _on_npu(name, tower, attention_class, x, grid)
-            rows.append({"tower": name, "device_class": device_class, "forward": forward, "side": side,
-                         "today": today.count, "dispatch": dispatch.count, "dispatch_kinds": dispatch.by_kind(),
-                         "today_kinds": sorted(str(e) for e in today.events),
-                         "equal": bool(torch.equal(out, npu_out))})
+            rows.append(_row(name, device_class, forward, side, today, dispatch, out, npu_out))
     return rows
 
 
@@ -107,10 +102,7 @@ def cross_check_tower(stack, name, device_class="A2", forwards=2):
                     npu_out = npu_out.cpu()
                 finally:
                     tower.to("cpu")
-            rows.append({"tower": name, "device_class": device_class, "forward": forward, "side": side,
-                         "today": today.count, "dispatch": dispatch.count, "dispatch_kinds": dispatch.by_kind(),
-                         "today_kinds": sorted(str(e) for e in today.events),
-                         "equal": bool(torch.equal(out, npu_out))})
+            rows.append(_row(name, device_class, forward, side, today, dispatch, out, npu_out))
     return rows
 
 
@@ -152,11 +144,16 @@ def cross_check_moonvit(stack, device_class="A2", forwards=2):
                 tower.to("cpu")
                 rope.device = rope_device
                 rope.__dict__.pop("precomputed_freqs_cis", None)
-            rows.append({"tower": "Kimi-VL", "device_class": device_class, "forward": forward, "side": side,
-                         "today": today.count, "dispatch": dispatch.count, "dispatch_kinds": dispatch.by_kind(),
-                         "today_kinds": sorted(str(e) for e in today.events),
-                         "equal": bool(torch.equal(out, npu_out))})
+            rows.append(_row("Kimi-VL", device_class, forward, side, today, dispatch, out, npu_out))
     return rows
+
+
+def _row(tower, device_class, forward, side, today, dispatch, out, npu_out):
+    import torch
+
+    return {"tower": tower, "device_class": device_class, "forward": forward, "side": side,
+            "today": today.count, "dispatch": dispatch.count, "dispatch_kinds": dispatch.by_kind(),
+            "today_kinds": sorted(str(e) for e in today.events), "equal": bool(torch.equal(out, npu_out))}
 
 
 class _null:
