@@ -274,6 +274,11 @@ MUTANTS = (
            ("npu_shim/testing/census.py",
             'return [] if _grid_kept_on_cpu("Ernie4.5-VL", "Ernie4_5VLMultiModalProcessor") else [arg]',
             "return [arg]")),
+    mutant("device-scalar-reads", "the emulated device's counter misses the reads of scalar ops (item, "
+                                  "_local_scalar_dense): sglang's towers read fewer at dispatch than today's counter sees",
+           "latest-sglang", "FAILED tests/lanes/test_sglang_towers_device.py::test_dispatch_count_equals_todays",
+           ("npu_shim/emulation/device.py", '    if func in _SCALAR_OPS:\n        return "scalar"\n    if func in _SHAPE_OPS:',
+            "    if func in _SHAPE_OPS:")),
     mutant("readme-engine-row", "a README row says an engine shows it while docs/validation.md names no engine test for it",
            "base", "FAILED tests/test_engine_rows.py::test_readme_says_no_exactly_where_no_engine_test_is_named",
            ("README.md", "0.30 → 0.32 | 0 device→host reads per tower forward | no (its tower) |",
