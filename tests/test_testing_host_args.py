@@ -176,6 +176,7 @@ def test_every_way_of_reading_a_device_tensor_counts_one_read():
 def test_the_table_names_the_documented_host_arguments():
     assert {op: sorted(args) for op, args in HOST_ARGS.items()} == {
         "_npu_flash_attention_unpad": ["seq_len"],
+        "_npu_flash_attention": ["seq_len"],
         "npu_fusion_attention": ["actual_seq_kvlen", "actual_seq_qlen"],
         "npu_fused_infer_attention_score": ["actual_seq_lengths", "actual_seq_lengths_kv"],
         "npu_prompt_flash_attention": ["actual_seq_lengths", "actual_seq_lengths_kv"],
