@@ -15,6 +15,7 @@ equal)``. Needs the emulated device (``NPU_SHIM_EMULATE=1 NPU_SHIM_EMULATE_DEVIC
 prints one JSON row per line (N forwards a tower and device class, default 2); a tower the device
 cannot run prints one row with ``error``. tests/lanes/test_tower_census_device.py runs it in a lane.
 """
+import contextlib
 import functools
 import json
 import sys
@@ -26,8 +27,7 @@ __all__ = ["cross_check", "main"]
 def _on_npu(name, tower, attention_class, x, grid):
     import torch
 
-    from npu_shim.emulation import device
-    from npu_shim.testing import census, towers
+    from npu_shim.testing import census
 
     spec = census.CENSUS[name]
     arg = spec.grid_arg(grid)
@@ -42,11 +42,23 @@ def _on_npu(name, tower, attention_class, x, grid):
             return [move(b) for b in a]
         return a
 
+    return on_npu(tower, attention_class, lambda: spec.call(tower, x.to("npu"), move(arg)))
+
+
+def on_npu(tower, attention_class, run):
+    """``run()`` with ``tower`` moved to ``npu`` (outside inference mode, as a model is moved before it
+    serves) and back, ``attention_class`` registered, transfers counted at dispatch: (the output on the
+    host, the counter)."""
+    import torch
+
+    from npu_shim.emulation import device
+    from npu_shim.testing import towers
+
     tower.to("npu")
     try:
         with torch.inference_mode(), towers.registered(attention_class):
             with device.count_transfers() as counter:
-                out = spec.call(tower, x.to("npu"), move(arg))
+                out = run()
         return out.cpu(), counter
     finally:
         tower.to("cpu")
@@ -64,7 +76,7 @@ def cross_check(stack, name, device_class="A2", forwards=2):
         for forward in range(forwards):
             grid = census.grids(forward, name)
             x = census.pixel_values(name, tower, grid, seed=forward)
-            context = towers.upstream_methods(census._MODULES[name]) if side == "upstream" else _null()
+            context = towers.upstream_methods(census._MODULES[name]) if side == "upstream" else contextlib.nullcontext()
             with context:
                 out, today = census.call(name, tower, attention_class, x, grid)
                 npu_out, dispatch = _on_npu(name, tower, attention_class, x, grid)
@@ -78,7 +90,6 @@ def cross_check_tower(stack, name, device_class="A2", forwards=2):
     as their models hand it). Kimi-VL's MoonViT (its own call convention) is not among them."""
     import torch
 
-    from npu_shim.emulation import device
     from npu_shim.testing import count_host_syncs, towers
 
     attention, untouched = stack.attention[device_class], stack.upstream[device_class]
@@ -89,19 +100,12 @@ def cross_check_tower(stack, name, device_class="A2", forwards=2):
         for forward in range(forwards):
             grid = towers.grids(forward)
             x = towers.pixel_values(tower, grid, seed=forward)
-            context = towers.upstream_code(stack, name) if side == "upstream" else _null()
+            context = towers.upstream_code(stack, name) if side == "upstream" else contextlib.nullcontext()
             with context:
                 with torch.inference_mode(), towers.registered(attention_class):
                     with count_host_syncs(device_tensors=[x], device_modules=[tower]) as today:
                         out = tower(x, grid_thw=grid)
-                tower.to("npu")     # outside inference mode, as a model is moved before it serves
-                try:
-                    with torch.inference_mode(), towers.registered(attention_class):
-                        with device.count_transfers() as dispatch:
-                            npu_out = tower(x.to("npu"), grid_thw=grid)
-                    npu_out = npu_out.cpu()
-                finally:
-                    tower.to("cpu")
+                npu_out, dispatch = on_npu(tower, attention_class, lambda: tower(x.to("npu"), grid_thw=grid))
             rows.append(_row(name, device_class, forward, side, today, dispatch, out, npu_out))
     return rows
 
@@ -112,7 +116,6 @@ def cross_check_moonvit(stack, device_class="A2", forwards=2):
     placed on the stand-in device or on ``npu``; ``keep_on_cpu`` fields stay on the host)."""
     import torch
 
-    from npu_shim.emulation import device
     from npu_shim.testing import count_host_syncs, towers
     from npu_shim.testing.syncs import DEVICE
 
@@ -128,20 +131,17 @@ def cross_check_moonvit(stack, device_class="A2", forwards=2):
                     pixels, grid_hws = towers.kimi_vl_batch(stack, x, grid, device=DEVICE,
                                                             upstream_fields=upstream_fields)
                     out = torch.cat(tower(pixels, grid_hws))
+            def run():
+                pixels, grid_hws = towers.kimi_vl_batch(stack, x, grid, device="npu", upstream_fields=upstream_fields)
+                return torch.cat(tower(pixels, grid_hws))
+
             # the rotary table is computed on its device at first use and kept (a cached_property)
             rope = tower.encoder.rope_2d
-            tower.to("npu")
             rope_device, rope.device = rope.device, "npu"
             rope.__dict__.pop("precomputed_freqs_cis", None)
             try:
-                with torch.inference_mode(), towers.registered(attention_class):
-                    with device.count_transfers() as dispatch:
-                        pixels, grid_hws = towers.kimi_vl_batch(stack, x, grid, device="npu",
-                                                                upstream_fields=upstream_fields)
-                        npu_out = torch.cat(tower(pixels, grid_hws))
-                npu_out = npu_out.cpu()
+                npu_out, dispatch = on_npu(tower, attention_class, run)
             finally:
-                tower.to("cpu")
                 rope.device = rope_device
                 rope.__dict__.pop("precomputed_freqs_cis", None)
             rows.append(_row("Kimi-VL", device_class, forward, side, today, dispatch, out, npu_out))
@@ -154,14 +154,6 @@ def _row(tower, device_class, forward, side, today, dispatch, out, npu_out):
     return {"tower": tower, "device_class": device_class, "forward": forward, "side": side,
             "today": today.count, "dispatch": dispatch.count, "dispatch_kinds": dispatch.by_kind(),
             "today_kinds": sorted(str(e) for e in today.events), "equal": bool(torch.equal(out, npu_out))}
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv=None):
